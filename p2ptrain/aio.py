@@ -1,0 +1,42 @@
+"""The peer's own event loop: uvloop in a background thread, for P2P handlers and calls made from sync code."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import uvloop
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    """A uvloop event loop running in a daemon thread; `run(coro)` blocks the caller until the coroutine is done."""
+
+    def __init__(self, name: str = "p2ptrain-loop"):
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"timed out after {timeout} s") from None
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)

@@ -1,0 +1,202 @@
+"""The `p2ptrain` command: a thin layer that parses flags and calls the library. User mistakes are one line, exit 2."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from p2ptrain.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def network_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Flags shared by every command that joins the network."""
+    options = [
+        click.option("--host-maddrs", multiple=True, help="Multiaddr(s) to listen on (default from config: all "
+                                                          "interfaces, a free TCP port)."),
+        click.option("--announce-maddrs", multiple=True, help="Public multiaddr(s) to announce."),
+        click.option("--identity", "identity_path", type=click.Path(dir_okay=False), default=None,
+                     help="libp2p key file for a stable peer id (created if missing)."),
+        click.option("--no-nat-port-map", is_flag=True, help="Do not ask the router for a port mapping (UPnP)."),
+        click.option("--no-auto-nat", is_flag=True, help="Do not probe reachability through other peers."),
+        click.option("--no-relay", is_flag=True, help="Do not use libp2p relays."),
+        click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only and probe nothing (local tests)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def network_overrides(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Dotted config overrides from the network flags (popped from kwargs)."""
+    overrides: dict[str, Any] = {}
+    if kwargs.pop("loopback"):
+        overrides.update({"network.host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "network.nat_port_map": False,
+                          "network.auto_nat": False, "network.use_relay": False})
+    for flag, key in (("host_maddrs", "network.host_maddrs"), ("announce_maddrs", "network.announce_maddrs")):
+        values = kwargs.pop(flag)
+        if values:
+            overrides[key] = list(values)
+    identity = kwargs.pop("identity_path")
+    if identity:
+        overrides["network.identity_path"] = identity
+    for flag, key in (("no_nat_port_map", "nat_port_map"), ("no_auto_nat", "auto_nat"), ("no_relay", "use_relay")):
+        if kwargs.pop(flag):
+            overrides[f"network.{key}"] = False
+    return overrides
+
+
+def split_peers(values: tuple[str, ...]) -> list[str]:
+    return [p.strip() for value in values for p in value.replace(",", " ").split() if p.strip()]
+
+
+def install_stop_handlers(stop: Callable[[], None]) -> None:
+    """First SIGINT/SIGTERM: stop cleanly (checkpoint, leave the swarm). Second: exit at once."""
+    def handler(signum: int, _frame: object) -> None:
+        if getattr(handler, "fired", False):
+            raise SystemExit(130)
+        handler.fired = True  # type: ignore[attr-defined]
+        click.echo(f"\n{signal.Signals(signum).name}: stopping (again to exit at once)", err=True)
+        stop()
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def cli(log_level: str) -> None:
+    """p2ptrain: train a language model together over the internet (DiLoCo and gossip over hivemind)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("hivemind", "transformers", "datasets", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+@cli.command()
+@network_options
+@click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
+def bootstrap(address_file: str | None, **kwargs: Any) -> None:
+    """Run a DHT-only bootstrap node and print the address peers must pass as --initial-peers."""
+    from p2ptrain.bootstrap import BootstrapNode
+    from p2ptrain.config import load_config
+
+    network = load_config(None, network_overrides(kwargs)).network
+    node = BootstrapNode(network, address_file)
+    stop = threading.Event()
+    install_stop_handlers(stop.set)
+    try:
+        click.echo("Bootstrap node running. Peers join with:")
+        for maddr in node.maddrs:
+            click.echo(f"  p2ptrain peer --initial-peers {maddr}")
+        sys.stdout.flush()
+        node.serve_until(stop)
+    finally:
+        node.shutdown()
+
+
+@cli.command()
+@click.option("--initial-peers", multiple=True, help="Multiaddr(s) of live peers or a bootstrap node; none starts "
+                                                     "a new swarm.")
+@click.option("--run-id", help="Run id: peers with the same id train together.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML or TOML file with the knobs.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), help="Where to train (default auto).")
+@click.option("--model", help="Model preset (tiny, small, base), local path or hub id.")
+@click.option("--rounds", type=click.IntRange(min=0), help="Outer rounds to run (0: until stopped).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), help="Append per-round JSON lines here.")
+@click.option("--shard-index", type=click.IntRange(min=0), help="Training-data shard (default: from the peer id).")
+@click.option("--torch-threads", type=click.IntRange(min=0), help="CPU threads for this peer (0: torch default).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+@network_options
+def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
+         **kwargs: Any) -> None:
+    """Run a training peer."""
+    from p2ptrain.config import load_config
+    from p2ptrain.peer import TrainingPeer
+
+    overrides = network_overrides(kwargs)
+    for flag, key in (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
+                      ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
+                      ("metrics_path", "run.metrics_path"), ("shard_index", "run.shard_index"),
+                      ("torch_threads", "run.torch_threads")):
+        if kwargs.get(flag) is not None:
+            overrides[key] = kwargs[flag]
+    if no_progress:
+        overrides["run.progress"] = False
+    config = load_config(config_path, overrides)
+    logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
+    training_peer = TrainingPeer(config, split_peers(initial_peers), resume=resume)
+    install_stop_handlers(training_peer.stop)
+    try:
+        click.echo(f"Peer {training_peer.peer_id} in run {config.run.run_id!r}. Others can join with:")
+        for maddr in training_peer.maddrs:
+            click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
+        sys.stdout.flush()
+        history = training_peer.run()
+        if history:
+            click.echo(f"done: {len(history)} rounds, round {history[-1].round}, val loss "
+                       f"{history[0].val_loss:.3f} -> {history[-1].val_loss:.3f}")
+    finally:
+        training_peer.shutdown()
+
+
+@cli.command()
+@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any live peer or bootstrap.")
+@click.option("--run-id", default=None, help="Run id to list (default from config).")
+@network_options
+def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) -> None:
+    """Print a table of the run's live peers."""
+    from p2ptrain.config import load_config
+    from p2ptrain.status import print_status
+
+    overrides = network_overrides(kwargs)
+    overrides["network.client_mode"] = True
+    if run_id:
+        overrides["run.run_id"] = run_id
+    config = load_config(None, overrides)
+    print_status(config, split_peers(initial_peers))
+
+
+@cli.command()
+@click.option("--peers", "num_peers", default=4, show_default=True, type=click.IntRange(1, 32),
+              help="Training peers to start.")
+@click.option("--rounds", default=None, type=click.IntRange(min=1), help="Rounds each peer runs.")
+@click.option("--model", default=None, help="Model preset for every peer.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file for every peer.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go (default: a temp dir).")
+@click.option("--timeout", "timeout_s", default=900, show_default=True, type=click.IntRange(min=10),
+              help="Seconds before the testnet gives up.")
+def testnet(**kwargs: Any) -> None:
+    """Start a bootstrap and N peers on loopback, train, and print a summary; exit 1 if training did not happen."""
+    from p2ptrain.testnet import TestnetOptions, run_testnet
+
+    ok = run_testnet(TestnetOptions(**kwargs))
+    sys.exit(0 if ok else 1)
+
+
+def main() -> None:
+    """Entry point: one line and exit 2 for user mistakes (bad flags, config, files, unreachable peers)."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The peer's resolved configuration: one frozen dataclass per stage, composed here, loaded from YAML or TOML.
+
+Each stage module owns its section (defaults and validation live beside the code that uses them); this module
+composes the sections, reads config files, applies command-line overrides, and rejects unknown keys and values of
+the wrong type with a one-line `ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from p2ptrain.data import DataConfig
+from p2ptrain.errors import ConfigError
+from p2ptrain.inner import InnerConfig
+from p2ptrain.models import ModelConfig
+from p2ptrain.network import NetworkConfig
+from p2ptrain.outer import OuterConfig
+from p2ptrain.sync import SyncConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What a training run is and where its files go."""
+
+    run_id: str = "p2ptrain-demo"  # peers with the same run id train one model together
+    rounds: int = 0  # outer rounds to run; 0 = until stopped
+    seed: int = 0  # model initialisation seed: the same for every peer of a run
+    shard_index: int = -1  # training-data shard; -1 = derived from the peer id
+    device: str = "auto"  # auto | cpu | cuda | mps
+    torch_threads: int = 0  # intra-op threads for this peer; 0 = torch's default
+    checkpoint_dir: str = ""  # empty = no checkpoints
+    checkpoint_every: int = 10  # rounds between checkpoints (also written on Ctrl-C)
+    metrics_path: str = ""  # JSON lines, one per round; empty = none
+    progress: bool = True  # show a progress bar
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in " ./:"):
+            raise ConfigError(f"run.run_id {self.run_id!r} must be non-empty without spaces, '.', '/' or ':'")
+        if self.rounds < 0:
+            raise ConfigError(f"run.rounds must be >= 0 (0 = run until stopped), got {self.rounds}")
+        if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"run.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"run.checkpoint_every must be >= 1 round, got {self.checkpoint_every}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"run.torch_threads must be >= 0, got {self.torch_threads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerConfig:
+    """Everything one training peer needs; stored in checkpoints and logged at start."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    network: NetworkConfig = dataclasses.field(default_factory=NetworkConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict; any problem is a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        if path.suffix == ".toml":
+            loaded: Any = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml", ".json"):
+            loaded = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {first_line}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def build_config(values: dict[str, Any] | None = None) -> PeerConfig:
+    """Build a PeerConfig from nested dicts (file contents merged with overrides), validating every key."""
+    return _from_dict(PeerConfig, values or {}, "")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PeerConfig:
+    """Read `path` (optional), merge dotted `overrides` such as {"run.run_id": "x"} on top, and validate."""
+    values = read_config_file(path) if path else {}
+    for dotted_key, value in (overrides or {}).items():
+        _set_dotted(values, dotted_key, value)
+    return build_config(values)
+
+
+def replace_section(config: PeerConfig, section: str, **changes: Any) -> PeerConfig:
+    """A copy of `config` with fields of one section changed (re-validated)."""
+    new_section = dataclasses.replace(getattr(config, section), **changes)
+    return dataclasses.replace(config, **{section: new_section})
+
+
+def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *sections, key = dotted_key.split(".")
+    node = values
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key {dotted_key!r}: {section!r} is not a section")
+    node[key] = value
+
+
+def _from_dict(cls: type[T], values: Any, where: str) -> T:
+    section_name = where or "the config"
+    if not isinstance(values, dict):
+        raise ConfigError(f"{section_name} must be a mapping, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {_join(where, unknown[0])!r} in {section_name} (known: {', '.join(fields)})")
+    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{section_name}: {e}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    """Check `value` against a field's type hint; ints are accepted for floats, lists for tuples."""
+    if dataclasses.is_dataclass(hint):
+        return _from_dict(hint, value, key)  # type: ignore[arg-type]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key {key!r} has an unexpected value {value!r} (expected {hint})")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
+        item_hint = typing.get_args(hint)[0] if typing.get_args(hint) else Any
+        return tuple(_coerce(item_hint, item, key) for item in value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise ConfigError(f"config key {key!r} must be a {hint.__name__}, got {value!r}")
+    return value
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name

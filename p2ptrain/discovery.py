@@ -1,0 +1,148 @@
+"""Who is training: signed, schema-checked peer records in the DHT, refreshed by a heartbeat, expiring when silent."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
+
+logger = logging.getLogger(__name__)
+
+
+class PeerRecord(BaseModel):
+    """What a peer announces about itself. Peers are untrusted: every record is parsed through this schema."""
+
+    peer_id: constr(min_length=1, max_length=128, strict=True)  # type: ignore[valid-type]  # libp2p id (base58)
+    round: conint(ge=0, strict=True)  # type: ignore[valid-type]  # the round its inner phase is in
+    inner_step: conint(ge=0, strict=True)  # type: ignore[valid-type]  # inner steps done in this round
+    phase: constr(regex=r"^(inner|sync|joining)$", strict=True)  # type: ignore[valid-type]
+    round_eta: StrictFloat  # DHT time at which its inner phase of this round is expected to end
+    train_loss: Optional[confloat(ge=0, strict=True)] = None  # type: ignore[valid-type]
+    val_loss: Optional[confloat(ge=0, strict=True)] = None  # type: ignore[valid-type]
+    tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
+    bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # measured link estimate
+    fingerprint: StrictStr = ""  # model fingerprint: peers of another architecture are ignored
+    synced: StrictBool = True  # its last averaging group held every peer it expected
+    updated: StrictFloat = 0.0  # DHT time of this heartbeat
+
+
+class SwarmSchema(BaseModel):
+    peers: dict[BytesWithPublicKey, Optional[PeerRecord]]  # type: ignore[valid-type]
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def add_record_validators(dht: hivemind.DHT, run_id: str) -> RSASignatureValidator:
+    """Install the schema and signature validators for this run; returns ours (its public key is our subkey)."""
+    signature_validator = RSASignatureValidator()
+    dht.add_validators([SchemaValidator(SwarmSchema, prefix=run_id), signature_validator])
+    return signature_validator
+
+
+def parse_records(raw: object, ttl_s: float, now: float) -> list[PeerRecord]:
+    """Records from a DHT `get` result, silently dropping malformed and stale ones (a bad record is not fatal)."""
+    value = getattr(raw, "value", None)
+    if not isinstance(value, dict):
+        return []
+    records = []
+    for entry in value.values():
+        try:
+            record = PeerRecord.parse_obj(entry.value)
+        except Exception:  # pydantic raises ValidationError, bad types raise TypeError
+            logger.debug("ignoring a malformed peer record", exc_info=True)
+            continue
+        if now - record.updated <= ttl_s:
+            records.append(record)
+    by_peer: dict[str, PeerRecord] = {}
+    for record in records:  # one record per peer id: the freshest
+        if record.peer_id not in by_peer or by_peer[record.peer_id].updated < record.updated:
+            by_peer[record.peer_id] = record
+    return sorted(by_peer.values(), key=lambda r: r.peer_id)
+
+
+def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float) -> list[PeerRecord]:
+    """The run's live peers, as of now."""
+    raw = dht.get(peers_key(run_id), latest=True)
+    return parse_records(raw, ttl_s, get_dht_time())
+
+
+class Announcer:
+    """Publishes this peer's record every `heartbeat_s` from a background thread until stopped.
+
+    The training loop calls `update(...)` with new figures; the thread stores the latest record. When the peer
+    stops, the record stops being refreshed and expires after `record_ttl_s` for everyone else.
+    """
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, record: PeerRecord, heartbeat_s: float, ttl_s: float):
+        self.dht, self.run_id, self.heartbeat_s, self.ttl_s = dht, run_id, heartbeat_s, ttl_s
+        self._validator = add_record_validators(dht, run_id)
+        self._record = record
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="p2ptrain-announcer", daemon=True)
+
+    def start(self) -> None:
+        self.publish()
+        self._thread.start()
+
+    @property
+    def record(self) -> PeerRecord:
+        with self._lock:
+            return self._record
+
+    def update(self, publish: bool = False, **fields: object) -> None:
+        with self._lock:
+            self._record = self._record.copy(update=fields)
+        if publish:
+            self.publish()
+
+    def publish(self) -> bool:
+        now = get_dht_time()
+        with self._lock:
+            self._record = self._record.copy(update=dict(updated=now))
+            value = self._record.dict()
+        try:
+            return bool(self.dht.store(peers_key(self.run_id), subkey=self._validator.local_public_key, value=value,
+                                       expiration_time=now + self.ttl_s))
+        except Exception:  # the DHT process may be shutting down; the next heartbeat tries again
+            logger.debug("peer record not stored", exc_info=True)
+            return False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self.publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.heartbeat_s + 5)
+
+
+def record_fields(record: PeerRecord) -> dict[str, object]:
+    return dict(record.dict())
+
+
+@dataclasses.dataclass
+class SwarmView:
+    """A snapshot of the live peers other than us, with the questions the round loop asks of it."""
+
+    me: str
+    records: list[PeerRecord]
+
+    @property
+    def others(self) -> list[PeerRecord]:
+        return [r for r in self.records if r.peer_id != self.me]
+
+    def at_round(self, round_: int) -> list[PeerRecord]:
+        return [r for r in self.others if r.round == round_]
+
+    def ahead_of(self, round_: int) -> list[PeerRecord]:
+        return [r for r in self.others if r.round > round_ and r.phase != "joining"]

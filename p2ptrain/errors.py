@@ -1,0 +1,17 @@
+"""Errors that are the user's to fix: the CLI prints them as one line and exits with code 2."""
+
+
+class UserError(Exception):
+    """A mistake in flags, config, files or environment, explained in one line that says how to fix it."""
+
+
+class ConfigError(UserError):
+    """A config file or flag holds an unknown key or a value out of range."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is corrupt, truncated, or does not fit the configured model."""
+
+
+class StateMismatchError(Exception):
+    """Tensors received from a peer do not fit ours (names, shapes, dtypes, non-finite values)."""

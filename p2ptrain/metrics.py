@@ -1,0 +1,80 @@
+"""Per-round metrics: one JSON line per round in a file, and a live progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+@dataclasses.dataclass
+class RoundMetrics:
+    """What one round did. Seconds are wall-clock; `comm_blocked_s` is time training waited on the network."""
+
+    peer_id: str
+    round: int
+    inner_steps: int
+    train_loss: float
+    val_loss: float
+    tokens_per_s: float
+    compute_s: float
+    comm_blocked_s: float
+    bytes_sent: int
+    bytes_received: int
+    peers_averaged: int  # group size of this round's averaging, ourselves included
+    round_s: float  # wall-clock seconds of the whole round
+    joined: bool = False  # this round started from state downloaded from a peer
+    time: float = dataclasses.field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+class MetricsLog:
+    """Appends RoundMetrics as JSON lines (flushed per line, so a crash loses at most the current round)."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, metrics: RoundMetrics) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(metrics.to_json() + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All well-formed lines of a metrics file (a torn last line is skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class ProgressBar:
+    """A tqdm bar over rounds, with the inner step and live figures in its postfix; silent when disabled."""
+
+    def __init__(self, enabled: bool, total_rounds: int):
+        self._bar = tqdm(total=total_rounds or None, unit="round", disable=not enabled, dynamic_ncols=True)
+
+    def inner_step(self, round_: int, step: int, loss: float, peers: int) -> None:
+        self._bar.set_postfix_str(f"round {round_} step {step} loss {loss:.3f} peers {peers}", refresh=False)
+        self._bar.refresh()
+
+    def round_done(self, metrics: RoundMetrics) -> None:
+        self._bar.set_postfix_str(
+            f"round {metrics.round} val {metrics.val_loss:.3f} {metrics.tokens_per_s:.0f} tok/s "
+            f"peers {metrics.peers_averaged}", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,90 @@
+"""The outer step: the anchor θ_r, the outer gradient Δ = θ_r − θ_r', and DiLoCo's Nesterov update on mean Δ."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2ptrain.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer: SGD with Nesterov momentum on the averaged outer gradient (DiLoCo)."""
+
+    lr: float = 0.7  # η
+    momentum: float = 0.9  # γ; 0 = plain averaging of the inner trajectories
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lr <= 2:
+            raise ConfigError(f"outer.lr must be in (0, 2], got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer.momentum must be in [0, 1), got {self.momentum}")
+
+
+class OuterOptimizer:
+    """Holds the anchor (the parameters the inner phase started from) and the outer momentum.
+
+    A round is: `outer_gradient()` after the inner phase, then `step_(mean_delta)` which puts the parameters back
+    at the anchor, applies the Nesterov step, and makes the result the next anchor.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], config: OuterConfig):
+        self.params = list(params)
+        self.config = config
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.optimizer = torch.optim.SGD(
+            self.params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov and config.momentum > 0
+        )
+
+    @torch.no_grad()
+    def outer_gradient(self) -> list[torch.Tensor]:
+        """Δ = anchor − current parameters (DiLoCo's pseudo-gradient), as new float32 tensors."""
+        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params)]
+
+    @torch.no_grad()
+    def restore_anchor_(self) -> None:
+        """Put the parameters back at the anchor (undoing the inner phase)."""
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+
+    def step_(self, mean_delta: Sequence[torch.Tensor]) -> None:
+        """θ ← Nesterov-SGD(anchor, grad = mean Δ); the result becomes the new anchor."""
+        if len(mean_delta) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} outer-gradient tensors, got {len(mean_delta)}")
+        self.restore_anchor_()
+        for p, d in zip(self.params, mean_delta):
+            p.grad = d.to(device=p.device, dtype=p.dtype).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.reset_anchor_()
+
+    @torch.no_grad()
+    def reset_anchor_(self) -> None:
+        """Make the current parameters the anchor (after a step, a state download or a checkpoint load)."""
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p.detach())
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The momentum buffer of every parameter (zeros before the first step), for state sharing."""
+        buffers = []
+        for p in self.params:
+            buffer = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            buffers.append(buffer if buffer is not None else torch.zeros_like(p))
+        return buffers
+
+    @torch.no_grad()
+    def load_momentum_buffers_(self, buffers: Sequence[torch.Tensor]) -> None:
+        for p, b in zip(self.params, buffers):
+            self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": [b.detach().cpu() for b in self.momentum_buffers()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_momentum_buffers_(state["momentum"])
+        self.reset_anchor_()

@@ -1,0 +1,280 @@
+"""A training peer's round loop: batch → inner steps → outer gradient → averaging → outer step, on the swarm.
+
+This is the one module that joins the maths side (inner, outer) with the network side (discovery, state
+sharing, averaging). Each round:
+1. look at the swarm; if this peer is behind (or new, or fell out of its last group) download a live peer's
+   round-start state and join that round;
+2. publish a snapshot of the round-start state for peers that join;
+3. run the inner phase, ending no later than the peers of this round expect to (a late joiner takes fewer steps);
+4. average the outer gradient with the peers of this round, apply the outer step, evaluate, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from p2ptrain.aio import BackgroundLoop
+from p2ptrain.allreduce import AllReduceAverager
+from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
+from p2ptrain.config import PeerConfig
+from p2ptrain.data import TextShards, build_tokenizer, shard_for_peer
+from p2ptrain.discovery import Announcer, PeerRecord, SwarmView, fetch_peers
+from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
+from p2ptrain.inner import InnerTrainer
+from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
+from p2ptrain.models import build_model, model_fingerprint
+from p2ptrain.network import start_dht, visible_maddrs
+from p2ptrain.outer import OuterOptimizer
+from p2ptrain.state_sharing import StateServer, StateSnapshot, check_tensors, download_state, layout_of
+from p2ptrain.sync import OuterGradientAverager
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine (try --device cpu)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps: MPS is not available on this machine (try --device cpu)")
+    return torch.device(name)
+
+
+class TrainingPeer:
+    """One volunteer's training client. `run()` trains until `config.run.rounds` or `stop()`."""
+
+    def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False):
+        self.config = config
+        self.stop_event = threading.Event()
+        if config.run.torch_threads:
+            torch.set_num_threads(config.run.torch_threads)
+        self.device = resolve_device(config.run.device)
+        self.tokenizer = build_tokenizer(config.data)
+        self.model = build_model(config.model, self.tokenizer.vocab_size, config.run.seed).to(self.device)
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self.fingerprint = model_fingerprint(self.model)
+        self.inner = InnerTrainer(self.model, config.inner, self.device)
+        self.outer = OuterOptimizer(self.params, config.outer)
+        self.round, self.synced, self.joined_this_round = 0, True, False
+        self.step_time_s = math.nan  # measured seconds per inner step (EMA)
+        if resume:
+            self._resume_from_checkpoint()
+        self._start_network(initial_peers)
+        shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
+            self.peer_id, config.data.num_shards)
+        self.data = TextShards(config.data, self.tokenizer, shard)
+        self.batches = self.data.train_batches(seed=hash((config.run.seed, shard)) % 2**31)
+        self.val_batches = self.data.validation_batches()
+        self.metrics_log = MetricsLog(config.run.metrics_path or None)
+
+    # ---- network set-up -------------------------------------------------------------------------------------
+    def _start_network(self, initial_peers: Sequence[str]) -> None:
+        cfg = self.config
+        self.dht = start_dht(cfg.network, initial_peers)
+        self.peer_id = str(self.dht.peer_id)
+        self.loop = BackgroundLoop()
+        self._snapshot: StateSnapshot | None = None
+        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
+        self.loop.run(StateServer(lambda: self._snapshot).add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
+        self.averager: OuterGradientAverager = AllReduceAverager(self.dht, cfg.run.run_id, self.params, cfg.sync)
+        record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
+                            fingerprint=self.fingerprint)
+        self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
+                                   cfg.network.record_ttl_s)
+        self.announcer.start()
+
+    @property
+    def maddrs(self) -> list[str]:
+        return visible_maddrs(self.dht)
+
+    def swarm(self) -> SwarmView:
+        records = fetch_peers(self.dht, self.config.run.run_id, self.config.network.record_ttl_s)
+        return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
+
+    # ---- the round loop -------------------------------------------------------------------------------------
+    def run(self) -> list[RoundMetrics]:
+        history: list[RoundMetrics] = []
+        bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
+        try:
+            while not self.stop_event.is_set() and (not self.config.run.rounds or len(history) < self.config.run.rounds):
+                metrics = self.run_round(bar)
+                if metrics is None:
+                    break
+                history.append(metrics)
+                bar.round_done(metrics)
+                if self.config.run.checkpoint_dir and self.round % self.config.run.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if self.stop_event.is_set() and self.config.run.checkpoint_dir:
+                self.save_checkpoint()
+        return history
+
+    def run_round(self, bar: ProgressBar) -> RoundMetrics | None:
+        """One round; None when stopped mid-round (the parameters are put back at the round's anchor)."""
+        started = time.monotonic()
+        view = self.swarm()
+        self.joined_this_round = self._catch_up_if_needed(view)
+        round_ = self.round
+        self._publish_round_start(view)
+        deadline = self._inner_deadline(view)
+        peers_in_round = 1 + len(view.at_round(round_))
+        phase = self.inner.run_phase(
+            self.batches, self.config.inner.steps, deadline,
+            on_step=lambda step, loss: self._on_inner_step(bar, round_, step, loss, peers_in_round),
+            stop=self.stop_event)
+        if self.stop_event.is_set():
+            self.outer.restore_anchor_()
+            return None
+        self._update_step_time(phase.compute_s / max(1, phase.steps))
+        self.announcer.update(phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss, publish=True)
+        sync_started = time.monotonic()
+        partners = len(self.swarm().at_round(round_))
+        result = self.averager.average(self.outer.outer_gradient(), round_, float(phase.steps), partners)
+        self.outer.step_(result.delta)
+        comm_blocked_s = time.monotonic() - sync_started
+        self.synced = 2 * result.group_size > 1 + partners
+        self.round += 1
+        val_loss = self.inner.evaluate(self.val_batches)
+        metrics = RoundMetrics(
+            self.peer_id, round_, phase.steps, phase.mean_loss, val_loss, phase.tokens / max(phase.compute_s, 1e-9),
+            phase.compute_s, comm_blocked_s, result.bytes_sent, result.bytes_received, result.group_size,
+            time.monotonic() - started, joined=self.joined_this_round)
+        self.metrics_log.write(metrics)
+        self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced)
+        return metrics
+
+    def _on_inner_step(self, bar: ProgressBar, round_: int, step: int, loss: float, peers: int) -> None:
+        self.announcer.update(inner_step=step, train_loss=loss)
+        bar.inner_step(round_, step, loss, peers)
+
+    def _update_step_time(self, seconds: float) -> None:
+        self.step_time_s = seconds if math.isnan(self.step_time_s) else 0.7 * self.step_time_s + 0.3 * seconds
+
+    def _publish_round_start(self, view: SwarmView) -> None:
+        """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
+        eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
+        named = [(f"param:{n}", p) for n, p in self.named_params]
+        named += [(f"momentum:{n}", b) for (n, _), b in zip(self.named_params, self.outer.momentum_buffers())]
+        self._snapshot = StateSnapshot.capture(
+            dict(round=self.round, fingerprint=self.fingerprint, run_id=self.config.run.run_id), named)
+        self.announcer.update(round=self.round, inner_step=0, phase="inner", round_eta=eta, publish=True)
+
+    def _inner_deadline(self, view: SwarmView) -> float:
+        """End the inner phase when the latest peer already in this round expects to end it (monotonic time)."""
+        etas = [r.round_eta for r in view.at_round(self.round) if r.phase == "inner" and r.round_eta > 0]
+        if not etas:
+            return math.inf
+        return time.monotonic() + max(0.0, max(etas) - get_dht_time())
+
+    # ---- joining and catching up ----------------------------------------------------------------------------
+    def _donors(self, view: SwarmView) -> list[PeerRecord]:
+        """Peers to download state from, best first; empty when this peer is in step with the swarm."""
+        ahead = view.ahead_of(self.round)
+        fresh_process = self.round == 0 and not self.joined_ever and view.others
+        if ahead or fresh_process:
+            candidates = [r for r in view.others if r.round >= self.round and r.phase != "joining"]
+        elif not self.synced:
+            candidates = [r for r in view.at_round(self.round) if r.synced and r.phase != "joining"]
+        else:
+            candidates = []
+        return sorted(candidates, key=lambda r: (-r.round, not r.synced, r.peer_id))
+
+    joined_ever = False
+
+    def _catch_up_if_needed(self, view: SwarmView) -> bool:
+        donors = self._donors(view)
+        for donor in donors:
+            try:
+                snapshot = self.loop.run(download_state(
+                    self.p2p, PeerID.from_base58(donor.peer_id), self.config.run.run_id, self._state_layout(),
+                    max_bytes=2 * self._state_nbytes() + 2**20,
+                    chunk_timeout_s=self.config.sync.state_download_timeout_s,
+                ), timeout=self.config.sync.state_download_timeout_s * 4)
+            except Exception as e:  # WireError, StateMismatchError, timeouts, P2P errors: all mean "next donor"
+                logger.warning(f"state download from {donor.peer_id} failed: {e!r}; trying the next peer")
+                continue
+            self._apply_snapshot(snapshot)
+            logger.info(f"joined round {self.round} with the state of {donor.peer_id}")
+            self.joined_ever, self.synced = True, True
+            return True
+        if donors:
+            logger.warning("no peer could share its state; training on from ours")
+        self.joined_ever = self.joined_ever or bool(view.others)
+        return False
+
+    def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        names = [f"param:{n}" for n, _ in self.named_params] + [f"momentum:{n}" for n, _ in self.named_params]
+        tensors = [p.detach().cpu() for p in self.params] * 2
+        return layout_of(names, tensors)
+
+    def _state_nbytes(self) -> int:
+        return 2 * sum(p.numel() * p.element_size() for p in self.params)
+
+    @torch.no_grad()
+    def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
+        """Apply a fully validated snapshot: parameters, outer momentum, round (all or nothing)."""
+        count = len(self.params)
+        for p, t in zip(self.params, snapshot.tensors[:count]):
+            p.copy_(t.to(p.device))
+        self.outer.load_momentum_buffers_(snapshot.tensors[count:])
+        self.outer.reset_anchor_()
+        self.round = int(snapshot.metadata["round"])
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor)}
+        path = save_checkpoint(self.config.run.checkpoint_dir, TrainingCheckpoint(
+            self.round, model, self.inner.state_dict(), self.outer.state_dict(), self.config.to_dict(),
+            self.fingerprint))
+        logger.info(f"checkpoint written to {path}")
+
+    def _resume_from_checkpoint(self) -> None:
+        if not self.config.run.checkpoint_dir:
+            raise UserError("--resume needs a checkpoint directory (run.checkpoint_dir or --checkpoint-dir)")
+        checkpoint = load_checkpoint(self.config.run.checkpoint_dir)
+        if checkpoint.fingerprint != self.fingerprint:
+            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} is for another model "
+                                  f"(fingerprint {checkpoint.fingerprint}, this model {self.fingerprint})")
+        names = [n for n, _ in self.named_params]
+        if sorted(checkpoint.model) != sorted(names):
+            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} has other parameter names")
+        expected = layout_of(names, [p.detach().cpu() for p in self.params])
+        try:
+            check_tensors(expected, [checkpoint.model[n] for n in names], what="checkpoint")
+            with torch.no_grad():
+                for n, p in self.named_params:
+                    p.copy_(checkpoint.model[n].to(p.device))
+            self.inner.load_state_dict(checkpoint.inner)
+            self.outer.load_state_dict(checkpoint.outer)
+        except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
+        self.round = checkpoint.round
+        self.joined_ever = False
+
+    # ---- shutdown -----------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def shutdown(self) -> None:
+        closers = (self.announcer.stop, self.averager.shutdown,
+                   lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown)
+        for close in closers:
+            try:
+                close()
+            except Exception:  # shutting down: report, continue closing the rest
+                logger.debug("error while shutting down", exc_info=True)

@@ -1,0 +1,36 @@
+"""`p2ptrain status`: a table of a run's live peers, read from the DHT."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import click
+from hivemind.utils import get_dht_time
+
+from p2ptrain.config import PeerConfig
+from p2ptrain.discovery import PeerRecord, add_record_validators, fetch_peers
+from p2ptrain.network import start_dht
+
+
+def format_status_table(records: Sequence[PeerRecord], now: float) -> str:
+    header = f"{'peer':<54} {'round':>5} {'phase':<7} {'loss':>7} {'val':>7} {'tok/s':>8} {'seen':>6}"
+    lines = [header, "-" * len(header)]
+    for r in records:
+        loss = f"{r.train_loss:.3f}" if r.train_loss is not None else "-"
+        val = f"{r.val_loss:.3f}" if r.val_loss is not None else "-"
+        lines.append(f"{r.peer_id:<54} {r.round:>5} {r.phase:<7} {loss:>7} {val:>7} {r.tokens_per_s:>8.0f} "
+                     f"{now - r.updated:>5.1f}s")
+    lines.append(f"{len(records)} live peer(s)")
+    return "\n".join(lines)
+
+
+def print_status(config: PeerConfig, initial_peers: Sequence[str]) -> list[PeerRecord]:
+    dht = start_dht(config.network, initial_peers)
+    try:
+        add_record_validators(dht, config.run.run_id)
+        records = fetch_peers(dht, config.run.run_id, config.network.record_ttl_s)
+        click.echo(f"run {config.run.run_id!r}:")
+        click.echo(format_status_table(records, get_dht_time()))
+        return records
+    finally:
+        dht.shutdown()

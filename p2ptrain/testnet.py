@@ -1,0 +1,177 @@
+"""`p2ptrain testnet`: a bootstrap node and N training peers as separate processes on loopback.
+
+It streams each peer's rounds as they finish, prints a summary, and tells whether training happened: every peer
+ran all its rounds and ended with a lower validation loss than after its first round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+
+from p2ptrain.errors import UserError
+from p2ptrain.metrics import read_metrics
+
+POLL_S = 0.5  # how often the launcher looks at its children's files
+
+
+@dataclasses.dataclass(frozen=True)
+class TestnetOptions:
+    num_peers: int = 4
+    rounds: int | None = None  # default: 8
+    model: str | None = None  # default: the config's model (small)
+    config_path: str | None = None
+    workdir: str | None = None
+    timeout_s: int = 900
+    extra_peer_args: tuple[str, ...] = ()
+
+    @property
+    def resolved_rounds(self) -> int:
+        return self.rounds or 8
+
+
+@dataclasses.dataclass
+class PeerSummary:
+    name: str
+    exit_code: int | None
+    rounds: list[dict[str, Any]]
+
+    @property
+    def trained(self) -> bool:
+        return (self.exit_code == 0 and len(self.rounds) >= 2
+                and self.rounds[-1]["val_loss"] < self.rounds[0]["val_loss"])
+
+
+class ProcessGroup:
+    """Child processes in their own sessions, so that a stop kills each one with everything it spawned."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.children[name] = process
+        return process
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for process in self.children.values():
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.children.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(process, signal.SIGKILL)  # also reaps p2pd daemons left in the group
+            process.wait()
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cli_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2ptrain.cli", *args]
+
+
+def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text()
+        if process.poll() is not None:
+            raise UserError(f"the bootstrap node exited with code {process.returncode}; see {path.parent}")
+        time.sleep(POLL_S)
+    raise UserError(f"the bootstrap node did not start within {timeout_s:.0f} s; see {path.parent}")
+
+
+def peer_argv(options: TestnetOptions, index: int, bootstrap_maddr: str, run_id: str, workdir: Path) -> list[str]:
+    argv = cli_argv("peer", "--loopback", "--initial-peers", bootstrap_maddr, "--run-id", run_id,
+                    "--rounds", str(options.resolved_rounds), "--shard-index", str(index), "--torch-threads", "1",
+                    "--metrics", str(workdir / f"peer{index}.jsonl"), "--no-progress", "--device", "cpu")
+    if options.config_path:
+        argv += ["--config", options.config_path]
+    if options.model:
+        argv += ["--model", options.model]
+    return argv + list(options.extra_peer_args)
+
+
+def run_testnet(options: TestnetOptions) -> bool:
+    """Run the testnet to completion; True when every peer trained."""
+    workdir = Path(options.workdir or tempfile.mkdtemp(prefix="p2ptrain-testnet-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = f"testnet-{uuid.uuid4().hex[:8]}"
+    group = ProcessGroup()
+    click.echo(f"testnet: bootstrap + {options.num_peers} peers on loopback, {options.resolved_rounds} rounds each, "
+               f"logs in {workdir}")
+    try:
+        bootstrap = group.start("bootstrap", cli_argv("bootstrap", "--loopback", "--address-file",
+                                                      str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
+        maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
+        peers = {f"peer{i}": group.start(f"peer{i}", peer_argv(options, i, maddr, run_id, workdir),
+                                         workdir / f"peer{i}.log") for i in range(options.num_peers)}
+        _follow_until_done(peers, workdir, options.timeout_s)
+    finally:
+        group.stop_all()
+    summaries = [PeerSummary(name, process.returncode, _read_rounds(workdir / f"{name}.jsonl"))
+                 for name, process in peers.items()]
+    click.echo(format_summary(summaries))
+    ok = all(s.trained for s in summaries)
+    click.echo("testnet: every peer trained (validation loss fell)" if ok else
+               f"testnet: FAILED — a peer did not finish or its loss did not fall; logs in {workdir}")
+    return ok
+
+
+def _read_rounds(path: Path) -> list[dict[str, Any]]:
+    return read_metrics(path) if path.exists() else []
+
+
+def _follow_until_done(peers: dict[str, subprocess.Popen[bytes]], workdir: Path, timeout_s: float) -> None:
+    """Print each round as peers report it, until all peers exit or the timeout passes."""
+    seen = dict.fromkeys(peers, 0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in peers:
+            rows = _read_rounds(workdir / f"{name}.jsonl")
+            for row in rows[seen[name]:]:
+                click.echo(f"  {name} round {row['round']:>3}  steps {row['inner_steps']:>3}  loss "
+                           f"{row['train_loss']:.3f}  val {row['val_loss']:.3f}  peers {row['peers_averaged']}  "
+                           f"{row['tokens_per_s']:.0f} tok/s" + ("  (joined)" if row.get("joined") else ""))
+            seen[name] = len(rows)
+        if all(p.poll() is not None for p in peers.values()):
+            return
+        time.sleep(POLL_S)
+    click.echo(f"testnet: timed out after {timeout_s} s", err=True)
+
+
+def format_summary(summaries: list[PeerSummary]) -> str:
+    header = (f"{'peer':<7} {'exit':>4} {'rounds':>6} {'loss first':>10} {'loss last':>9} {'val first':>9} "
+              f"{'val last':>8} {'sent MB':>8} {'recv MB':>8} {'peers':>5}")
+    lines = ["", header, "-" * len(header)]
+    for s in summaries:
+        if not s.rounds:
+            lines.append(f"{s.name:<7} {s.exit_code!s:>4} {0:>6}   (no rounds completed)")
+            continue
+        first, last = s.rounds[0], s.rounds[-1]
+        sent = sum(r["bytes_sent"] for r in s.rounds) / 1e6
+        received = sum(r["bytes_received"] for r in s.rounds) / 1e6
+        lines.append(f"{s.name:<7} {s.exit_code!s:>4} {len(s.rounds):>6} {first['train_loss']:>10.3f} "
+                     f"{last['train_loss']:>9.3f} {first['val_loss']:>9.3f} {last['val_loss']:>8.3f} {sent:>8.2f} "
+                     f"{received:>8.2f} {last['peers_averaged']:>5}")
+    return "\n".join(lines)
