@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from p2ptrain.errors import CheckpointError
+from p2ptrain.errors import CheckpointError, one_line
 
 FORMAT_VERSION = 1
 KEEP_LAST = 2
@@ -83,7 +83,7 @@ def load_checkpoint(path: str | Path) -> TrainingCheckpoint:
         model = load_file(str(path / "model.safetensors"))
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
     except (OSError, ValueError, SafetensorError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {one_line(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has an unknown format (expected version {FORMAT_VERSION})")
     if not isinstance(state, dict) or not {"inner", "outer"} <= state.keys():

@@ -190,7 +190,8 @@ def main() -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         click.echo(f"error: {e.format_message()}{hint}", err=True)
         sys.exit(EXIT_USER_ERROR)
     except UserError as e:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import yaml
 
 from p2ptrain.data import DataConfig
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, one_line
 from p2ptrain.inner import InnerConfig
 from p2ptrain.models import ModelConfig
 from p2ptrain.network import NetworkConfig
@@ -95,8 +95,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         else:
             raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {first_line}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {one_line(e)}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

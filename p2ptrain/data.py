@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.errors import ConfigError, UserError, one_line
 
 STDLIB_DATASET = "stdlib"
 HUB_PREFIX = "hf:"
@@ -59,12 +59,6 @@ class DataConfig:
             raise ConfigError(
                 f"data.val_fraction must be a number strictly between 0 and 1 (e.g. 0.02), got {fraction}"
             )
-
-
-def _one_line(exc: Exception, max_chars: int = 300) -> str:
-    """An exception's message on one line, shortened, for a UserError that wraps it."""
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    return message if len(message) <= max_chars else message[: max_chars - 3] + "..."
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
@@ -149,7 +143,7 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
             str(local_path) if looks_like_path else cfg.tokenizer, local_files_only=looks_like_path
         )
     except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError, ...
-        raise UserError(f"cannot load tokenizer {cfg.tokenizer!r}: {_one_line(exc)}; {hint}") from exc
+        raise UserError(f"cannot load tokenizer {cfg.tokenizer!r}: {one_line(exc)}; {hint}") from exc
     return PretrainedTokenizer(cfg.tokenizer, inner)
 
 
@@ -254,7 +248,7 @@ def _stream_dataset(label: str, path: str, config: str | None, **kwargs: Any) ->
     except UserError:
         raise
     except Exception as exc:  # datasets raises FileNotFoundError, ValueError, ConnectionError, arrow errors, ...
-        raise UserError(f"cannot read dataset {label!r}: {_one_line(exc)}; check its name, path and format") from exc
+        raise UserError(f"cannot read dataset {label!r}: {one_line(exc)}; check its name, path and format") from exc
 
 
 def _documents_from_rows(rows: Iterable[dict[str, Any]], field: str, label: str) -> Iterator[Document]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Optional
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
 logger = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ class PeerRecord(BaseModel):
     inner_step: conint(ge=0, strict=True)  # type: ignore[valid-type]  # inner steps done in this round
     phase: constr(regex=r"^(inner|sync|joining)$", strict=True)  # type: ignore[valid-type]
     round_eta: StrictFloat  # DHT time at which its inner phase of this round is expected to end
-    train_loss: Optional[confloat(ge=0, strict=True)] = None  # type: ignore[valid-type]
-    val_loss: Optional[confloat(ge=0, strict=True)] = None  # type: ignore[valid-type]
+    train_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
+    val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
     bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # measured link estimate
     fingerprint: StrictStr = ""  # model fingerprint: peers of another architecture are ignored
@@ -33,7 +33,7 @@ class PeerRecord(BaseModel):
 
 
 class SwarmSchema(BaseModel):
-    peers: dict[BytesWithPublicKey, Optional[PeerRecord]]  # type: ignore[valid-type]
+    peers: dict[BytesWithPublicKey, PeerRecord | None]  # type: ignore[valid-type]
 
 
 def peers_key(run_id: str) -> str:
@@ -41,8 +41,12 @@ def peers_key(run_id: str) -> str:
 
 
 def add_record_validators(dht: hivemind.DHT, run_id: str) -> RSASignatureValidator:
-    """Install the schema and signature validators for this run; returns ours (its public key is our subkey)."""
-    signature_validator = RSASignatureValidator()
+    """Install the schema and signature validators for this run; returns ours (its public key is our subkey).
+
+    Each call makes a new RSA key: hivemind's default is one key per process, which would give every peer
+    hosted in one process the same subkey, so they would overwrite each other's records.
+    """
+    signature_validator = RSASignatureValidator(RSAPrivateKey())
     dht.add_validators([SchemaValidator(SwarmSchema, prefix=run_id), signature_validator])
     return signature_validator
 

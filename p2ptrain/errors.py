@@ -15,3 +15,9 @@ class CheckpointError(UserError):
 
 class StateMismatchError(Exception):
     """Tensors received from a peer do not fit ours (names, shapes, dtypes, non-finite values)."""
+
+
+def one_line(error: BaseException, max_chars: int = 300) -> str:
+    """An exception's message folded onto one line (or its type name), shortened: for one-line user errors."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    return message if len(message) <= max_chars else message[: max_chars - 3] + "..."

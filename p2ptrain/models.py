@@ -6,14 +6,15 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.errors import ConfigError, UserError, one_line
 
 # Llama-family shapes. `tiny` keeps tests fast on 2 CPU cores; `small` is the demo's default.
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4),
     "small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4),
     "base": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8),
@@ -70,7 +71,7 @@ def _load_hf_config(name: str):  # type: ignore[no-untyped-def]
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model config {name!r}: {_first_line(e)}") from None
+        raise UserError(f"cannot load model config {name!r}: {one_line(e)}") from None
 
 
 def _load_pretrained(name: str) -> PreTrainedModel:
@@ -78,7 +79,7 @@ def _load_pretrained(name: str) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model {name!r}: {_first_line(e)}") from None
+        raise UserError(f"cannot load model {name!r}: {one_line(e)}") from None
 
 
 def _check_name(name: str) -> None:
@@ -87,11 +88,6 @@ def _check_name(name: str) -> None:
         raise UserError(f"model {name!r} is not a preset ({', '.join(PRESETS)}) and no such directory exists")
     if "/" not in name and not Path(name).exists():
         raise UserError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, a local path or a hub id")
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

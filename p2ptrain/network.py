@@ -10,7 +10,7 @@ import hivemind
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.errors import ConfigError, UserError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def parse_maddr(text: str) -> Multiaddr:
     try:
         return Multiaddr(text)
     except Exception:  # the multiaddr package raises several unrelated types
-        raise ConfigError(f"{text!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)") from None
+        raise ConfigError(f"{text!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)") \
+            from None
 
 
 def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kwargs: object) -> hivemind.DHT:
@@ -81,7 +82,7 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
             **dht_kwargs,
         )
     except (P2PDaemonError, TimeoutError, RuntimeError, ValueError, OSError) as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = one_line(e)
         if initial_peers:
             raise UserError(f"cannot join the swarm through {', '.join(initial_peers)}: {text}") from None
         raise UserError(f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}: {text}") from None

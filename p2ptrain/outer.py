@@ -44,12 +44,12 @@ class OuterOptimizer:
     @torch.no_grad()
     def outer_gradient(self) -> list[torch.Tensor]:
         """Δ = anchor − current parameters (DiLoCo's pseudo-gradient), as new float32 tensors."""
-        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params)]
+        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params, strict=False)]
 
     @torch.no_grad()
     def restore_anchor_(self) -> None:
         """Put the parameters back at the anchor (undoing the inner phase)."""
-        for p, a in zip(self.params, self.anchor):
+        for p, a in zip(self.params, self.anchor, strict=False):
             p.copy_(a)
 
     def step_(self, mean_delta: Sequence[torch.Tensor]) -> None:
@@ -57,7 +57,7 @@ class OuterOptimizer:
         if len(mean_delta) != len(self.params):
             raise ValueError(f"expected {len(self.params)} outer-gradient tensors, got {len(mean_delta)}")
         self.restore_anchor_()
-        for p, d in zip(self.params, mean_delta):
+        for p, d in zip(self.params, mean_delta, strict=False):
             p.grad = d.to(device=p.device, dtype=p.dtype).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -66,7 +66,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def reset_anchor_(self) -> None:
         """Make the current parameters the anchor (after a step, a state download or a checkpoint load)."""
-        for a, p in zip(self.anchor, self.params):
+        for a, p in zip(self.anchor, self.params, strict=False):
             a.copy_(p.detach())
 
     def momentum_buffers(self) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_momentum_buffers_(self, buffers: Sequence[torch.Tensor]) -> None:
-        for p, b in zip(self.params, buffers):
+        for p, b in zip(self.params, buffers, strict=False):
             self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
 
     def state_dict(self) -> dict[str, Any]:

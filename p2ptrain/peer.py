@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.p2p import PeerID
@@ -63,7 +63,8 @@ class TrainingPeer:
             torch.set_num_threads(config.run.torch_threads)
         self.device = resolve_device(config.run.device)
         self.tokenizer = build_tokenizer(config.data)
-        self.model = build_model(config.model, self.tokenizer.vocab_size, config.run.seed).to(self.device)
+        self.model = build_model(config.model, self.tokenizer.vocab_size, config.run.seed)
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.fingerprint = model_fingerprint(self.model)
@@ -80,6 +81,7 @@ class TrainingPeer:
         self.batches = self.data.train_batches(seed=hash((config.run.seed, shard)) % 2**31)
         self.val_batches = self.data.validation_batches()
         self.metrics_log = MetricsLog(config.run.metrics_path or None)
+        self.round_callbacks: list[Callable[[TrainingPeer, RoundMetrics], None]] = []  # called after each round
 
     # ---- network set-up -------------------------------------------------------------------------------------
     def _start_network(self, initial_peers: Sequence[str]) -> None:
@@ -110,12 +112,15 @@ class TrainingPeer:
         history: list[RoundMetrics] = []
         bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
         try:
-            while not self.stop_event.is_set() and (not self.config.run.rounds or len(history) < self.config.run.rounds):
+            rounds = self.config.run.rounds
+            while not self.stop_event.is_set() and (not rounds or len(history) < rounds):
                 metrics = self.run_round(bar)
                 if metrics is None:
                     break
                 history.append(metrics)
                 bar.round_done(metrics)
+                for callback in self.round_callbacks:
+                    callback(self, metrics)
                 if self.config.run.checkpoint_dir and self.round % self.config.run.checkpoint_every == 0:
                     self.save_checkpoint()
         finally:
@@ -168,8 +173,9 @@ class TrainingPeer:
     def _publish_round_start(self, view: SwarmView) -> None:
         """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        named = [(f"param:{n}", p) for n, p in self.named_params]
-        named += [(f"momentum:{n}", b) for (n, _), b in zip(self.named_params, self.outer.momentum_buffers())]
+        buffers = self.outer.momentum_buffers()
+        named: list[tuple[str, torch.Tensor]] = [(f"param:{n}", p) for n, p in self.named_params]
+        named += [(f"momentum:{n}", b) for (n, _), b in zip(self.named_params, buffers, strict=True)]
         self._snapshot = StateSnapshot.capture(
             dict(round=self.round, fingerprint=self.fingerprint, run_id=self.config.run.run_id), named)
         self.announcer.update(round=self.round, inner_step=0, phase="inner", round_eta=eta, publish=True)
@@ -229,7 +235,7 @@ class TrainingPeer:
     def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
         """Apply a fully validated snapshot: parameters, outer momentum, round (all or nothing)."""
         count = len(self.params)
-        for p, t in zip(self.params, snapshot.tensors[:count]):
+        for p, t in zip(self.params, snapshot.tensors[:count], strict=False):
             p.copy_(t.to(p.device))
         self.outer.load_momentum_buffers_(snapshot.tensors[count:])
         self.outer.reset_anchor_()
@@ -237,7 +243,7 @@ class TrainingPeer:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor)}
+        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor, strict=False)}
         path = save_checkpoint(self.config.run.checkpoint_dir, TrainingCheckpoint(
             self.round, model, self.inner.state_dict(), self.outer.state_dict(), self.config.to_dict(),
             self.fingerprint))

@@ -5,12 +5,12 @@ a newcomer that applies it can take part in that very round's averaging. A downl
 newcomer's own layout (names, shapes, dtypes, finite values) before anything is applied: never half-applied.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: hivemind's ServicerBase reads the rpc_* annotations at runtime
+# and recognises streams only by `typing.AsyncIterator`.
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator only)
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -34,7 +34,7 @@ class StateSnapshot:
     tensors: tuple[torch.Tensor, ...]
 
     @classmethod
-    def capture(cls, metadata: dict[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> StateSnapshot:
+    def capture(cls, metadata: dict[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> "StateSnapshot":
         names = tuple(name for name, _ in named_tensors)
         tensors = tuple(t.detach().to("cpu", copy=True) for _, t in named_tensors)
         return cls(dict(metadata, layout=layout_of(names, tensors)), names, tensors)
@@ -45,14 +45,14 @@ class StateSnapshot:
 
 
 def layout_of(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> TensorLayout:
-    return [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors, strict=False)]
 
 
 def check_tensors(expected: TensorLayout, tensors: Sequence[torch.Tensor], what: str = "state") -> None:
     """Raise StateMismatchError unless `tensors` match `expected` exactly and are all finite."""
     if len(tensors) != len(expected):
         raise StateMismatchError(f"{what} has {len(tensors)} tensors, expected {len(expected)}")
-    for (name, shape, dtype), tensor in zip(expected, tensors):
+    for (name, shape, dtype), tensor in zip(expected, tensors, strict=False):
         if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype:
             raise StateMismatchError(f"{what} tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
                                      f"{tuple(shape)} {dtype}")

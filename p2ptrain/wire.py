@@ -24,7 +24,9 @@ class WireError(ValueError):
     """A peer's stream was malformed, oversize, truncated or late."""
 
 
-def stream_parts(serialized: Sequence[runtime_pb2.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[runtime_pb2.Tensor]:
+def stream_parts(
+    serialized: Sequence[runtime_pb2.Tensor], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[runtime_pb2.Tensor]:
     """Chunks of every serialized tensor in order; the first chunk of each tensor carries its dtype."""
     for tensor in serialized:
         yield from split_for_streaming(tensor, chunk_bytes)

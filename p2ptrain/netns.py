@@ -1,0 +1,396 @@
+"""A multi-host testnet on one Linux machine, built from network namespaces, veth pairs, bridges and tbf.
+
+Host ``i`` of testbed ``t`` lives in netns ``p2pt-t-h<i>`` with ``eth0`` = 10.213.0.<i+1>/24, a veth whose other end
+``v<i>`` sits on bridge ``brA`` or ``brB`` in the switch netns ``p2pt-t-sw``; the bridges are joined by the trunk
+veth ``trA``-``trB``, so a partition is ``ip link set trA down``. Nothing is added to the machine's own network and
+interface names cannot collide with another testbed's. tbf shapes upload on ``eth0`` and download on ``v<i>``
+(``netem`` is missing on some kernels). Every namespace is recorded in a state file under /run/p2ptrain-netns
+before it is made, and a detached guard process tears the testbed down if its owner dies (SIGKILL included);
+``python -m p2ptrain.netns --cleanup`` removes leftovers by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from p2ptrain.errors import ConfigError, UserError
+
+STATE_DIR = Path("/run/p2ptrain-netns")
+NAMESPACE_MARKER = "p2pt-"  # every namespace a testbed creates starts with this, so --cleanup can find orphans
+SUBNET_PREFIX = "10.213.0."  # hosts get .1, .2, ... /24; the subnet exists only inside the testbed's namespaces
+MAX_HOSTS = 250
+MIN_BURST_BYTES = 16 * 1024
+TBF_QUEUE_S = 0.05  # how much traffic tbf may queue, in seconds at the shaped rate
+PROCESS_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay for processes started with popen
+GUARD_POLL_S = 0.5  # owner-liveness poll when pidfd_open is unavailable
+
+_PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,23}$")
+_HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of the testbed; ``rate_mbit`` shapes its upload and download (None: unshaped)."""
+
+    name: str
+    rate_mbit: float | None = None
+
+    def __post_init__(self) -> None:
+        if not _HOST_NAME_RE.match(self.name):
+            raise ConfigError(f"host name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        _check_rate(self.rate_mbit)
+
+
+def _check_rate(rate_mbit: float | None) -> None:
+    if rate_mbit is not None and not 0.01 <= rate_mbit <= 100_000:
+        raise ConfigError(f"rate_mbit={rate_mbit}: give a rate between 0.01 and 100000 Mbit/s, or None for unshaped")
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """``tc`` arguments after ``tbf`` for a rate: burst >= one timer tick's worth (rate/250) and >= 16 KiB."""
+    rate_bytes_per_s = rate_mbit * 1e6 / 8
+    burst_bytes = max(int(rate_bytes_per_s / 250), MIN_BURST_BYTES)
+    limit_bytes = burst_bytes + int(rate_bytes_per_s * TBF_QUEUE_S)
+    return ["rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(burst_bytes), "limit", str(limit_bytes)]
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run an iproute2 command; a failure becomes a one-line UserError naming the command."""
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise UserError(f"`{' '.join(argv)}` failed: {reason}")
+    return done
+
+
+def require_netns_support() -> None:
+    """Raise a one-line UserError unless we are root and ``ip`` and ``tc`` are installed."""
+    if os.geteuid() != 0:
+        raise UserError("network-namespace testbeds need root: run as root (or with sudo)")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UserError(f"`{'` and `'.join(missing)}` not found: install iproute2 (apt-get install iproute2)")
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """Start time of a live (non-zombie) process in clock ticks, which tells a pid from a reused one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name in (...) may hold spaces
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError):
+        return cast(dict[str, Any], json.loads(path.read_text()))
+    return None
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def list_namespaces() -> list[str]:
+    """Names of all network namespaces on the machine (``ip netns list``)."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _kill_namespace_processes(namespace: str, deadline_s: float = 5.0) -> None:
+    """SIGKILL every process inside a namespace and wait until none is left (zombies no longer count)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        out = _run(["ip", "netns", "pids", namespace], check=False).stdout
+        pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def delete_namespaces(namespaces: list[str]) -> list[str]:
+    """Kill the processes in, then delete, each namespace that exists; return the names deleted."""
+    existing = set(list_namespaces())
+    deleted = []
+    for namespace in namespaces:
+        if namespace in existing:
+            _kill_namespace_processes(namespace)
+            _run(["ip", "netns", "del", namespace], check=False)  # also removes its veths, bridges and qdiscs
+            deleted.append(namespace)
+    return deleted
+
+
+def _teardown_state_file(path: Path) -> list[str]:
+    state = _read_state(path)
+    deleted = delete_namespaces(list(state["namespaces"])) if state else []
+    path.unlink(missing_ok=True)
+    return deleted
+
+
+def teardown_stale(prefix: str | None = None) -> list[str]:
+    """Tear down testbeds (of one prefix, or all) whose state file names an owner that is dead."""
+    deleted: list[str] = []
+    for path in sorted(STATE_DIR.glob("*.json" if prefix is None else f"{prefix}.json")):
+        state = _read_state(path)
+        if state is None or _process_start_ticks(int(state["owner_pid"])) != state["owner_start_ticks"]:
+            deleted += _teardown_state_file(path)
+    return deleted
+
+
+def cleanup_all() -> list[str]:
+    """Remove stale testbeds and any ``p2pt-*`` namespace that no live testbed claims; return what was deleted."""
+    deleted = teardown_stale()
+    live_states = [state for state in map(_read_state, STATE_DIR.glob("*.json")) if state is not None]
+    claimed = {namespace for state in live_states for namespace in state["namespaces"]}
+    orphans = [ns for ns in list_namespaces() if ns.startswith(NAMESPACE_MARKER) and ns not in claimed]
+    return deleted + delete_namespaces(orphans)
+
+
+def _wait_for_exit(pid: int, start_ticks: int) -> None:
+    """Block until the process (pid, start time) has exited: pidfd when available, else a 0.5 s poll."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd support, or the owner is already gone
+        pidfd = None
+    if pidfd is not None:
+        if _process_start_ticks(pid) == start_ticks:  # the pidfd refers to the owner, not to a reused pid
+            select.select([pidfd], [], [])
+        os.close(pidfd)
+    while _process_start_ticks(pid) == start_ticks:
+        time.sleep(GUARD_POLL_S)
+
+
+def run_guard(state_path: Path, owner_pid: int) -> None:
+    """Guard process body: wait for the owner to die, then tear down whatever the state file names."""
+    state = _read_state(state_path)
+    if state is None or int(state["owner_pid"]) != owner_pid:
+        return
+    _wait_for_exit(owner_pid, int(state["owner_start_ticks"]))
+    _teardown_state_file(state_path)
+
+
+@dataclass
+class _Host:
+    spec: HostSpec
+    index: int
+    namespace: str
+    rate_mbit: float | None
+
+
+class Testbed:
+    """Hosts in their own network namespaces on a shaped, partitionable switch; use as a context manager."""
+
+    def __init__(self, name_prefix: str, hosts: list[HostSpec]) -> None:
+        if not _PREFIX_RE.match(name_prefix):
+            raise ConfigError(f"testbed prefix {name_prefix!r}: use 1-24 lowercase letters, digits or '-'")
+        names = [h.name for h in hosts]
+        if not 1 <= len(hosts) <= MAX_HOSTS or len(set(names)) != len(names):
+            raise ConfigError(f"testbed hosts {names}: give 1-{MAX_HOSTS} hosts with unique names")
+        self.name_prefix = name_prefix
+        self.switch_namespace = f"{NAMESPACE_MARKER}{name_prefix}-sw"  # holds the bridges and the trunk
+        self.state_path = STATE_DIR / f"{name_prefix}.json"
+        self._hosts = {
+            spec.name: _Host(spec, i, f"{NAMESPACE_MARKER}{name_prefix}-h{i}", spec.rate_mbit)
+            for i, spec in enumerate(hosts)
+        }
+        self._processes: list[subprocess.Popen[Any]] = []
+        self._guard: subprocess.Popen[bytes] | None = None
+        self._state: dict[str, Any] = {}
+        self._created = False
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(self._hosts)
+
+    def address(self, host: str) -> str:
+        """IPv4 address of a host, e.g. ``10.213.0.1``."""
+        return f"{SUBNET_PREFIX}{self._host(host).index + 1}"
+
+    def namespace(self, host: str) -> str:
+        """Name of the host's network namespace (for ``ip netns exec``)."""
+        return self._host(host).namespace
+
+    def rate_mbit(self, host: str) -> float | None:
+        return self._host(host).rate_mbit
+
+    def _host(self, host: str) -> _Host:
+        if host not in self._hosts:
+            raise UserError(f"unknown testbed host {host!r}: known hosts are {self.hosts}")
+        return self._hosts[host]
+
+    def __enter__(self) -> Testbed:
+        self.create()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.teardown()
+
+    def create(self) -> None:
+        """Build the namespaces, links, bridges and qdiscs; on any failure, tear down and re-raise."""
+        require_netns_support()
+        self._claim_state_file()
+        try:
+            self._start_guard()
+            self._add_namespace(self.switch_namespace)
+            self._build_switch()
+            for host in self._hosts.values():
+                self._add_namespace(host.namespace)
+                self._build_host(host)
+        except BaseException:
+            self.teardown()
+            raise
+        self._created = True
+
+    def _claim_state_file(self) -> None:
+        teardown_stale(self.name_prefix)
+        state = _read_state(self.state_path)
+        if state is not None:
+            raise UserError(f"testbed prefix {self.name_prefix!r} is in use by pid {state['owner_pid']}: pick another")
+        owner_start_ticks = _process_start_ticks(os.getpid())
+        self._state = {"owner_pid": os.getpid(), "owner_start_ticks": owner_start_ticks, "namespaces": []}
+        _write_state(self.state_path, self._state)
+
+    def _start_guard(self) -> None:
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+        argv = [sys.executable, "-m", "p2ptrain.netns", "--guard", str(self.state_path), str(os.getpid())]
+        quiet = subprocess.DEVNULL
+        self._guard = subprocess.Popen(argv, env=env, start_new_session=True, stdin=quiet, stdout=quiet, stderr=quiet)
+        self._state["guard_pid"] = self._guard.pid
+        _write_state(self.state_path, self._state)
+
+    def _add_namespace(self, namespace: str) -> None:
+        if namespace in list_namespaces():
+            raise UserError(f"namespace {namespace} already exists: run `python -m p2ptrain.netns --cleanup`")
+        self._state["namespaces"].append(namespace)
+        _write_state(self.state_path, self._state)  # recorded before it exists, so a crash cannot leak it
+        _run(["ip", "netns", "add", namespace])
+        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
+
+    def _build_switch(self) -> None:
+        sw = ["ip", "-n", self.switch_namespace, "link"]
+        for bridge in ("brA", "brB"):
+            _run(sw + ["add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0"])
+            _run(sw + ["set", bridge, "up"])
+        _run(sw + ["add", "trA", "type", "veth", "peer", "name", "trB"])
+        _run(sw + ["set", "trA", "master", "brA", "up"])
+        _run(sw + ["set", "trB", "master", "brB", "up"])
+
+    def _build_host(self, host: _Host) -> None:
+        port = f"v{host.index}"
+        sw = ["ip", "-n", self.switch_namespace, "link"]
+        _run(sw + ["add", port, "type", "veth", "peer", "name", "eth0", "netns", host.namespace])
+        _run(sw + ["set", port, "master", "brA", "up"])
+        in_host = ["ip", "-n", host.namespace]
+        _run(in_host + ["addr", "add", f"{self.address(host.spec.name)}/24", "dev", "eth0"])
+        _run(in_host + ["link", "set", "eth0", "up"])
+        self._apply_rate(host)
+
+    def teardown(self) -> None:
+        """Kill our processes, delete every namespace, stop the guard, remove the state file. Idempotent."""
+        self._stop_processes()
+        state = _read_state(self.state_path)
+        if state is not None and int(state["owner_pid"]) == os.getpid():
+            delete_namespaces(list(state["namespaces"]))
+            self.state_path.unlink(missing_ok=True)
+        if self._guard is not None:
+            self._guard.kill()
+            self._guard.wait()
+            self._guard = None
+        self._created = False
+
+    def _stop_processes(self) -> None:
+        for proc in self._processes:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + PROCESS_GRACE_S
+        for proc in self._processes:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._processes.clear()
+
+    def popen(self, host: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside the host's namespace in a new session (process group) that teardown kills."""
+        if not self._created:
+            raise UserError("testbed is not created: call create() or use `with Testbed(...)` first")
+        kwargs["start_new_session"] = True
+        proc: subprocess.Popen[Any] = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], **kwargs)
+        self._processes.append(proc)
+        return proc
+
+    def set_rate(self, host: str, rate_mbit: float | None) -> None:
+        """Change a host's upload and download rate live (None removes shaping)."""
+        _check_rate(rate_mbit)
+        target = self._host(host)
+        target.rate_mbit = rate_mbit
+        self._apply_rate(target)
+
+    def _apply_rate(self, host: _Host) -> None:
+        for namespace, dev in ((host.namespace, "eth0"), (self.switch_namespace, f"v{host.index}")):  # up, down
+            tc = ["tc", "-n", namespace, "qdisc"]
+            if host.rate_mbit is None:
+                _run(tc + ["del", "dev", dev, "root"], check=False)  # fails harmlessly when there is none
+            else:
+                _run(tc + ["replace", "dev", dev, "root", "tbf", *tbf_args(host.rate_mbit)])
+
+    def cut_partition(self, group_b_hosts: list[str]) -> None:
+        """Put ``group_b_hosts`` on bridge B, the rest on bridge A, and cut the trunk between the bridges."""
+        group_b = {self._host(name).index for name in group_b_hosts}
+        for host in self._hosts.values():
+            bridge = "brB" if host.index in group_b else "brA"
+            _run(["ip", "-n", self.switch_namespace, "link", "set", f"v{host.index}", "master", bridge])
+        _run(["ip", "-n", self.switch_namespace, "link", "set", "trA", "down"])
+
+    def heal_partition(self) -> None:
+        """Bring the trunk back up: all hosts reach each other again."""
+        _run(["ip", "-n", self.switch_namespace, "link", "set", "trA", "up"])
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.netns", description=__doc__.split("\n")[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--cleanup", action="store_true", help="remove leftover testbed namespaces and state files")
+    group.add_argument("--guard", nargs=2, metavar=("STATE_FILE", "OWNER_PID"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.guard:
+        run_guard(Path(args.guard[0]), int(args.guard[1]))
+        return 0
+    try:
+        require_netns_support()
+        deleted = cleanup_all()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"removed {len(deleted)} namespace(s)" + (": " + " ".join(deleted) if deleted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Heterogeneous bandwidth: measured link throughput, inner steps per round, and exchange deadlines.
+
+Timeouts are derived from the payload size and the measured link speed rather than fixed constants:
+a slow peer takes fewer inner steps so its round (compute + its own transfers) ends with the others'.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ThroughputEMA:
+    """Exponential moving average of one link's throughput in bytes/s, starting from a prior.
+
+    ``smoothing`` is the weight of each new measurement (1.0: keep only the latest). Measurements are averaged
+    as transfer *times per byte* so that one fast sample cannot hide a slow link.
+    """
+
+    def __init__(self, prior_bytes_per_s: float, smoothing: float = 0.3) -> None:
+        if not prior_bytes_per_s > 0.0 or not math.isfinite(prior_bytes_per_s):
+            raise ValueError(f"prior throughput must be a positive number of bytes/s, got {prior_bytes_per_s}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self._seconds_per_byte = 1.0 / prior_bytes_per_s
+        self.num_measurements = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self._seconds_per_byte
+
+    def update_(self, payload_bytes: int, elapsed_s: float) -> None:
+        """Record an exchange that moved ``payload_bytes`` in ``elapsed_s`` seconds (ignored if either is <= 0)."""
+        if payload_bytes <= 0 or not elapsed_s > 0.0 or not math.isfinite(elapsed_s):
+            return
+        sample = elapsed_s / payload_bytes
+        self._seconds_per_byte += self.smoothing * (sample - self._seconds_per_byte)
+        self.num_measurements += 1
+
+    def update_timeout_(self, payload_bytes: int, deadline_s: float) -> None:
+        """Record an exchange that missed its deadline: the link was at most ``payload_bytes / deadline_s`` fast."""
+        if payload_bytes <= 0 or not deadline_s > 0.0:
+            return
+        self._seconds_per_byte = max(self._seconds_per_byte, deadline_s / payload_bytes)
+        self.num_measurements += 1
+
+    def transfer_time_s(self, payload_bytes: int) -> float:
+        """Expected seconds to move ``payload_bytes`` on this link."""
+        return payload_bytes * self._seconds_per_byte
+
+
+def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: float, h_min: int, h_max: int) -> int:
+    """GASLoC pacing: ``H = clamp(ceil(T_round / t_step) − ceil(T_comm / t_step), h_min, h_max)``.
+
+    ``round_time_s`` is the target round length, ``step_time_s`` this peer's time per inner step and
+    ``comm_time_s`` its expected transfer time per round (from :class:`ThroughputEMA`).
+    """
+    if not 1 <= h_min <= h_max:
+        raise ValueError(f"need 1 <= h_min <= h_max, got h_min={h_min}, h_max={h_max}")
+    if not step_time_s > 0.0 or not math.isfinite(step_time_s):
+        raise ValueError(f"step time must be a positive number of seconds, got {step_time_s}")
+    if round_time_s < 0.0 or comm_time_s < 0.0 or math.isnan(round_time_s) or math.isnan(comm_time_s):
+        raise ValueError(f"round and comm times must be >= 0, got {round_time_s} and {comm_time_s}")
+    if math.isinf(comm_time_s):
+        return h_min
+    if math.isinf(round_time_s):
+        return h_max
+    steps = math.ceil(round_time_s / step_time_s) - math.ceil(comm_time_s / step_time_s)
+    return max(h_min, min(h_max, steps))
+
+
+def exchange_deadline_s(
+    payload_bytes: int, throughput_bytes_per_s: float, safety_factor: float, floor_s: float
+) -> float:
+    """Deadline for one exchange: ``max(floor_s, safety_factor × payload_bytes / throughput)``."""
+    if not throughput_bytes_per_s > 0.0:
+        raise ValueError(f"throughput must be > 0 bytes/s, got {throughput_bytes_per_s}")
+    if safety_factor < 1.0 or floor_s < 0.0:
+        raise ValueError(f"need safety_factor >= 1 and floor_s >= 0, got {safety_factor} and {floor_s}")
+    return max(floor_s, safety_factor * payload_bytes / throughput_bytes_per_s)

@@ -1,0 +1,88 @@
+"""Helpers for tests that run real peers (real hivemind DHT and averager) on loopback, in this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from p2ptrain.config import PeerConfig, build_config
+from p2ptrain.metrics import RoundMetrics
+from p2ptrain.peer import TrainingPeer
+
+
+def tiny_config(run_id: str, **sections: dict[str, Any]) -> PeerConfig:
+    """A config that trains in seconds on one CPU thread, loopback only, no NAT probing."""
+    values: dict[str, dict[str, Any]] = {
+        "run": {"run_id": run_id, "device": "cpu", "progress": False},
+        "model": {"name": "tiny", "max_seq_len": 64},
+        "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 1_000_000, "num_shards": 8, "val_batches": 2},
+        "inner": {"steps": 5, "warmup_steps": 2, "lr": 3e-3},
+        "sync": {"matchmaking_s": 3.0, "allreduce_timeout_s": 30.0, "state_download_timeout_s": 20.0},
+        "network": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False,
+                    "use_relay": False, "heartbeat_s": 0.5, "record_ttl_s": 5.0},
+    }
+    for section, changes in sections.items():
+        values.setdefault(section, {}).update(changes)
+    return build_config(values)
+
+
+class PeerThread:
+    """A TrainingPeer running `run()` in a thread; keeps a copy of its parameters after every round."""
+
+    def __init__(self, peer: TrainingPeer):
+        self.peer = peer
+        self.params_after_round: dict[int, list[torch.Tensor]] = {}
+        self.history: list[RoundMetrics] = []
+        self.error: BaseException | None = None
+        self.round_done = threading.Condition()
+        peer.round_callbacks.append(self._on_round)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on_round(self, peer: TrainingPeer, metrics: RoundMetrics) -> None:
+        with self.round_done:
+            self.params_after_round[metrics.round] = [p.detach().clone() for p in peer.params]
+            self.round_done.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self.history = self.peer.run()
+        except BaseException as e:  # surfaced by join()
+            self.error = e
+
+    def start(self) -> PeerThread:
+        self.thread.start()
+        return self
+
+    def wait_for_round(self, round_: int, timeout_s: float) -> None:
+        """Block until the peer has finished `round_` (condition wait, no sleeps)."""
+        with self.round_done:
+            ok = self.round_done.wait_for(
+                lambda: round_ in self.params_after_round or not self.thread.is_alive(), timeout=timeout_s)
+        assert ok and round_ in self.params_after_round, f"peer did not finish round {round_} in {timeout_s} s"
+
+    def join(self, timeout_s: float) -> list[RoundMetrics]:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"peer still running after {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.history
+
+
+def start_peer(config: PeerConfig, initial_peers: list[str] | None = None) -> TrainingPeer:
+    return TrainingPeer(config, initial_peers or [])
+
+
+def max_param_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=False))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition that has no event to wait on (state in another process), with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)

@@ -1,0 +1,70 @@
+"""Heterogeneous bandwidth: throughput estimates, inner steps per link, exchange deadlines (hand-computed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
+
+
+def test_inner_steps_hand_computed() -> None:
+    # 10 s rounds, 0.1 s per step: 100 steps of room
+    assert inner_steps_for_link(10.0, 0.1, 0.0, h_min=1, h_max=500) == 100
+    assert inner_steps_for_link(10.0, 0.1, 2.05, h_min=1, h_max=500) == 100 - 21  # ceil(20.5) = 21
+    assert inner_steps_for_link(10.0, 0.1, 0.0, h_min=1, h_max=80) == 80  # clamped from above
+    assert inner_steps_for_link(10.0, 0.1, 9.5, h_min=10, h_max=80) == 10  # 100 − 95 = 5, clamped from below
+    assert inner_steps_for_link(10.0, 0.1, 50.0, h_min=3, h_max=80) == 3  # comm longer than the round
+    assert inner_steps_for_link(10.0, 0.1, float("inf"), h_min=3, h_max=80) == 3
+
+
+def test_slow_link_gets_fewer_inner_steps() -> None:
+    payload_bytes, round_time_s, step_time_s = 50_000_000, 60.0, 0.2
+    fast, slow = ThroughputEMA(prior_bytes_per_s=1e8), ThroughputEMA(prior_bytes_per_s=1e8)
+    for _ in range(20):
+        fast.update_(payload_bytes, 0.5)  # 100 MB/s
+        slow.update_(payload_bytes, 25.0)  # 2 MB/s
+    h_fast = inner_steps_for_link(round_time_s, step_time_s, fast.transfer_time_s(payload_bytes), 5, 500)
+    h_slow = inner_steps_for_link(round_time_s, step_time_s, slow.transfer_time_s(payload_bytes), 5, 500)
+    assert h_fast == 300 - 3  # ceil(0.5 / 0.2) = 3
+    assert h_slow == pytest.approx(300 - 125, abs=1)  # the EMA is within a hair of 25 s after 20 updates
+    # both rounds then take about the same wall time: compute + own transfer
+    assert abs((h_fast * step_time_s + 0.5) - (h_slow * step_time_s + 25.0)) <= 2 * step_time_s
+
+
+def test_inner_steps_rejects_bad_arguments() -> None:
+    for args in ((10.0, 0.0, 1.0, 1, 10), (10.0, 0.1, -1.0, 1, 10), (10.0, 0.1, 1.0, 0, 10), (10.0, 0.1, 1.0, 5, 4)):
+        with pytest.raises(ValueError):
+            inner_steps_for_link(*args)
+
+
+def test_throughput_ema_hand_computed() -> None:
+    ema = ThroughputEMA(prior_bytes_per_s=1e6, smoothing=0.5)
+    assert ema.bytes_per_s == pytest.approx(1e6) and ema.num_measurements == 0
+    ema.update_(2_000_000, 1.0)  # 0.5 µs/byte: s/B = 1e-6 + 0.5 (0.5e-6 − 1e-6) = 0.75e-6
+    assert ema.bytes_per_s == pytest.approx(1 / 0.75e-6)
+    assert ema.transfer_time_s(4_000_000) == pytest.approx(3.0)
+    ema.update_(0, 1.0)  # empty exchanges carry no information
+    ema.update_(10, 0.0)
+    assert ema.num_measurements == 1
+
+
+def test_throughput_ema_converges_and_learns_from_timeouts() -> None:
+    ema = ThroughputEMA(prior_bytes_per_s=1e9, smoothing=0.3)
+    for _ in range(40):
+        ema.update_(1_000_000, 0.1)
+    assert ema.bytes_per_s == pytest.approx(1e7, rel=1e-3)
+    ema.update_timeout_(1_000_000, deadline_s=2.0)  # missed a 2 s deadline: at most 0.5 MB/s
+    assert ema.bytes_per_s <= 5e5
+    with pytest.raises(ValueError):
+        ThroughputEMA(prior_bytes_per_s=0.0)
+    with pytest.raises(ValueError):
+        ThroughputEMA(prior_bytes_per_s=1.0, smoothing=0.0)
+
+
+def test_exchange_deadline_hand_computed() -> None:
+    assert exchange_deadline_s(10_000_000, 1e6, safety_factor=3.0, floor_s=5.0) == pytest.approx(30.0)
+    assert exchange_deadline_s(1_000, 1e6, safety_factor=3.0, floor_s=5.0) == 5.0
+    with pytest.raises(ValueError):
+        exchange_deadline_s(1_000, 0.0, safety_factor=3.0, floor_s=5.0)
+    with pytest.raises(ValueError):
+        exchange_deadline_s(1_000, 1e6, safety_factor=0.5, floor_s=5.0)

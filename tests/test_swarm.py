@@ -1,0 +1,84 @@
+"""Real peers on loopback (real hivemind DHT, averager and P2P): DiLoCo training, agreement, status, joining."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from swarm_utils import PeerThread, max_param_difference, start_peer, tiny_config
+
+from p2ptrain.config import replace_section
+from p2ptrain.status import print_status
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+AGREEMENT_TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_three_peers_train_agree_and_are_listed():
+    config = tiny_config(f"swarm-{uuid.uuid4().hex[:6]}", run={"rounds": 4})
+    first = start_peer(config)
+    peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]
+    threads = [PeerThread(p) for p in peers]
+    try:
+        for thread in threads:
+            thread.start()
+        histories = [thread.join(timeout_s=240) for thread in threads]
+        for history in histories:
+            assert len(history) == 4
+            assert history[-1].train_loss < history[0].train_loss
+            assert history[-1].val_loss < history[0].val_loss
+        full_rounds = [r for r in range(10) if all(
+            any(m.round == r and m.peers_averaged == 3 for m in h) for h in histories)]
+        assert full_rounds, f"no round averaged all 3 peers: {[[m.peers_averaged for m in h] for h in histories]}"
+        last_full = max(full_rounds)
+        reference = threads[0].params_after_round[last_full]
+        for thread in threads[1:]:
+            assert max_param_difference(reference, thread.params_after_round[last_full]) < AGREEMENT_TOLERANCE
+        status_config = replace_section(config, "network", client_mode=True)
+        records = print_status(status_config, first.maddrs)
+        assert {r.peer_id for r in records} == {p.peer_id for p in peers}
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
+    run_id = f"join-{uuid.uuid4().hex[:6]}"
+    config = tiny_config(run_id, run={"rounds": 0})
+    a = start_peer(config)
+    b = start_peer(config, a.maddrs)
+    threads = [PeerThread(a), PeerThread(b)]
+    joiner = None
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.wait_for_round(3, timeout_s=180)
+        joiner = start_peer(replace_section(config, "run", rounds=1), a.maddrs)
+        joiner_thread = PeerThread(joiner).start()
+        (first_round,) = joiner_thread.join(timeout_s=120)
+        assert first_round.joined and first_round.round >= 3
+        assert first_round.peers_averaged == 3
+        for thread in threads:
+            thread.wait_for_round(first_round.round, timeout_s=60)
+            difference = max_param_difference(joiner_thread.params_after_round[first_round.round],
+                                              thread.params_after_round[first_round.round])
+            assert difference < AGREEMENT_TOLERANCE
+    finally:
+        for peer in (a, b):
+            peer.stop()
+        for thread in threads:
+            thread.thread.join(timeout=60)
+        for peer in (a, b, joiner):
+            if peer is not None:
+                peer.shutdown()
