@@ -56,7 +56,7 @@ class AllReduceAverager:
             return AveragingResult(own, group_size=1, seconds=time.monotonic() - started)
         self._averager.set_group_bits(round_group_bits(round_))
         with self._averager.get_tensors() as tensors:
-            for buffer, d in zip(tensors, own, strict=False):
+            for buffer, d in zip(tensors, own, strict=True):
                 buffer.copy_(d)
         try:
             gathered = self._averager.step(

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from p2ptrain.errors import CheckpointError, one_line
@@ -50,9 +49,10 @@ def save_checkpoint(directory: str | Path, checkpoint: TrainingCheckpoint) -> Pa
                 "fingerprint": checkpoint.fingerprint}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         _fsync_tree(staging)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # the same round again (Ctrl-C right after a periodic checkpoint): move the old aside
+            os.replace(final, staging.with_name(staging.name + "-old"))
         os.replace(staging, final)
+        shutil.rmtree(staging.with_name(staging.name + "-old"), ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _write_atomically(directory / "latest", final.name)
@@ -82,14 +82,17 @@ def load_checkpoint(path: str | Path) -> TrainingCheckpoint:
         meta = json.loads((path / "meta.json").read_text())
         model = load_file(str(path / "model.safetensors"))
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
-    except (OSError, ValueError, SafetensorError, RuntimeError, EOFError) as e:
+    except Exception as e:  # an untrusted file fails in many ways (pickle, safetensors, torch, JSON): all mean corrupt
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {one_line(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has an unknown format (expected version {FORMAT_VERSION})")
+    if not (isinstance(meta.get("round"), int) and meta["round"] >= 0 and isinstance(meta.get("config"), dict)
+            and isinstance(meta.get("fingerprint"), str)):
+        raise CheckpointError(f"checkpoint {path} has a damaged meta.json (round, config or fingerprint)")
     if not isinstance(state, dict) or not {"inner", "outer"} <= state.keys():
         raise CheckpointError(f"checkpoint {path} lacks optimizer state")
-    return TrainingCheckpoint(int(meta["round"]), model, state["inner"], state["outer"], meta["config"],
-                              str(meta["fingerprint"]))
+    return TrainingCheckpoint(meta["round"], model, state["inner"], state["outer"], meta["config"],
+                              meta["fingerprint"])
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -120,8 +120,12 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
          **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
+    from p2ptrain.network import parse_maddr
     from p2ptrain.peer import TrainingPeer
 
+    peers = split_peers(initial_peers)
+    for maddr in peers:
+        parse_maddr(maddr)  # before the slow start-up: a typo is reported at once
     overrides = network_overrides(kwargs)
     for flag, key in (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
                       ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
@@ -133,7 +137,7 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
         overrides["run.progress"] = False
     config = load_config(config_path, overrides)
     logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
-    training_peer = TrainingPeer(config, split_peers(initial_peers), resume=resume)
+    training_peer = TrainingPeer(config, peers, resume=resume)
     install_stop_handlers(training_peer.stop)
     try:
         click.echo(f"Peer {training_peer.peer_id} in run {config.run.run_id!r}. Others can join with:")
@@ -184,6 +188,8 @@ def testnet(**kwargs: Any) -> None:
 
 def main() -> None:
     """Entry point: one line and exit 2 for user mistakes (bad flags, config, files, unreachable peers)."""
+    if not sys.argv[1:]:
+        sys.argv.append("--help")
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

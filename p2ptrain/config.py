@@ -93,7 +93,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         elif path.suffix in (".yaml", ".yml", ".json"):
             loaded = yaml.safe_load(text)
         else:
-            raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+            raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml, .json or .toml")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {one_line(e)}") from None
     if loaded is None:
@@ -134,6 +134,8 @@ def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
 
 def _from_dict(cls: type[T], values: Any, where: str) -> T:
     section_name = where or "the config"
+    if values is None:  # an empty section in YAML (`run:` with nothing under it)
+        values = {}
     if not isinstance(values, dict):
         raise ConfigError(f"{section_name} must be a mapping, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, StateMismatchError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +44,12 @@ class OuterOptimizer:
     @torch.no_grad()
     def outer_gradient(self) -> list[torch.Tensor]:
         """Δ = anchor − current parameters (DiLoCo's pseudo-gradient), as new float32 tensors."""
-        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params, strict=False)]
+        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params, strict=True)]
 
     @torch.no_grad()
     def restore_anchor_(self) -> None:
         """Put the parameters back at the anchor (undoing the inner phase)."""
-        for p, a in zip(self.params, self.anchor, strict=False):
+        for p, a in zip(self.params, self.anchor, strict=True):
             p.copy_(a)
 
     def step_(self, mean_delta: Sequence[torch.Tensor]) -> None:
@@ -57,7 +57,7 @@ class OuterOptimizer:
         if len(mean_delta) != len(self.params):
             raise ValueError(f"expected {len(self.params)} outer-gradient tensors, got {len(mean_delta)}")
         self.restore_anchor_()
-        for p, d in zip(self.params, mean_delta, strict=False):
+        for p, d in zip(self.params, mean_delta, strict=True):
             p.grad = d.to(device=p.device, dtype=p.dtype).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -66,7 +66,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def reset_anchor_(self) -> None:
         """Make the current parameters the anchor (after a step, a state download or a checkpoint load)."""
-        for a, p in zip(self.anchor, self.params, strict=False):
+        for a, p in zip(self.anchor, self.params, strict=True):
             a.copy_(p.detach())
 
     def momentum_buffers(self) -> list[torch.Tensor]:
@@ -79,7 +79,14 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_momentum_buffers_(self, buffers: Sequence[torch.Tensor]) -> None:
-        for p, b in zip(self.params, buffers, strict=False):
+        """Load one buffer per parameter; a count or shape that does not fit changes nothing (StateMismatchError)."""
+        if len(buffers) != len(self.params):
+            raise StateMismatchError(f"got {len(buffers)} momentum buffers for {len(self.params)} parameters")
+        for p, b in zip(self.params, buffers, strict=True):
+            if tuple(b.shape) != tuple(p.shape):
+                raise StateMismatchError(f"momentum buffer of shape {tuple(b.shape)} for a parameter of shape "
+                                         f"{tuple(p.shape)}")
+        for p, b in zip(self.params, buffers, strict=True):
             self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
 
     def state_dict(self) -> dict[str, Any]:

@@ -235,7 +235,7 @@ class TrainingPeer:
     def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
         """Apply a fully validated snapshot: parameters, outer momentum, round (all or nothing)."""
         count = len(self.params)
-        for p, t in zip(self.params, snapshot.tensors[:count], strict=False):
+        for p, t in zip(self.params, snapshot.tensors[:count], strict=True):
             p.copy_(t.to(p.device))
         self.outer.load_momentum_buffers_(snapshot.tensors[count:])
         self.outer.reset_anchor_()
@@ -243,7 +243,7 @@ class TrainingPeer:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor, strict=False)}
+        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)}
         path = save_checkpoint(self.config.run.checkpoint_dir, TrainingCheckpoint(
             self.round, model, self.inner.state_dict(), self.outer.state_dict(), self.config.to_dict(),
             self.fingerprint))

@@ -45,14 +45,14 @@ class StateSnapshot:
 
 
 def layout_of(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> TensorLayout:
-    return [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors, strict=False)]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors, strict=True)]
 
 
 def check_tensors(expected: TensorLayout, tensors: Sequence[torch.Tensor], what: str = "state") -> None:
     """Raise StateMismatchError unless `tensors` match `expected` exactly and are all finite."""
     if len(tensors) != len(expected):
         raise StateMismatchError(f"{what} has {len(tensors)} tensors, expected {len(expected)}")
-    for (name, shape, dtype), tensor in zip(expected, tensors, strict=False):
+    for (name, shape, dtype), tensor in zip(expected, tensors, strict=True):
         if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype:
             raise StateMismatchError(f"{what} tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
                                      f"{tuple(shape)} {dtype}")

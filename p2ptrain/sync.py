@@ -59,4 +59,4 @@ def weighted_mean(deltas: Sequence[Sequence[torch.Tensor]], weights: Sequence[fl
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weights must sum to a positive number")
-    return [sum(w * d[k] for w, d in zip(weights, deltas, strict=False)) / total for k in range(len(deltas[0]))]  # type: ignore[misc]
+    return [sum(w * d[k] for w, d in zip(weights, deltas, strict=True)) / total for k in range(len(deltas[0]))]  # type: ignore[misc]

@@ -1,9 +1,13 @@
-"""Shared fixtures: every test reaps the processes it started, and the suite fails if a p2pd daemon outlives it."""
+"""Shared fixtures: every test reaps the processes it started, and the suite fails if a p2pd daemon outlives it.
+
+The pytest process makes itself a child subreaper, so a daemon orphaned by a killed DHT process is re-parented
+to pytest and still counts as ours; daemons of other programs on the machine are never looked at or touched.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
-import time
 
 import psutil
 import pytest
@@ -13,63 +17,61 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
+PR_SET_CHILD_SUBREAPER = 36
 
 
-def _p2pd_pids() -> set[int]:
-    pids = set()
-    for process in psutil.process_iter(["name", "cmdline"]):
-        try:
-            name = process.info["name"] or ""
-            cmdline = " ".join(process.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if name == "p2pd" or cmdline.split(" ")[0].endswith("/p2pd"):
-            pids.add(process.pid)
-    return pids
-
-
-def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    _gone, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    return alive
-
-
-def _reapable(process: psutil.Process) -> bool:
-    """torch's shared-memory manager lives as long as this process and must not be killed before it."""
+def _become_subreaper() -> None:
     try:
-        return process.name() != "torch_shm_manager"
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init and are not tracked
+        pass
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
     except psutil.NoSuchProcess:
-        return False
+        return ""
+
+
+def _our_descendants() -> list[psutil.Process]:
+    """Descendants of this pytest process, except torch's shared-memory manager (it must outlive us)."""
+    return [p for p in psutil.Process().children(recursive=True) if _name(p) not in ("", "torch_shm_manager")]
+
+
+def _terminate(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """SIGTERM, wait, SIGKILL what is left; returns the processes that needed SIGKILL."""
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(processes, timeout=REAP_GRACE_S)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 @pytest.fixture(autouse=True)
 def reap_children():
-    """Kill whatever child processes a test left behind (hivemind's DHT and averager run as children)."""
+    """Kill whatever child processes a test left behind (hivemind's DHT, averager and p2pd run as children)."""
     yield
-    children = [c for c in psutil.Process().children(recursive=True) if _reapable(c)]
-    alive = _wait_gone(children, timeout_s=0.5) if children else []
-    for child in alive:
-        try:
-            child.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    for child in _wait_gone(alive, timeout_s=REAP_GRACE_S):
-        child.kill()
+    leftovers = _our_descendants()
+    if leftovers:
+        _gone, alive = psutil.wait_procs(leftovers, timeout=0.5)
+        _terminate(alive)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_p2pd():
-    """A p2pd daemon started during the suite and still running at its end is a failure (and is killed)."""
-    before = _p2pd_pids()
+    """A p2pd daemon of ours still running at the end of the suite is a failure (and is killed)."""
+    _become_subreaper()
     yield
-    deadline = time.monotonic() + REAP_GRACE_S
-    leftover = _p2pd_pids() - before
-    while leftover and time.monotonic() < deadline:
-        time.sleep(0.2)  # daemons exit asynchronously after their owner's shutdown; poll with a deadline
-        leftover = _p2pd_pids() - before
-    for pid in leftover:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.NoSuchProcess:
-            pass
-    if leftover:
-        pytest.fail(f"{len(leftover)} p2pd daemon(s) outlived the test suite: {sorted(leftover)}")
+    daemons = [p for p in _our_descendants() if _name(p) == "p2pd"]
+    _gone, alive = psutil.wait_procs(daemons, timeout=REAP_GRACE_S)
+    if alive:
+        _terminate(alive)
+        pytest.fail(f"{len(alive)} p2pd daemon(s) outlived the test suite: {sorted(p.pid for p in alive)}")

@@ -77,7 +77,7 @@ def start_peer(config: PeerConfig, initial_peers: list[str] | None = None) -> Tr
 
 
 def max_param_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=False))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
