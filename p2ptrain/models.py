@@ -47,7 +47,7 @@ def build_model(config: ModelConfig, vocab_size: int, seed: int) -> PreTrainedMo
         model = _load_pretrained(config.name)
     else:
         model = AutoModelForCausalLM.from_config(_load_hf_config(config.name))
-    embeddings = int(model.get_input_embeddings().weight.shape[0])
+    embeddings = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]
     if embeddings < vocab_size:
         raise UserError(f"model {config.name!r} has {embeddings} token embeddings but the tokenizer has {vocab_size} "
                         f"ids: use a matching tokenizer (data.tokenizer)")
