@@ -1,4 +1,4 @@
-"""DiLoCo's averaging stage: an exact all-reduce of outer gradients with hivemind's DecentralizedAverager.
+"""Exact averaging of outer gradients with hivemind's DecentralizedAverager (DiLoCo, and Factored's Mix2).
 
 Peers of the same round meet under one group key: the round number is written into the averager's group bits
 before each step, so a peer a round behind or ahead can never be averaged with this round's gradients.
@@ -6,18 +6,31 @@ before each step, so a peer a round behind or ahead can never be averaged with t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 
 import hivemind
 import torch
-
-from p2ptrain.sync import AveragingResult, SyncConfig
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 in the group key
+CODECS: dict[str, type[CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
+BYTES_PER_VALUE = {"none": 4, "fp16": 2}
+
+
+@dataclasses.dataclass
+class AveragingResult:
+    """The gradient to apply and what it cost."""
+
+    delta: list[torch.Tensor]
+    group_size: int  # peers whose gradients were averaged, ourselves included
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
 
 
 def round_group_bits(round_: int) -> str:
@@ -29,49 +42,74 @@ def allreduce_traffic_bytes(vector_bytes: int, group_size: int) -> int:
     return int(2 * vector_bytes * (group_size - 1) / max(1, group_size))
 
 
-class AllReduceAverager:
-    """Averages Δ with every peer of the round that shows up within `matchmaking_s`; alone, returns Δ."""
+class PendingAverage:
+    """An all-reduce running in the background (one-step-delay overlap); `result()` waits for it."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, template: Sequence[torch.Tensor], config: SyncConfig):
-        self.config = config
-        self.vector_bytes = sum(t.numel() * 4 for t in template)
+    def __init__(self, averager: AllReduceAverager, own: list[torch.Tensor], control: object, started: float):
+        self.averager, self.own, self.control, self.started = averager, own, control, started
+
+    def result(self) -> AveragingResult:
+        try:
+            gathered = self.control.result() if self.control is not None else None  # type: ignore[attr-defined]
+        except Exception as e:  # a failed all-reduce must not stop training: our own Δ stands in
+            logger.warning(f"background all-reduce failed ({e!r}); applying this peer's outer gradient")
+            gathered = None
+        return self.averager.collect(self.own, gathered, self.started)
+
+
+class AllReduceAverager:
+    """Averages Δ with the peers of the round that show up within `matchmaking_s`; alone, returns Δ."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], matchmaking_s: float,
+                 allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None):
+        self.matchmaking_s = matchmaking_s
+        self.vector_bytes = sum(t.numel() * BYTES_PER_VALUE[codec] for t in template)
         self._averager = hivemind.DecentralizedAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
             dht=dht,
             start=True,
-            prefix=f"{run_id}_diloco",
+            prefix=prefix,
             initial_group_bits=round_group_bits(0),
+            target_group_size=target_group_size,
             min_group_size=2,
-            min_matchmaking_time=config.matchmaking_s,
-            request_timeout=max(1.0, config.matchmaking_s / 2),
-            allreduce_timeout=config.allreduce_timeout_s,
-            next_chunk_timeout=config.allreduce_timeout_s / 2,
+            min_matchmaking_time=matchmaking_s,
+            request_timeout=max(1.0, matchmaking_s / 2),
+            allreduce_timeout=allreduce_timeout_s,
+            next_chunk_timeout=allreduce_timeout_s / 2,
+            compression=CODECS[codec](),
             allow_state_sharing=False,
         )
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> AveragingResult:
+        """Blocking: the weighted mean of Δ over the group (Δ itself when alone or when the all-reduce fails)."""
+        return self.launch(delta, round_, weight, partners).result()
+
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> PendingAverage:
+        """Start averaging Δ in the background; `result()` of the returned handle finishes it."""
         started = time.monotonic()
         own = [d.detach().float().cpu().clone() for d in delta]
         if partners <= 0:
-            return AveragingResult(own, group_size=1, seconds=time.monotonic() - started)
+            return PendingAverage(self, own, None, started)
         self._averager.set_group_bits(round_group_bits(round_))
         with self._averager.get_tensors() as tensors:
             for buffer, d in zip(tensors, own, strict=True):
                 buffer.copy_(d)
         try:
-            gathered = self._averager.step(
-                gather={"round": round_}, weight=max(weight, 1e-6),
-                timeout=self.config.matchmaking_s * 2 + 1.0, allow_retries=True,
-            )
-        except Exception as e:  # a failed all-reduce must not stop training: apply our own Δ this round
-            logger.warning(f"all-reduce of round {round_} failed ({e!r}); applying this peer's outer gradient")
-            gathered = None
+            control = self._averager.step(gather={"round": round_}, weight=max(weight, 1e-6), wait=False,
+                                          timeout=self.matchmaking_s * 2 + 1.0, allow_retries=True)
+        except Exception as e:  # could not even start: our own Δ stands in
+            logger.warning(f"all-reduce of round {round_} did not start ({e!r})")
+            control = None
+        return PendingAverage(self, own, control, started)
+
+    def collect(self, own: list[torch.Tensor], gathered: object, started: float) -> AveragingResult:
         if not gathered:
             return AveragingResult(own, group_size=1, seconds=time.monotonic() - started)
         with self._averager.get_tensors() as tensors:
             mean = [t.clone() for t in tensors]
-        traffic = allreduce_traffic_bytes(self.vector_bytes, len(gathered))
-        return AveragingResult(mean, len(gathered), traffic, traffic, time.monotonic() - started)
+        group_size = len(gathered)  # type: ignore[arg-type]
+        traffic = allreduce_traffic_bytes(self.vector_bytes, group_size)
+        return AveragingResult(mean, group_size, traffic, traffic, time.monotonic() - started)
 
     def shutdown(self) -> None:
         self._averager.shutdown()

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from p2ptrain.errors import UserError
+from p2ptrain.sync import SYNC_MODES
 
 EXIT_USER_ERROR = 2
 
@@ -108,6 +109,8 @@ def bootstrap(address_file: str | None, **kwargs: Any) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML or TOML file with the knobs.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), help="Where to train (default auto).")
 @click.option("--model", help="Model preset (tiny, small, base), local path or hub id.")
+@click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync: diloco (all-reduce), gasloc or factored "
+                                                            "(gossip).")
 @click.option("--rounds", type=click.IntRange(min=0), help="Outer rounds to run (0: until stopped).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
@@ -128,6 +131,7 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
         parse_maddr(maddr)  # before the slow start-up: a typo is reported at once
     overrides = network_overrides(kwargs)
     for flag, key in (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
+                      ("sync", "sync.mode"),
                       ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
                       ("metrics_path", "run.metrics_path"), ("shard_index", "run.shard_index"),
                       ("torch_threads", "run.torch_threads")):
@@ -174,6 +178,7 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) ->
               help="Training peers to start.")
 @click.option("--rounds", default=None, type=click.IntRange(min=1), help="Rounds each peer runs.")
 @click.option("--model", default=None, help="Model preset for every peer.")
+@click.option("--sync", default=None, type=click.Choice(SYNC_MODES), help="Outer sync of every peer.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file for every peer.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go (default: a temp dir).")
 @click.option("--timeout", "timeout_s", default=900, show_default=True, type=click.IntRange(min=10),

@@ -28,6 +28,13 @@ class RoundMetrics:
     peers_averaged: int  # group size of this round's averaging, ourselves included
     round_s: float  # wall-clock seconds of the whole round
     joined: bool = False  # this round started from state downloaded from a peer
+    sync: str = "diloco"  # the outer-sync mode
+    partners: list[str] = dataclasses.field(default_factory=list)  # peers this peer started exchanges with
+    codec: str = "none"
+    exchange_s: float = 0.0  # seconds spent in exchanges (overlapped with compute for factored's Mix1)
+    consensus_distance: list[float] = dataclasses.field(default_factory=list)  # ‖θ_i − θ_j‖/‖θ_i‖ per exchange
+    failed_exchanges: int = 0
+    refused_exchanges: int = 0
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> str:

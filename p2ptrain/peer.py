@@ -22,7 +22,6 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2ptrain.aio import BackgroundLoop
-from p2ptrain.allreduce import AllReduceAverager
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import TextShards, build_tokenizer, shard_for_peer
@@ -33,8 +32,10 @@ from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, model_fingerprint
 from p2ptrain.network import start_dht, visible_maddrs
 from p2ptrain.outer import OuterOptimizer
+from p2ptrain.outer_sync import build_outer_sync
+from p2ptrain.pacing import inner_steps_for_link
 from p2ptrain.state_sharing import StateServer, StateSnapshot, check_tensors, download_state, layout_of
-from p2ptrain.sync import OuterGradientAverager
+from p2ptrain.sync import OuterSync, RoundContext
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,16 @@ class TrainingPeer:
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.fingerprint = model_fingerprint(self.model)
+        self.initial_params = [p.detach().float().cpu().clone() for p in self.params]  # θ_0: gossip's reference
         self.inner = InnerTrainer(self.model, config.inner, self.device)
         self.outer = OuterOptimizer(self.params, config.outer)
         self.round, self.synced, self.joined_this_round = 0, True, False
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
-        if resume:
-            self._resume_from_checkpoint()
+        self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
+        checkpoint = self._load_checkpoint() if resume else None
         self._start_network(initial_peers)
+        if checkpoint is not None:
+            self._apply_sync_state(checkpoint)
         shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
             self.peer_id, config.data.num_shards)
         self.data = TextShards(config.data, self.tokenizer, shard)
@@ -92,7 +96,8 @@ class TrainingPeer:
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
         self.loop.run(StateServer(lambda: self._snapshot).add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
-        self.averager: OuterGradientAverager = AllReduceAverager(self.dht, cfg.run.run_id, self.params, cfg.sync)
+        self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
+                                                self.fingerprint, self.initial_params, seed=hash(self.peer_id))
         record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
@@ -136,10 +141,11 @@ class TrainingPeer:
         self.joined_this_round = self._catch_up_if_needed(view)
         round_ = self.round
         self._publish_round_start(view)
+        self.sync.start_round(self._context(view, inner_steps=0))
         deadline = self._inner_deadline(view)
         peers_in_round = 1 + len(view.at_round(round_))
         phase = self.inner.run_phase(
-            self.batches, self.config.inner.steps, deadline,
+            self.batches, self._inner_steps(), deadline,
             on_step=lambda step, loss: self._on_inner_step(bar, round_, step, loss, peers_in_round),
             stop=self.stop_event)
         if self.stop_event.is_set():
@@ -148,40 +154,58 @@ class TrainingPeer:
         self._update_step_time(phase.compute_s / max(1, phase.steps))
         self.announcer.update(phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss, publish=True)
         sync_started = time.monotonic()
-        partners = len(self.swarm().at_round(round_))
-        result = self.averager.average(self.outer.outer_gradient(), round_, float(phase.steps), partners)
-        self.outer.step_(result.delta)
+        context = self._context(self.swarm(), inner_steps=phase.steps)
+        result = self.sync.finish_round(context)
         comm_blocked_s = time.monotonic() - sync_started
-        self.synced = 2 * result.group_size > 1 + partners
+        self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
+        self.synced = 2 * result.group_size > 1 + context.same_round_peers
         self.round += 1
         val_loss = self.inner.evaluate(self.val_batches)
         metrics = RoundMetrics(
             self.peer_id, round_, phase.steps, phase.mean_loss, val_loss, phase.tokens / max(phase.compute_s, 1e-9),
             phase.compute_s, comm_blocked_s, result.bytes_sent, result.bytes_received, result.group_size,
-            time.monotonic() - started, joined=self.joined_this_round)
+            time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
+            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
+            consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
+            refused_exchanges=result.refused)
         self.metrics_log.write(metrics)
         self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced)
         return metrics
+
+    def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
+        others = [r for r in view.others if r.phase != "joining"]
+        phase_s = self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
+        return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
+                            phase_s)
+
+    def _inner_steps(self) -> int:
+        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule)."""
+        steps = self.config.inner.steps
+        if not self.config.sync.adapt_inner_steps or math.isnan(self.step_time_s) or math.isnan(self.blocked_s):
+            return steps
+        return inner_steps_for_link(steps * self.step_time_s, self.step_time_s, self.blocked_s,
+                                    self.config.inner.min_steps, steps)
 
     def _on_inner_step(self, bar: ProgressBar, round_: int, step: int, loss: float, peers: int) -> None:
         self.announcer.update(inner_step=step, train_loss=loss)
         bar.inner_step(round_, step, loss, peers)
 
     def _update_step_time(self, seconds: float) -> None:
-        self.step_time_s = seconds if math.isnan(self.step_time_s) else 0.7 * self.step_time_s + 0.3 * seconds
+        self.step_time_s = _ema(self.step_time_s, seconds)
 
     def _publish_round_start(self, view: SwarmView) -> None:
         """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        buffers = self.outer.momentum_buffers()
-        named: list[tuple[str, torch.Tensor]] = [(f"param:{n}", p) for n, p in self.named_params]
-        named += [(f"momentum:{n}", b) for (n, _), b in zip(self.named_params, buffers, strict=True)]
         self._snapshot = StateSnapshot.capture(
-            dict(round=self.round, fingerprint=self.fingerprint, run_id=self.config.run.run_id), named)
+            dict(round=self.round, fingerprint=self.fingerprint, run_id=self.config.run.run_id),
+            self._named_state())
         self.announcer.update(round=self.round, inner_step=0, phase="inner", round_eta=eta, publish=True)
 
     def _inner_deadline(self, view: SwarmView) -> float:
-        """End the inner phase when the latest peer already in this round expects to end it (monotonic time)."""
+        """End the inner phase when the latest peer already in this round expects to end it (monotonic time);
+        only when peers sync round by round (gossip peers never wait for each other)."""
+        if not self.config.sync.aligned_rounds:
+            return math.inf
         etas = [r.round_eta for r in view.at_round(self.round) if r.phase == "inner" and r.round_eta > 0]
         if not etas:
             return math.inf
@@ -190,11 +214,11 @@ class TrainingPeer:
     # ---- joining and catching up ----------------------------------------------------------------------------
     def _donors(self, view: SwarmView) -> list[PeerRecord]:
         """Peers to download state from, best first; empty when this peer is in step with the swarm."""
-        ahead = view.ahead_of(self.round)
+        ahead = view.ahead_of(self.round) if self.config.sync.aligned_rounds else []
         fresh_process = self.round == 0 and not self.joined_ever and view.others
         if ahead or fresh_process:
             candidates = [r for r in view.others if r.round >= self.round and r.phase != "joining"]
-        elif not self.synced:
+        elif not self.synced and self.config.sync.aligned_rounds:
             candidates = [r for r in view.at_round(self.round) if r.synced and r.phase != "joining"]
         else:
             candidates = []
@@ -223,33 +247,39 @@ class TrainingPeer:
         self.joined_ever = self.joined_ever or bool(view.others)
         return False
 
+    def _named_state(self) -> list[tuple[str, torch.Tensor]]:
+        """What a joiner downloads and a checkpoint keeps: the anchor and the outer-sync state, by name."""
+        named = [(f"param:{n}", a) for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)]
+        return named + [(f"sync:{n}", t) for n, t in self.sync.state_tensors()]
+
     def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
-        names = [f"param:{n}" for n, _ in self.named_params] + [f"momentum:{n}" for n, _ in self.named_params]
-        tensors = [p.detach().cpu() for p in self.params] * 2
-        return layout_of(names, tensors)
+        named = self._named_state()
+        return layout_of([n for n, _ in named], [t.detach().cpu() for _, t in named])
 
     def _state_nbytes(self) -> int:
-        return 2 * sum(p.numel() * p.element_size() for p in self.params)
+        return sum(t.numel() * t.element_size() for _, t in self._named_state())
 
     @torch.no_grad()
     def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
-        """Apply a fully validated snapshot: parameters, outer momentum, round (all or nothing)."""
+        """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing)."""
         count = len(self.params)
         for p, t in zip(self.params, snapshot.tensors[:count], strict=True):
             p.copy_(t.to(p.device))
-        self.outer.load_momentum_buffers_(snapshot.tensors[count:])
         self.outer.reset_anchor_()
+        self.sync.load_state_tensors_(snapshot.tensors[count:])
         self.round = int(snapshot.metadata["round"])
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)}
+        sync_state = {"mode": self.config.sync.mode,
+                      "tensors": [t.detach().cpu().clone() for _, t in self.sync.state_tensors()]}
         path = save_checkpoint(self.config.run.checkpoint_dir, TrainingCheckpoint(
-            self.round, model, self.inner.state_dict(), self.outer.state_dict(), self.config.to_dict(),
-            self.fingerprint))
+            self.round, model, self.inner.state_dict(), sync_state, self.config.to_dict(), self.fingerprint))
         logger.info(f"checkpoint written to {path}")
 
-    def _resume_from_checkpoint(self) -> None:
+    def _load_checkpoint(self) -> TrainingCheckpoint:
+        """Load and apply the model and inner state (before the network starts, so a bad file fails fast)."""
         if not self.config.run.checkpoint_dir:
             raise UserError("--resume needs a checkpoint directory (run.checkpoint_dir or --checkpoint-dir)")
         checkpoint = load_checkpoint(self.config.run.checkpoint_dir)
@@ -266,21 +296,40 @@ class TrainingPeer:
                 for n, p in self.named_params:
                     p.copy_(checkpoint.model[n].to(p.device))
             self.inner.load_state_dict(checkpoint.inner)
-            self.outer.load_state_dict(checkpoint.outer)
         except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
+        if checkpoint.outer.get("mode") != self.config.sync.mode:
+            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} was written with sync.mode "
+                                  f"{checkpoint.outer.get('mode')!r}, not {self.config.sync.mode!r}")
+        self.outer.reset_anchor_()
         self.round = checkpoint.round
         self.joined_ever = False
+        return checkpoint
+
+    def _apply_sync_state(self, checkpoint: TrainingCheckpoint) -> None:
+        expected = layout_of([n for n, _ in self.sync.state_tensors()],
+                             [t.detach().cpu() for _, t in self.sync.state_tensors()])
+        tensors = checkpoint.outer.get("tensors")
+        try:
+            check_tensors(expected, tensors if isinstance(tensors, list) else [], what="checkpoint outer state")
+        except StateMismatchError as e:
+            self.shutdown()
+            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
+        self.sync.load_state_tensors_(tensors)  # type: ignore[arg-type]
 
     # ---- shutdown -----------------------------------------------------------------------------------------------
     def stop(self) -> None:
         self.stop_event.set()
 
     def shutdown(self) -> None:
-        closers = (self.announcer.stop, self.averager.shutdown,
+        closers = (self.announcer.stop, self.sync.shutdown,
                    lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown)
         for close in closers:
             try:
                 close()
             except Exception:  # shutting down: report, continue closing the rest
                 logger.debug("error while shutting down", exc_info=True)
+
+
+def _ema(previous: float, sample: float, weight: float = 0.3) -> float:
+    return sample if math.isnan(previous) else (1 - weight) * previous + weight * sample

@@ -1,8 +1,10 @@
-"""How peers combine their outer gradients: the swappable averaging stage and its configuration.
+"""How peers combine their work after an inner phase: the swappable outer-sync stage and its configuration.
 
-An `OuterGradientAverager` takes this peer's outer gradient for a round and returns the gradient to apply (the
-group mean for DiLoCo). A peer with no partners gets its own gradient back through the same call: there is no
-separate solo code path.
+An `OuterSync` takes the round's anchor θ_r and the parameters after the inner phase θ_r', talks to other peers,
+and leaves the parameters at θ_{r+1} (which becomes the next anchor). Three implementations (`outer_sync.py`):
+`diloco` (exact all-reduce of outer gradients), `gasloc` (gossip of proposals with 1 or 2 random peers) and
+`factored` (background parameter gossip + periodic blocking gradient mixing). A peer with no partners runs the
+same code: mixing with nobody is the identity.
 """
 
 from __future__ import annotations
@@ -15,48 +17,100 @@ import torch
 
 from p2ptrain.errors import ConfigError
 
-SYNC_MODES = ("diloco",)
+SYNC_MODES = ("diloco", "gasloc", "factored")
+OVERLAP_MODES = ("none", "delayed", "eager")
+PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
+GRAD_CODECS = ("none", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    """The averaging stage. `diloco`: exact all-reduce of Δ over every live peer of the round (blocking)."""
+    """The outer-sync stage. Outer lr η and momentum γ are `outer.lr` and `outer.momentum` in every mode."""
 
-    mode: str = "diloco"
+    mode: str = "diloco"  # diloco | gasloc | factored
+    # diloco, and factored's Mix2: an all-reduce among the peers of the round
     matchmaking_s: float = 3.0  # how long a peer waits for the others of its round to form a group
     allreduce_timeout_s: float = 60.0  # an all-reduce that takes longer is abandoned (own Δ is applied)
+    overlap: str = "none"  # diloco only: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
+    grad_codec: str = "none"  # outer gradients in the all-reduce: none (fp32) | fp16
+    # gasloc, and factored's Mix1: push-pull gossip with random live peers
+    gossip_peers: int = 1  # partners per round: 1 = pair averaging (weight 1/2), 2 = weights 1/3
+    param_codec: str = "fp16"  # parameters travel as codec(θ − θ_0): fp16 | none | int8 | adaptive
+    exchange_safety_factor: float = 4.0  # deadline = factor × payload bytes / measured link throughput
+    max_partner_distance: float = 1.0  # refuse a partner whose parameters are farther than this × ‖ours‖
+    # factored
+    mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
+    mix2_group_size: int = 3  # peers per Mix2 all-reduce group (2 partners + self = the "2-peer" graph)
+    # all modes
+    adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
     state_download_timeout_s: float = 60.0  # per-chunk deadline when a joiner downloads state
 
     def __post_init__(self) -> None:
-        if self.mode not in SYNC_MODES:
-            raise ConfigError(f"sync.mode must be one of {', '.join(SYNC_MODES)}, got {self.mode!r}")
-        if self.matchmaking_s <= 0 or self.allreduce_timeout_s <= 0 or self.state_download_timeout_s <= 0:
+        choices = (("mode", SYNC_MODES), ("overlap", OVERLAP_MODES), ("param_codec", PARAM_CODECS),
+                   ("grad_codec", GRAD_CODECS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.overlap != "none" and self.mode != "diloco":
+            raise ConfigError("sync.overlap applies to sync.mode diloco only (factored overlaps its Mix1 already)")
+        if self.gossip_peers not in (1, 2):
+            raise ConfigError(f"sync.gossip_peers must be 1 or 2, got {self.gossip_peers}")
+        if min(self.matchmaking_s, self.allreduce_timeout_s, self.state_download_timeout_s) <= 0:
             raise ConfigError("sync.matchmaking_s, sync.allreduce_timeout_s and sync.state_download_timeout_s "
                               "must be > 0 seconds")
+        if self.exchange_safety_factor < 1 or self.max_partner_distance <= 0:
+            raise ConfigError("sync.exchange_safety_factor must be >= 1 and sync.max_partner_distance > 0")
+        if self.mix2_every < 1 or self.mix2_group_size < 2:
+            raise ConfigError("sync.mix2_every must be >= 1 round and sync.mix2_group_size >= 2 peers")
+
+    @property
+    def aligned_rounds(self) -> bool:
+        """Whether peers must be in the same round to sync (all-reduce modes) or gossip at any time."""
+        return self.mode == "diloco"
 
 
 @dataclasses.dataclass
-class AveragingResult:
-    """The gradient to apply and what it cost."""
+class RoundContext:
+    """What the outer sync may know about the swarm at the end of a round."""
 
-    delta: list[torch.Tensor]
-    group_size: int  # peers whose gradients were averaged, ourselves included
+    round: int
+    inner_steps: int
+    live_peers: list[str]  # peer ids of other live peers (any round)
+    same_round_peers: int  # how many of them are in this round
+    inner_phase_s: float = float("inf")  # expected length of this round's inner phase (inf until measured)
+
+
+@dataclasses.dataclass
+class RoundSync:
+    """What the outer sync of one round did and cost."""
+
+    group_size: int = 1  # peers whose contributions were combined, ourselves included
+    partners: list[str] = dataclasses.field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
-    seconds: float = 0.0
+    exchange_s: float = 0.0  # seconds spent in exchanges (blocking or not)
+    codec: str = "none"
+    consensus_distance: list[float] = dataclasses.field(default_factory=list)  # ‖θ_i − θ_j‖/‖θ_i‖ per partner
+    failed: int = 0  # exchanges that timed out or carried invalid data
+    refused: int = 0  # partners that were busy or declined
 
 
-class OuterGradientAverager(Protocol):
-    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> AveragingResult:
-        """Combine `delta` (this peer's Δ for `round_`, weighted by `weight`) with up to `partners` other peers."""
+class OuterSync(Protocol):
+    def start_round(self, context: RoundContext) -> None:
+        """Called right after the anchor θ_r is fixed, before the inner phase (background work may start)."""
+        ...
+
+    def finish_round(self, context: RoundContext) -> RoundSync:
+        """Combine with other peers and leave the parameters (and the anchor) at θ_{r+1}."""
+        ...
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The outer state a joiner needs and a checkpoint keeps (momentum, previous iterate, ...)."""
+        ...
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Load tensors in the order of `state_tensors()` (validated by the caller)."""
         ...
 
     def shutdown(self) -> None: ...
 
-
-def weighted_mean(deltas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
-    """Σ w_i Δ_i / Σ w_i, tensor by tensor (the exact average the all-reduce computes)."""
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("weights must sum to a positive number")
-    return [sum(w * d[k] for w, d in zip(weights, deltas, strict=True)) / total for k in range(len(deltas[0]))]  # type: ignore[misc]

@@ -30,6 +30,7 @@ class TestnetOptions:
     num_peers: int = 4
     rounds: int | None = None  # default: 8
     model: str | None = None  # default: the config's model (small)
+    sync: str | None = None  # default: the config's sync mode (diloco)
     config_path: str | None = None
     workdir: str | None = None
     timeout_s: int = 900
@@ -109,6 +110,8 @@ def peer_argv(options: TestnetOptions, index: int, bootstrap_maddr: str, run_id:
         argv += ["--config", options.config_path]
     if options.model:
         argv += ["--model", options.model]
+    if options.sync:
+        argv += ["--sync", options.sync]
     return argv + list(options.extra_peer_args)
 
 
@@ -116,10 +119,12 @@ def run_testnet(options: TestnetOptions) -> bool:
     """Run the testnet to completion; True when every peer trained."""
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="p2ptrain-testnet-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    for stale in [workdir / "bootstrap.addr", *workdir.glob("peer*.jsonl")]:  # from an earlier run in this dir
+        stale.unlink(missing_ok=True)
     run_id = f"testnet-{uuid.uuid4().hex[:8]}"
     group = ProcessGroup()
     click.echo(f"testnet: bootstrap + {options.num_peers} peers on loopback, {options.resolved_rounds} rounds each, "
-               f"logs in {workdir}")
+               f"sync {options.sync or 'from config'}, logs in {workdir}")
     try:
         bootstrap = group.start("bootstrap", cli_argv("bootstrap", "--loopback", "--address-file",
                                                       str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")

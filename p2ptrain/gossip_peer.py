@@ -1,0 +1,222 @@
+"""A peer's side of gossip: what it offers, how it validates a partner's payload, and how it mixes.
+
+Every peer has a *public value* = base + c: `base` is set by the round loop (the anchor θ_r during the inner
+phase, the proposal y while it mixes at the round's end) and `c` accumulates the corrections of exchanges other
+peers started with it. An exchange with weight w between values a and b moves a by w(b − a) and b by w(a − b), so
+the sum over the swarm is preserved whoever started it. Values travel as codec(value − θ_0), a reference every
+peer holds (the run's seeded initial parameters), as 16-bit differences by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from p2ptrain.compression import choose_codec_for_link, payload_bytes, relative_decode, relative_encode
+from p2ptrain.gossip import ExchangeRefused, GossipServicer, OpenExchange, Payload, push_pull
+from p2ptrain.mixing import consensus_distance
+from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.sync import RoundSync, SyncConfig
+from p2ptrain.topology import draw_partners
+from p2ptrain.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
+DEADLINE_FLOOR_S = 2.0  # connection set-up and round trips that do not scale with the payload
+PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
+ROUND_RETRY_S = 0.25  # Mix1: wait before asking again a partner that has not reached our round yet
+WRONG_ROUND = "not in this round"
+
+
+class _Exchange:
+    """One accepted incoming exchange (the responder's side)."""
+
+    def __init__(self, mixer: GossipMixer, weight: float, public: list[torch.Tensor], header: dict[str, Any]):
+        self.mixer, self.weight, self.public = mixer, weight, public
+        self.codec = str(header.get("codec", "fp16"))
+        self.payload = relative_encode(public, mixer.reference, self.codec)
+        self.header = {"codec": self.codec, "round": mixer.round}
+
+    def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Any:
+        partner = self.mixer.decode_partner(partner_header, partner_payload, own=self.public)
+
+        def apply() -> None:
+            self.mixer.add_correction_(self.weight, partner, self.public)
+
+        return apply
+
+    def close(self) -> None:
+        self.mixer.release_responder()
+
+
+class GossipMixer:
+    """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters)."""
+
+    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
+                 config: SyncConfig, seed: int, same_round_only: bool = False):
+        self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
+        self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
+        self.reference = [t.detach().float().cpu().clone() for t in reference]
+        self.raw_bytes = sum(t.numel() * 4 for t in self.reference)
+        self.max_payload_bytes = self.raw_bytes + 2**20
+        self.rng = random.Random(seed)
+        self.round = 0
+        self._lock = threading.Lock()
+        self._base = [t.clone() for t in self.reference]
+        self._correction = [torch.zeros_like(t) for t in self.reference]
+        self._responding = False
+        self._waiting_for_round = False
+        self.give_up_at = 0.0  # `mix` stops waiting for partners to reach its round at this time.monotonic()
+        self.links: dict[str, ThroughputEMA] = {}
+        self.incoming = RoundSync(group_size=0)  # what exchanges others started with us did this round
+        self.budget_s = float("inf")  # time an exchange may take without delaying training (adaptive codec)
+
+    @property
+    def namespace(self) -> str:
+        return f"{self.run_id}.{self.kind}"
+
+    async def register(self) -> None:
+        servicer = GossipServicer(self, self.max_payload_bytes, chunk_timeout_s=self.config.state_download_timeout_s)
+        await servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+
+    # ---- the public value ----------------------------------------------------------------------------------------
+    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            self._base = [t.detach().float().cpu().clone() for t in base]
+
+    def take_correction_(self) -> list[torch.Tensor]:
+        """Return and reset c (what others' exchanges moved our value by since the last call)."""
+        with self._lock:
+            correction, self._correction = self._correction, [torch.zeros_like(t) for t in self.reference]
+            return correction
+
+    def take_incoming_stats(self) -> RoundSync:
+        with self._lock:
+            stats, self.incoming = self.incoming, RoundSync(group_size=0)
+            return stats
+
+    def add_correction_(self, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor]) -> None:
+        with self._lock:
+            for c, theirs, mine in zip(self._correction, partner, ours, strict=True):
+                c.add_(theirs - mine, alpha=weight)
+            self.incoming.group_size += 1
+            self.incoming.consensus_distance.append(consensus_distance(ours, partner))
+
+    # ---- responder -----------------------------------------------------------------------------------------------
+    def open(self, header: dict[str, Any]) -> OpenExchange | str:
+        """Accept an offer from a peer of this run and model, one at a time; refuse anything else at once."""
+        if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
+            return "another run or model"
+        if header.get("kind") != self.kind or header.get("codec") not in ("none", "fp16", "int8"):
+            return "unsupported exchange"
+        weight = header.get("weight")
+        if not isinstance(weight, float) or not 0 < weight <= 0.5:
+            return "bad mixing weight"
+        with self._lock:
+            if self.same_round_only and header.get("round") != self.round:
+                return WRONG_ROUND
+            if self._responding:
+                return "busy"
+            self._responding = True
+            public = [b + c for b, c in zip(self._base, self._correction, strict=True)]
+        return _Exchange(self, weight, public, header)
+
+    def release_responder(self) -> None:
+        with self._lock:
+            self._responding = False
+
+    def decode_partner(self, header: dict[str, Any], payload: Payload, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The partner's value, or ValueError if it does not decode, does not fit, or is implausibly far."""
+        partner = relative_decode(payload, self.reference, str(header.get("codec", "fp16")))
+        distance = consensus_distance(own, partner)
+        if not distance <= self.config.max_partner_distance:
+            raise ValueError(f"partner is {distance:.3g}× our norm away (bound {self.config.max_partner_distance})")
+        return partner
+
+    # ---- initiator -----------------------------------------------------------------------------------------------
+    def choose_codec(self, partner: str) -> str:
+        if self.config.param_codec != "adaptive":
+            return self.config.param_codec
+        link = self.links.get(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
+        budget_s = self.budget_s if self.budget_s < float("inf") else 60.0
+        return choose_codec_for_link(self.raw_bytes, link.bytes_per_s, budget_s, PARAM_CODECS_ADAPTIVE).name
+
+    async def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int,
+                  patience_s: float = 0.0) -> tuple[list[torch.Tensor], RoundSync]:
+        """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value).
+
+        Peers that are busy or refuse are skipped; those not yet in our round (Mix1) are asked again every
+        ROUND_RETRY_S for up to `patience_s` seconds.
+        """
+        k = self.config.gossip_peers
+        weight = 1.0 / (k + 1)
+        mixed = [v.clone() for v in value]
+        stats = RoundSync(group_size=1)
+        tried: set[str] = set()
+        self.give_up_at = time.monotonic() + patience_s
+        while len(stats.partners) < k:
+            candidates = draw_partners(live_peers, 1, self.rng, exclude=tried | set(stats.partners))
+            if not candidates:
+                if time.monotonic() >= self.give_up_at or not self._waiting_for_round:
+                    break
+                tried, self._waiting_for_round = set(), False
+                await asyncio.sleep(ROUND_RETRY_S)
+                continue
+            tried.add(candidates[0])
+            result = await self._exchange_with(candidates[0], value, weight, round_, stats)
+            if result is not None:
+                for m, theirs, mine in zip(mixed, result, value, strict=True):
+                    m.add_(theirs - mine, alpha=weight)
+        return mixed, stats
+
+    async def _exchange_with(self, partner: str, value: list[torch.Tensor], weight: float, round_: int,
+                             stats: RoundSync) -> list[torch.Tensor] | None:
+        codec = self.choose_codec(partner)
+        payload = relative_encode(value, self.reference, codec)
+        nbytes = payload_bytes(payload)
+        link = self.links.setdefault(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
+        deadline_s = exchange_deadline_s(2 * nbytes, link.bytes_per_s, self.config.exchange_safety_factor,
+                                         DEADLINE_FLOOR_S)
+        header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": round_,
+                  "codec": codec, "weight": weight}
+        received: list[list[torch.Tensor]] = []
+
+        def validate(answer: dict[str, Any], partner_payload: Payload) -> Any:
+            theirs = self.decode_partner(answer, partner_payload, own=value)
+            return lambda: received.append(theirs)
+
+        started = time.monotonic()
+        try:
+            outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, payload,
+                                      validate, self.max_payload_bytes, deadline_s)
+        except ExchangeRefused as e:
+            logger.debug(f"{partner} refused: {e}")
+            if str(e) == WRONG_ROUND:
+                self._waiting_for_round = True
+            else:
+                stats.refused += 1
+            return None
+        except (WireError, ValueError, asyncio.TimeoutError, TimeoutError, OSError, Exception) as e:  # noqa: B014
+            logger.info(f"exchange with {partner} failed: {e!r}")
+            stats.failed += 1
+            link.update_timeout_(2 * nbytes, time.monotonic() - started)
+            return None
+        outcome.apply()
+        link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
+        stats.partners.append(partner)
+        stats.group_size += 1
+        stats.bytes_sent += outcome.bytes_sent
+        stats.bytes_received += outcome.bytes_received
+        stats.exchange_s += outcome.seconds
+        stats.codec = codec
+        stats.consensus_distance.append(consensus_distance(value, received[0]))
+        return received[0]
