@@ -1,0 +1,177 @@
+"""The gossip exchange under faults, on real hivemind P2P over loopback: a partner that sends NaN, a wrong shape,
+a wrong dtype, a truncated payload, dies mid-stream, stalls, or never confirms leaves the initiator unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from p2ptrain import gossip
+from p2ptrain.compression import relative_encode
+from p2ptrain.gossip import push_pull
+from p2ptrain.gossip_peer import GossipMixer
+from p2ptrain.sync import SyncConfig
+from p2ptrain.wire import encode_metadata, stream_parts
+
+pytestmark = [pytest.mark.network]
+
+RUN, FINGERPRINT = "faults", "fp-1"
+SHAPES = [(64, 32), (32,), (5, 7)]
+
+
+def reference() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(s) for s in SHAPES]
+
+
+def near(values: list[torch.Tensor], scale: float = 0.01) -> list[torch.Tensor]:
+    return [v + scale * torch.randn_like(v) for v in values]
+
+
+class GossipServicer(gossip.GossipServicer):  # same class name: hivemind routes calls by it
+    """A partner that misbehaves in one chosen way."""
+
+    def __init__(self, fault: str):
+        super().__init__(handler=None, max_payload_bytes=10**8, chunk_timeout_s=5.0)  # type: ignore[arg-type]
+        self.fault = fault
+
+    def _payload(self) -> list[runtime_pb2.Tensor]:
+        good = near(reference())
+        if self.fault == "nan":
+            good[0][0, 0] = float("nan")
+        if self.fault == "shape":
+            good[1] = torch.zeros(33)
+        payload = relative_encode(good, reference(), "fp16")
+        if self.fault == "dtype":
+            payload[2] = serialize_torch_tensor(torch.zeros(5, 7, dtype=torch.float64))
+        return payload
+
+    async def rpc_exchange(self, requests: AsyncIterator[averaging_pb2.DownloadData],
+                           _context: Any) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for _message in requests:  # drain the offer (we never validate it)
+            break
+        if self.fault == "stall":
+            await asyncio.sleep(3600)
+        payload = self._payload()
+        nbytes = sum(len(t.buffer) for t in payload) + (100 if self.fault == "truncated" else 0)
+        parts = list(stream_parts(payload))
+        header = encode_metadata({"status": "ok", "codec": "fp16", "nbytes": nbytes, "round": 0})
+        yield averaging_pb2.DownloadData(tensor_part=parts[0], metadata=header)
+        if self.fault == "midstream":
+            raise RuntimeError("partner crashed mid-stream")
+        for part in parts[1:]:
+            yield averaging_pb2.DownloadData(tensor_part=part)
+        if self.fault == "no_ack":
+            await asyncio.sleep(3600)
+
+
+async def start_pair() -> tuple[P2P, P2P]:
+    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False)
+    a = await P2P.create(**options)
+    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), **options)
+    return a, b
+
+
+def make_mixer(p2p: P2P, **config: Any) -> GossipMixer:
+    sync = SyncConfig(mode="gasloc", exchange_safety_factor=1.0, state_download_timeout_s=2.0, **config)
+    return GossipMixer(p2p, RUN, FINGERPRINT, "gasloc", reference(), sync, seed=0)
+
+
+def state_of(mixer: GossipMixer) -> list[torch.Tensor]:
+    return [t.clone() for t in mixer._correction] + [t.clone() for t in mixer._base]
+
+
+@pytest.mark.parametrize("fault", ["nan", "shape", "dtype", "truncated", "midstream", "stall", "no_ack"])
+def test_a_faulty_partner_leaves_the_initiator_bit_identical(fault: str) -> None:
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            await GossipServicer(fault).add_p2p_handlers(b, namespace=f"{RUN}.gasloc")
+            mixer = make_mixer(a)
+            mixer.set_base_(reference())
+            before = state_of(mixer)
+            value = near(reference())
+            original = [v.clone() for v in value]
+            mixed, stats = await mixer.mix(value, [b.peer_id.to_base58()], round_=0)
+            assert stats.failed == 1 and stats.partners == [] and stats.group_size == 1
+            assert all(torch.equal(m, o) for m, o in zip(mixed, original, strict=True))
+            assert all(torch.equal(v, o) for v, o in zip(value, original, strict=True))
+            assert all(torch.equal(x, y) for x, y in zip(state_of(mixer), before, strict=True))
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+@dataclasses.dataclass
+class Offer:
+    name: str
+    header: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+
+def bad_offers() -> list[Offer]:
+    header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
+              "weight": 0.5}
+    far = [v * 5 for v in reference()]
+    return [Offer("inf", header, near(reference())), Offer("too far", header, far),
+            Offer("other run", dict(header, run_id="other"), near(reference())),
+            Offer("other model", dict(header, fingerprint="fp-2"), near(reference())),
+            Offer("bad weight", dict(header, weight=0.9), near(reference()))]
+
+
+@pytest.mark.parametrize("offer", bad_offers(), ids=lambda o: o.name)
+def test_an_invalid_offer_is_refused_and_leaves_the_responder_unchanged(offer: Offer) -> None:
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            responder = make_mixer(b)
+            await responder.register()
+            responder.set_base_(reference())
+            before = state_of(responder)
+            payload = relative_encode(offer.tensors, reference(), "fp16")
+            if offer.name == "inf":  # our encoder refuses non-finite values: poison the bytes by hand
+                payload[2].buffer = b"\x00\x7c" + payload[2].buffer[2:]  # fp16 +inf
+            with pytest.raises(gossip.ExchangeRefused):
+                await push_pull(a, b.peer_id, f"{RUN}.gasloc", offer.header, payload, lambda h, p: lambda: None,
+                                10**8, deadline_s=20)
+            assert all(torch.equal(x, y) for x, y in zip(state_of(responder), before, strict=True))
+            assert responder.take_incoming_stats().group_size == 0
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_two_honest_peers_end_with_the_pair_average_and_preserve_the_sum() -> None:
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            initiator, responder = make_mixer(a), make_mixer(b)
+            await responder.register()
+            theirs = near(reference(), 0.05)
+            responder.set_base_(theirs)
+            ours = near(reference(), 0.05)
+            mixed, stats = await initiator.mix(ours, [b.peer_id.to_base58()], round_=0)
+            assert stats.partners == [b.peer_id.to_base58()] and stats.failed == 0
+            correction = responder.take_correction_()
+            responder_after = [t + c for t, c in zip(theirs, correction, strict=True)]
+            for m, r, o, t in zip(mixed, responder_after, ours, theirs, strict=True):
+                assert torch.allclose(m, (o + t) / 2, atol=1e-3)  # fp16 differences from θ_0
+                assert torch.allclose(m, r, atol=2e-3)  # the pair ends (nearly) equal
+                assert torch.allclose(m + r, o + t, atol=1e-3)  # and their sum is preserved
+            assert stats.bytes_sent == sum(2 * t.numel() for t in ours)  # fp16: 2 bytes per value
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
