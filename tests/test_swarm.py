@@ -82,3 +82,28 @@ def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
         for peer in (a, b, joiner):
             if peer is not None:
                 peer.shutdown()
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_one_step_delay_overlap_trains_and_applies_the_swarm_average_one_round_late(overlap):
+    config = tiny_config(f"overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 5}, sync={"overlap": overlap})
+    first = start_peer(config)
+    peers = [first, start_peer(config, first.maddrs)]
+    threads = [PeerThread(p) for p in peers]
+    try:
+        for thread in threads:
+            thread.start()
+        histories = [thread.join(timeout_s=240) for thread in threads]
+    finally:
+        for p in peers:
+            p.shutdown()
+    for history in histories:
+        assert history[-1].val_loss < history[0].val_loss
+        # round r reports the all-reduce of round r-1, which ran in the background during round r
+        assert history[0].peers_averaged == 1 and history[0].bytes_sent == 0
+        assert sum(m.peers_averaged == 2 for m in history[1:]) >= 3
+    if overlap == "delayed":  # both peers apply the same delayed average: they stay equal
+        last = max(threads[0].params_after_round)
+        a, b = threads[0].params_after_round[last], threads[1].params_after_round[last]
+        if all(m.peers_averaged == 2 for h in histories for m in h[1:]):
+            assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) < AGREEMENT_TOLERANCE
