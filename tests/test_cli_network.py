@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,29 @@ def test_the_kit_scripts_are_valid_posix_sh() -> None:
         assert checked.returncode == 0, checked.stderr
         usage = subprocess.run(["sh", str(REPO_ROOT / "peer/run.sh")], capture_output=True, text=True)
         assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_continues_from_it(tmp_path: Path) -> None:
+    config_path = tmp_path / "peer.yaml"
+    config_path.write_text(yaml.safe_dump(TINY_PEER_CONFIG))
+    metrics = tmp_path / "m.jsonl"
+    common = ["peer", "--loopback", "--config", str(config_path), "--run-id", "ckpt-test", "--no-progress",
+              "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(metrics)]
+    peer = subprocess.Popen(cli(*common, "--rounds", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert peer.poll() is None and time.monotonic() < deadline, "peer did not complete 2 rounds"
+            time.sleep(0.2)  # the peer is another process: poll its metrics file
+        peer.send_signal(signal.SIGINT)
+        assert peer.wait(timeout=60) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+    rounds_done = len(metrics.read_text().splitlines())
+    saved_round = int((tmp_path / "ckpt" / "latest").read_text().strip().split("-")[1])
+    assert saved_round >= 2
+    resumed = subprocess.run(cli(*common, "--rounds", "1", "--resume"), capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["round"] == saved_round and len(metrics.read_text().splitlines()) == rounds_done + 1
