@@ -12,18 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from p2ptrain.errors import StateMismatchError
+from p2ptrain.mixing import check_alike
 
 Tensors = list[torch.Tensor]
-
-
-def _check_alike(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor], what: str) -> None:
-    if len(other) != len(reference):
-        raise StateMismatchError(f"{what} holds {len(other)} tensors, expected {len(reference)}")
-    for index, (ref, tensor) in enumerate(zip(reference, other, strict=True)):
-        if tensor.shape != ref.shape:
-            raise StateMismatchError(
-                f"{what} tensor {index} has shape {tuple(tensor.shape)}, expected {tuple(ref.shape)}"
-            )
 
 
 def _clone(tensors: Sequence[torch.Tensor]) -> Tensors:
@@ -44,7 +35,7 @@ def nesterov_update(
     if momentum_buf is None:
         new_buf = _clone(grad)
     else:
-        _check_alike(grad, momentum_buf, "momentum buffer")
+        check_alike(grad, momentum_buf, "momentum buffer")
         new_buf = [b.mul(momentum).add_(g) for b, g in zip(momentum_buf, grad, strict=True)]
     update = [g.add(b, alpha=momentum).mul_(-lr) for g, b in zip(grad, new_buf, strict=True)]
     return update, new_buf
@@ -60,7 +51,7 @@ class NesterovState:
 
     def step_(self, theta: list[torch.Tensor], outer_grad: Sequence[torch.Tensor]) -> None:
         """In place: θ ← θ − η (g + γ·buf) with g the (mixed) outer gradient."""
-        _check_alike(theta, outer_grad, "outer gradient")
+        check_alike(theta, outer_grad, "outer gradient")
         update, self.momentum_buf = nesterov_update(outer_grad, self.momentum_buf, self.lr, self.momentum)
         with torch.no_grad():
             for param, change in zip(theta, update, strict=True):
@@ -74,7 +65,7 @@ class NesterovState:
         if buf is not None:
             if not isinstance(buf, list):
                 raise StateMismatchError("momentum_buf must be a list of tensors")
-            _check_alike(like, buf, "stored momentum buffer")
+            check_alike(like, buf, "stored momentum buffer")
             buf = _clone(buf)
         self.momentum_buf = buf
 
@@ -84,7 +75,7 @@ class NesterovState:
 
 def propose(theta: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], lr: float) -> Tensors:
     """GASLoC's proposal after the local phase: ``y = θ − η Δ`` (a new list; inputs untouched)."""
-    _check_alike(theta, delta, "outer gradient")
+    check_alike(theta, delta, "outer gradient")
     return [t.detach().sub(d.to(t.dtype), alpha=lr) for t, d in zip(theta, delta, strict=True)]
 
 
@@ -101,12 +92,12 @@ class GaslocState:
 
     def reset_(self, theta: Sequence[torch.Tensor]) -> None:
         """Forget momentum (x_prev ← θ): used when a peer adopts another peer's parameters."""
-        _check_alike(self.x_prev, theta, "parameters")
+        check_alike(self.x_prev, theta, "parameters")
         self.x_prev = _clone(theta)
 
     def momentum_step(self, x_new: Sequence[torch.Tensor]) -> Tensors:
         """Return θ_next = x_new + γ (x_new − x_prev) and remember x_new as x_prev."""
-        _check_alike(self.x_prev, x_new, "mixed iterate")
+        check_alike(self.x_prev, x_new, "mixed iterate")
         theta_next = [
             x.detach().add(x.detach() - prev, alpha=self.momentum) for x, prev in zip(x_new, self.x_prev, strict=True)
         ]
@@ -120,7 +111,7 @@ class GaslocState:
         x_prev = state["x_prev"]
         if not isinstance(x_prev, list):
             raise StateMismatchError("x_prev must be a list of tensors")
-        _check_alike(self.x_prev, x_prev, "stored x_prev")
+        check_alike(self.x_prev, x_prev, "stored x_prev")
         self.momentum = float(state["momentum"])  # type: ignore[arg-type]
         self.x_prev = _clone(x_prev)
 
@@ -139,7 +130,7 @@ def mix1_correction(
         raise ValueError(f"got {len(partner_thetas)} partners but {len(weights)} weights")
     correction = [torch.zeros_like(t, dtype=torch.float32) for t in theta]
     for position, (partner, weight) in enumerate(zip(partner_thetas, weights, strict=True)):
-        _check_alike(theta, partner, f"partner {position}")
+        check_alike(theta, partner, f"partner {position}")
         for c, own, other in zip(correction, theta, partner, strict=True):
             c.add_(other.float() - own.float(), alpha=weight)
     return correction
@@ -152,8 +143,8 @@ def factored_step_(
     outer: NesterovState,
 ) -> None:
     """In place: θ⁺ = θ + c + OuterOpt(mixed Δ), with OuterOpt DiLoCo's Nesterov step (state in ``outer``)."""
-    _check_alike(theta, correction, "Mix1 correction")
-    _check_alike(theta, mixed_delta, "mixed outer gradient")
+    check_alike(theta, correction, "Mix1 correction")
+    check_alike(theta, mixed_delta, "mixed outer gradient")
     update, outer.momentum_buf = nesterov_update(mixed_delta, outer.momentum_buf, outer.lr, outer.momentum)
     with torch.no_grad():
         for param, c, change in zip(theta, correction, update, strict=True):
@@ -187,9 +178,9 @@ class DelayedOuterGradient:
             raise ValueError(f"own_weight must be in (0, 1], got {own_weight}")
         own_prev = self.own_prev
         if own_prev is not None:
-            _check_alike(own_prev, own_delta, "outer gradient")
+            check_alike(own_prev, own_delta, "outer gradient")
         if mixed_prev is not None:
-            _check_alike(own_delta, mixed_prev, "mixed outer gradient")
+            check_alike(own_delta, mixed_prev, "mixed outer gradient")
         base = _clone(mixed_prev) if mixed_prev is not None else own_prev
         self.own_prev = _clone(own_delta)
         if not self.eager:

@@ -43,7 +43,8 @@ def mixing_matrix(neighbours: Neighbours, n: int) -> torch.Tensor:
     return matrix
 
 
-def _check_alike(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor], what: str) -> None:
+def check_alike(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor], what: str) -> None:
+    """Raise StateMismatchError unless `other` has as many tensors as `own`, of the same shapes."""
     if len(other) != len(own):
         raise StateMismatchError(f"{what} holds {len(other)} tensors, expected {len(own)}")
     for index, (mine, theirs) in enumerate(zip(own, other, strict=True)):
@@ -62,7 +63,7 @@ def mix_(own: list[torch.Tensor], neighbours: Sequence[list[torch.Tensor]], weig
     if len(neighbours) != len(weights):
         raise ValueError(f"got {len(neighbours)} neighbours but {len(weights)} weights")
     for position, neighbour in enumerate(neighbours):
-        _check_alike(own, neighbour, f"neighbour {position}")
+        check_alike(own, neighbour, f"neighbour {position}")
     own_weight = 1.0 - math.fsum(weights)
     if not all(w >= 0.0 for w in weights) or own_weight < -1e-12:
         raise ValueError(f"mixing weights must be non-negative and sum to <= 1, got {list(weights)}")
@@ -77,7 +78,7 @@ def mix_(own: list[torch.Tensor], neighbours: Sequence[list[torch.Tensor]], weig
 
 def pair_average_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     """Both lists become their elementwise average (1-peer gossip between two local copies)."""
-    _check_alike(a, b, "pair partner")
+    check_alike(a, b, "pair partner")
     with torch.no_grad():
         for x, y in zip(a, b, strict=True):
             average = x.mul(0.5).add_(y.to(x.dtype), alpha=0.5)
@@ -90,13 +91,13 @@ def exact_average(tensor_lists: Sequence[list[torch.Tensor]]) -> list[torch.Tens
     if not tensor_lists:
         raise ValueError("cannot average an empty set of peers")
     for position, other in enumerate(tensor_lists[1:], start=1):
-        _check_alike(tensor_lists[0], other, f"peer {position}")
+        check_alike(tensor_lists[0], other, f"peer {position}")
     return [torch.stack(list(group)).mean(dim=0) for group in zip(*tensor_lists, strict=True)]
 
 
 def consensus_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """``‖a − b‖ / ‖a‖`` over all tensors taken together (0 when both are zero, inf when only ``a`` is)."""
-    _check_alike(a, b, "compared state")
+    check_alike(a, b, "compared state")
     diff_sq = math.fsum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
     norm_sq = math.fsum(float(x.double().pow(2).sum()) for x in a)
     if norm_sq == 0.0:

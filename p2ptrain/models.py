@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from p2ptrain.errors import ConfigError, UserError, one_line
 
@@ -44,9 +44,9 @@ def build_model(config: ModelConfig, vocab_size: int, seed: int) -> PreTrainedMo
     if config.name in PRESETS:
         model: PreTrainedModel = LlamaForCausalLM(_preset_config(config, vocab_size))
     elif config.pretrained:
-        model = _load_pretrained(config.name)
+        model = _from_pretrained(AutoModelForCausalLM, config.name, "model")
     else:
-        model = AutoModelForCausalLM.from_config(_load_hf_config(config.name))
+        model = AutoModelForCausalLM.from_config(_from_pretrained(AutoConfig, config.name, "model config"))
     embeddings = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]
     if embeddings < vocab_size:
         raise UserError(f"model {config.name!r} has {embeddings} token embeddings but the tokenizer has {vocab_size} "
@@ -68,22 +68,13 @@ def _preset_config(config: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
-def _load_hf_config(name: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoConfig
-
+def _from_pretrained(auto_class: Any, name: str, what: str) -> Any:
+    """`auto_class.from_pretrained(name)` for a local path or hub id; failures are a one-line UserError."""
     _check_name(name)
     try:
-        return AutoConfig.from_pretrained(name)
+        return auto_class.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model config {name!r}: {one_line(e)}") from None
-
-
-def _load_pretrained(name: str) -> PreTrainedModel:
-    _check_name(name)
-    try:
-        return AutoModelForCausalLM.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model {name!r}: {one_line(e)}") from None
+        raise UserError(f"cannot load {what} {name!r}: {one_line(e)}") from None
 
 
 def _check_name(name: str) -> None:

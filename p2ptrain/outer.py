@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from p2ptrain.errors import ConfigError, StateMismatchError
+from p2ptrain.errors import ConfigError
+from p2ptrain.mixing import check_alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +81,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def load_momentum_buffers_(self, buffers: Sequence[torch.Tensor]) -> None:
         """Load one buffer per parameter; a count or shape that does not fit changes nothing (StateMismatchError)."""
-        if len(buffers) != len(self.params):
-            raise StateMismatchError(f"got {len(buffers)} momentum buffers for {len(self.params)} parameters")
-        for p, b in zip(self.params, buffers, strict=True):
-            if tuple(b.shape) != tuple(p.shape):
-                raise StateMismatchError(f"momentum buffer of shape {tuple(b.shape)} for a parameter of shape "
-                                         f"{tuple(p.shape)}")
+        check_alike(self.params, buffers, "outer momentum")
         for p, b in zip(self.params, buffers, strict=True):
             self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
 

@@ -86,3 +86,20 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.1)
+
+
+def run_swarm(
+    config: PeerConfig, peers: int, timeout_s: float = 300
+) -> tuple[list[PeerThread], list[list[RoundMetrics]]]:
+    """Start `peers` peers (the first founds the swarm), run them to `config.run.rounds`, shut them down."""
+    first = start_peer(config)
+    members = [first] + [start_peer(config, first.maddrs) for _ in range(peers - 1)]
+    threads = [PeerThread(p) for p in members]
+    try:
+        for thread in threads:
+            thread.start()
+        histories = [thread.join(timeout_s=timeout_s) for thread in threads]
+    finally:
+        for member in members:
+            member.shutdown()
+    return threads, histories

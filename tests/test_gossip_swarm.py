@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 import torch
-from swarm_utils import PeerThread, start_peer, tiny_config
+from swarm_utils import PeerThread, run_swarm, tiny_config
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -26,23 +26,13 @@ def relative_change(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
                  / torch.sqrt(sum((x**2).sum() for x in a)))
 
 
-def run_swarm(mode: str, peers: int) -> tuple[list[PeerThread], list]:
-    config = tiny_config(f"{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": ROUNDS}, sync={"mode": mode})
-    first = start_peer(config)
-    members = [first] + [start_peer(config, first.maddrs) for _ in range(peers - 1)]
-    threads = [PeerThread(p) for p in members]
-    try:
-        for thread in threads:
-            thread.start()
-        histories = [thread.join(timeout_s=300) for thread in threads]
-    finally:
-        for member in members:
-            member.shutdown()
-    return threads, histories
+def run_mode(mode: str, peers: int) -> tuple[list[PeerThread], list]:
+    return run_swarm(tiny_config(f"{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": ROUNDS}, sync={"mode": mode}),
+                     peers)
 
 
 def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
-    threads, histories = run_swarm("gasloc", peers=4)
+    threads, histories = run_mode("gasloc", peers=4)
     model_bytes = sum(p.numel() * 4 for p in threads[0].peer.params)
     exchanges = 0
     for thread, history in zip(threads, histories, strict=True):
@@ -65,7 +55,7 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
 
 
 def test_factored_swarm_trains_and_mixes_every_round() -> None:
-    _threads, histories = run_swarm("factored", peers=3)
+    _threads, histories = run_mode("factored", peers=3)
     for history in histories:
         assert history[-1].val_loss < history[0].val_loss
         assert sum(m.peers_averaged > 1 for m in history) >= ROUNDS - 1

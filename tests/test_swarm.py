@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 import torch
-from swarm_utils import PeerThread, max_param_difference, start_peer, tiny_config
+from swarm_utils import PeerThread, max_param_difference, run_swarm, start_peer, tiny_config
 
 from p2ptrain.config import replace_section
 from p2ptrain.status import print_status
@@ -87,16 +87,7 @@ def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])
 def test_one_step_delay_overlap_trains_and_applies_the_swarm_average_one_round_late(overlap):
     config = tiny_config(f"overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 5}, sync={"overlap": overlap})
-    first = start_peer(config)
-    peers = [first, start_peer(config, first.maddrs)]
-    threads = [PeerThread(p) for p in peers]
-    try:
-        for thread in threads:
-            thread.start()
-        histories = [thread.join(timeout_s=240) for thread in threads]
-    finally:
-        for p in peers:
-            p.shutdown()
+    threads, histories = run_swarm(config, peers=2)
     for history in histories:
         assert history[-1].val_loss < history[0].val_loss
         # round r reports the all-reduce of round r-1, which ran in the background during round r

@@ -1,0 +1,300 @@
+"""The testnet report: every peer's metrics and lives merged into one JSON, PNG plots, and pass/fail checks.
+
+A peer has one *life* per process: a kill ends one, a restart begins the next. Checks that judge training look
+at *survivors*, the peers whose last life was not ended by a kill. Times are unix seconds; plots show seconds
+since the peers were started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.scenario import ChecksSpec
+
+SURVIVING_ENDS = ("finished", "stopped_at_end")  # life end reasons of a peer that was running at the end
+SCENARIO_ENDS = ("killed", "restarted")  # ends the scenario caused; anything else but SURVIVING_ENDS is a failure
+
+
+@dataclasses.dataclass
+class Life:
+    """One process of one peer, from start to exit."""
+
+    peer: str
+    pid: int
+    started: float
+    ended: float | None = None
+    exit_code: int | None = None
+    end_reason: str = ""  # finished | killed | restarted | stopped_at_end | killed_at_teardown | crashed
+    resumed_from_round: int | None = None  # the checkpoint round it resumed from (None: a fresh start)
+
+
+@dataclasses.dataclass
+class EventRecord:
+    """A scenario event as it happened."""
+
+    time: float
+    action: str
+    description: str
+    trigger: str
+    source: str  # script | churn
+    ok: bool  # False: skipped or failed (see detail)
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """Everything a testnet run produced, as the launcher saw it."""
+
+    started: float  # when the peers were started
+    ended: float
+    rows: dict[str, list[dict[str, Any]]]  # peer -> its metrics lines, in order
+    lives: list[Life]
+    events: list[EventRecord]
+    unfired: list[str]  # scripted events whose trigger never held
+    checkpoint_dirs: dict[str, str]
+    rates_mbit: dict[str, float | None]
+    outcome: str  # done | duration | timeout | interrupted | error
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def lives_of(self, peer: str) -> list[Life]:
+        return [life for life in self.lives if life.peer == peer]
+
+    def rows_of(self, life: Life) -> list[dict[str, Any]]:
+        end = life.ended if life.ended is not None else float("inf")
+        return [row for row in self.rows.get(life.peer, []) if life.started <= row["time"] <= end]
+
+    def survivors(self) -> list[str]:
+        return [peer for peer in self.rows if self.lives_of(peer) and self.lives_of(peer)[-1].end_reason in
+                SURVIVING_ENDS]
+
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+# ---- checks ---------------------------------------------------------------------------------------------------------
+
+def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
+    """The checks every run gets (clean exits, events fired, in time) plus those the scenario turns on."""
+    results = [check_finished(record), check_clean_exits(record), check_events_fired(record)]
+    if checks.loss_fell:
+        results.append(check_loss_fell(record))
+    if checks.resumed_from_checkpoint and any(life.resumed_from_round is not None for life in record.lives):
+        results.append(check_resumed(record))
+    if checks.max_stall_rounds is not None:
+        results.append(check_stalls(record, checks.max_stall_rounds))
+    if checks.max_consensus_distance is not None:
+        results.append(check_consensus(record, checks.max_consensus_distance))
+    return results
+
+
+def check_finished(record: RunRecord) -> CheckResult:
+    ok = record.outcome in ("done", "duration")
+    return CheckResult("finished", ok, {"done": "every peer finished its rounds", "duration": "ran its duration",
+                                        "timeout": "timed out", "interrupted": "interrupted"}.get(
+                                            record.outcome, record.outcome))
+
+
+def check_clean_exits(record: RunRecord) -> CheckResult:
+    bad = [f"{life.peer} ({life.end_reason}, exit {life.exit_code})" for life in record.lives
+           if life.end_reason not in SURVIVING_ENDS + SCENARIO_ENDS]
+    return CheckResult("clean_exits", not bad, "every process ended as planned" if not bad else
+                       "ended unplanned: " + ", ".join(bad))
+
+
+def check_events_fired(record: RunRecord) -> CheckResult:
+    failed = [f"{e.description}: {e.detail}" for e in record.events if e.source == "script" and not e.ok]
+    problems = failed + [f"{text}: never triggered" for text in record.unfired]
+    return CheckResult("events_fired", not problems, f"{len(record.events)} event(s) fired" if not problems else
+                       "; ".join(problems))
+
+
+def check_loss_fell(record: RunRecord) -> CheckResult:
+    survivors = record.survivors()
+    if not survivors:
+        return CheckResult("loss_fell", False, "no peer survived to the end")
+    bad, shown = [], []
+    for peer in survivors:
+        rows = record.rows[peer]
+        if len(rows) < 2 or not rows[-1]["val_loss"] < rows[0]["val_loss"]:
+            bad.append(peer)
+        if rows:
+            shown.append(f"{peer} {rows[0]['val_loss']:.3f}->{rows[-1]['val_loss']:.3f}")
+    return CheckResult("loss_fell", not bad, ("" if not bad else f"did not fall for {', '.join(bad)}: ") +
+                       ", ".join(shown))
+
+
+def check_resumed(record: RunRecord) -> CheckResult:
+    """A restarted peer's first round after the restart is at or past the round of the checkpoint it loaded."""
+    bad, shown = [], []
+    for life in record.lives:
+        if life.resumed_from_round is None:
+            continue
+        rows = record.rows_of(life)
+        first = rows[0]["round"] if rows else None
+        shown.append(f"{life.peer} checkpoint {life.resumed_from_round} -> round {first}")
+        if first is None or first < life.resumed_from_round:
+            bad.append(life.peer)
+    return CheckResult("resumed_from_checkpoint", not bad, ", ".join(shown))
+
+
+def stopped_intervals(record: RunRecord, peer: str) -> list[tuple[float, float]]:
+    """When a peer was SIGSTOPped by the scenario (until its SIGCONT, or the end of the run)."""
+    intervals, since = [], None
+    for event in record.events:
+        if event.ok and event.description == f"stop {peer}":
+            since = event.time
+        elif event.ok and event.description in (f"continue {peer}", f"restart {peer}") and since is not None:
+            intervals.append((since, event.time))
+            since = None
+    return intervals + ([(since, record.ended)] if since is not None else [])
+
+
+def longest_stall_s(times: Sequence[float], end: float, stopped: Sequence[tuple[float, float]]) -> float:
+    """Longest wait between consecutive rounds (and from the last to ``end``), not counting time spent stopped."""
+    points = sorted(times) + [end] if times else []
+    longest = 0.0
+    for a, b in zip(points, points[1:], strict=False):
+        paused = sum(max(0.0, min(b, stop_b) - max(a, stop_a)) for stop_a, stop_b in stopped)
+        longest = max(longest, b - a - paused)
+    return longest
+
+
+def check_stalls(record: RunRecord, max_stall_rounds: float) -> CheckResult:
+    """No peer went longer than ``max_stall_rounds`` median round times without a round (after its first)."""
+    round_s = [row["round_s"] for rows in record.rows.values() for row in rows]
+    if not round_s:
+        return CheckResult("max_stall_rounds", False, "no peer logged a round")
+    median_s = statistics.median(round_s)
+    worst: dict[str, float] = {}
+    for life in record.lives:
+        times = [row["time"] for row in record.rows_of(life)]
+        end = life.ended if life.ended is not None else record.ended
+        stall = longest_stall_s(times, end, stopped_intervals(record, life.peer))
+        worst[life.peer] = max(worst.get(life.peer, 0.0), stall / median_s)
+    bad = sorted(peer for peer, rounds in worst.items() if rounds > max_stall_rounds)
+    shown = ", ".join(f"{peer} {rounds:.1f}" for peer, rounds in sorted(worst.items()))
+    return CheckResult("max_stall_rounds", not bad, f"longest stall in rounds of {median_s:.1f} s (limit "
+                       f"{max_stall_rounds:g}): {shown}")
+
+
+def consensus_at_last_common_checkpoint(checkpoint_dirs: dict[str, str]) -> tuple[int, float] | None:
+    """(round, max_i ‖θ_i − θ̄‖/‖θ̄‖) at the newest checkpoint round every given peer has; None if there is none."""
+    from safetensors.torch import load_file
+
+    from p2ptrain.mixing import consensus_distance, exact_average
+
+    def model_files(directory: str) -> dict[int, Path]:
+        found = {}
+        for path in Path(directory).glob("round-*/model.safetensors"):
+            found[int(path.parent.name.split("-")[1])] = path
+        return found
+
+    files = {peer: model_files(d) for peer, d in checkpoint_dirs.items()}
+    common = set.intersection(*(set(f) for f in files.values())) if len(files) >= 2 else set()
+    if not common:
+        return None
+    round_ = max(common)
+    models = [load_file(str(f[round_])) for f in files.values()]
+    names = sorted(models[0])
+    states = [[model[name] for name in names] for model in models]
+    mean = exact_average(states)
+    return round_, max(consensus_distance(mean, state) for state in states)
+
+
+def check_consensus(record: RunRecord, bound: float) -> CheckResult:
+    survivors = {peer: record.checkpoint_dirs[peer] for peer in record.survivors() if peer in record.checkpoint_dirs}
+    try:
+        found = consensus_at_last_common_checkpoint(survivors)
+    except (OSError, ValueError, KeyError) as e:
+        return CheckResult("max_consensus_distance", False, f"cannot read the checkpoints: {e}")
+    if found is None:
+        return CheckResult("max_consensus_distance", False, f"no checkpoint round common to >= 2 survivors "
+                           f"({', '.join(survivors) or 'none'})")
+    round_, distance = found
+    return CheckResult("max_consensus_distance", distance <= bound, f"{distance:.2e} at round {round_} over "
+                       f"{len(survivors)} survivors (limit {bound:g})")
+
+
+# ---- output ---------------------------------------------------------------------------------------------------------
+
+def report_dict(record: RunRecord, results: list[CheckResult]) -> dict[str, Any]:
+    """The merged report: per-peer lives and rounds, events, checks."""
+    peers = {peer: {"rate_mbit": record.rates_mbit.get(peer), "checkpoint_dir": record.checkpoint_dirs.get(peer),
+                    "lives": [dataclasses.asdict(life) for life in record.lives_of(peer)], "rounds": rows}
+             for peer, rows in record.rows.items()}
+    return {"passed": all(r.passed for r in results), "outcome": record.outcome, "started": record.started,
+            "ended": record.ended, "checks": [dataclasses.asdict(r) for r in results], "plan": record.plan,
+            "peers": peers, "events": [dataclasses.asdict(e) for e in record.events],
+            "unfired_events": record.unfired}
+
+
+def write_report(record: RunRecord, results: list[CheckResult], out_dir: str | Path) -> list[Path]:
+    """Write report.json and the PNG plots into ``out_dir``; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "report.json"
+    json_path.write_text(json.dumps(report_dict(record, results), indent=1, sort_keys=True))
+    return [json_path, *write_plots(record, out)]
+
+
+def format_checks(results: list[CheckResult]) -> str:
+    return "\n".join(f"  {'PASS' if r.passed else 'FAIL'} {r.name}: {r.detail}" for r in results)
+
+
+def write_plots(record: RunRecord, out: Path) -> list[Path]:
+    """loss.png (validation loss vs wall clock, events marked), utilisation.png, bytes.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {
+        "loss.png": ("validation loss", lambda row: row["val_loss"]),
+        "utilisation.png": ("compute time / round time", lambda row: row["compute_s"] / max(row["round_s"], 1e-9)),
+    }
+    written = []
+    for file_name, (label, value) in series.items():
+        fig, ax = plt.subplots(figsize=(10, 5))
+        for index, peer in enumerate(record.rows):
+            for n, life in enumerate(record.lives_of(peer)):
+                rows = record.rows_of(life)
+                ax.plot([row["time"] - record.started for row in rows], [value(row) for row in rows], marker=".",
+                        color=f"C{index % 10}", label=peer if n == 0 else None)
+        _mark_events(ax, record)
+        ax.set(xlabel="seconds since the peers started", ylabel=label, title=f"{label} per peer")
+        ax.legend(loc="best", fontsize="small")
+        written.append(_save(fig, out / file_name, plt))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for index, (peer, rows) in enumerate(record.rows.items()):
+        ax.plot([row["round"] for row in rows], [(row["bytes_sent"] + row["bytes_received"]) / 1e6 for row in rows],
+                marker=".", linestyle="", color=f"C{index % 10}", label=peer)
+    ax.set(xlabel="round", ylabel="MB sent + received", title="bytes per round per peer")
+    ax.legend(loc="best", fontsize="small")
+    written.append(_save(fig, out / "bytes.png", plt))
+    return written
+
+
+def _mark_events(ax: Any, record: RunRecord) -> None:
+    for event in record.events:
+        if not event.ok:
+            continue
+        x = event.time - record.started
+        ax.axvline(x, color="grey", linestyle=":", linewidth=1)
+        ax.text(x, 0.98, f" {event.description}", rotation=90, va="top", ha="right", fontsize=7,
+                transform=ax.get_xaxis_transform())
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

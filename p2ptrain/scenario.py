@@ -1,0 +1,400 @@
+"""Testnet scenarios: how many peers, how fast their links are, what happens to them and when, what must hold.
+
+A scenario is a YAML file; every key is optional and the command line overrides peers, bandwidth, rounds and
+duration_s (full examples in testnet/scenarios/)::
+
+    peers: 4
+    bandwidth: [50mbit, 50mbit, 50mbit, 5mbit]   # one rate per peer or one for all; "none" = unshaped
+    rounds: 20                                   # or duration_s: 300 (peers then run until stopped)
+    peer_config: {model: {name: tiny}}           # merged over --config for every peer
+    events:                                      # in the order written, each once its trigger holds
+      - {after_round: 2, of: peer2, kill: peer2} # SIGKILL; also stop/continue (SIGSTOP/SIGCONT)
+      - {at_s: 60, restart: peer2}               # from its latest checkpoint (fresh if it has none)
+      - {at_s: 80, set_rate: {peer: peer3, rate: 1mbit}}
+      - {at_s: 90, partition: [peer2, peer3]}    # cut off from the rest (and the bootstrap); heal: partition
+      - {at_s: 130, add_peer: {rate: 20mbit}}    # a new peer, named peer<N> after the others
+    churn: {kills_per_min: 2, min_alive: 2, down_s: 20, start_s: 30, stop_s: 240, seed: 0}
+    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05}
+
+``at_s`` counts from the moment the peers are started; ``after_round: N`` fires once peer ``of`` (default: any
+peer) has logged round N. Every mistake is a one-line ConfigError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from p2ptrain.errors import ConfigError, one_line
+
+PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name
+ACTIONS = (*PEER_ACTIONS, "set_rate", "partition", "heal", "add_peer")
+TRIGGERS = ("at_s", "after_round", "of")
+DEFAULT_ROUNDS = 8
+DEFAULT_PEERS = 4
+_PEER_NAME_RE = re.compile(r"^peer(\d{1,3})$")
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)?$")
+_RATE_UNITS = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, None: 1.0}
+UNSHAPED = ("none", "unlimited", "unshaped")
+
+
+def parse_rate(value: object, where: str = "rate") -> float | None:
+    """A link rate in Mbit/s from ``50mbit``, ``800kbit``, ``1gbit`` or a bare number of Mbit/s; None = unshaped."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in UNSHAPED):
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: {value!r} is not a rate; write e.g. 50mbit, 800kbit, 1gbit or none")
+    match = _RATE_RE.match(str(value).strip().lower())
+    if match is None:
+        raise ConfigError(f"{where}: {value!r} is not a rate; write e.g. 50mbit, 800kbit, 1gbit or none "
+                          f"(tc's mbps means megabytes, so it is not accepted)")
+    rate_mbit = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if not 0.01 <= rate_mbit <= 100_000:
+        raise ConfigError(f"{where}: rate {value!r} is outside 10kbit..100gbit")
+    return rate_mbit
+
+
+def parse_bandwidth(value: object, where: str = "bandwidth") -> tuple[float | None, ...]:
+    """Rates from ``"50mbit,50mbit,5mbit"`` (the command line) or a YAML list; one rate per peer or one for all."""
+    items: list[object] = list(value.split(",")) if isinstance(value, str) else \
+        list(value) if isinstance(value, list) else [value]
+    rates = tuple(parse_rate(item, f"{where}[{i}]") for i, item in enumerate(items))
+    if not rates:
+        raise ConfigError(f"{where}: give at least one rate, e.g. 50mbit")
+    return rates
+
+
+def peer_index(name: str, where: str) -> int:
+    match = _PEER_NAME_RE.match(name) if isinstance(name, str) else None
+    if match is None:
+        raise ConfigError(f"{where}: {name!r} is not a peer name; peers are called peer0, peer1, ...")
+    return int(match.group(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One scripted action and its trigger (exactly one of ``at_s`` and ``after_round``)."""
+
+    action: str  # one of ACTIONS
+    peer: str | None = None  # target of kill/stop/continue/restart/set_rate; the new peer's name for add_peer
+    at_s: float | None = None  # seconds after the peers were started
+    after_round: int | None = None  # fire once peer `of` (None: any peer) has logged this round
+    of: str | None = None
+    rate_mbit: float | None = None  # set_rate and add_peer; None = unshaped
+    group: tuple[str, ...] = ()  # partition: the peers cut off from the rest
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ConfigError(f"unknown action {self.action!r}: use one of {', '.join(ACTIONS)}")
+        if (self.at_s is None) == (self.after_round is None):
+            raise ConfigError(f"{self.action}: give exactly one trigger, at_s: SECONDS or after_round: N")
+        if (self.at_s is not None and not self.at_s >= 0) or (self.after_round is not None and self.after_round < 0):
+            raise ConfigError(f"{self.action}: at_s and after_round must be >= 0")
+        if self.of is not None and self.after_round is None:
+            raise ConfigError(f"{self.action}: `of` goes with after_round")
+        if self.action == "partition" and not self.group:
+            raise ConfigError("partition: list the peers to cut off, e.g. partition: [peer2, peer3]")
+        if self.action in (*PEER_ACTIONS, "set_rate", "add_peer") and self.peer is None:
+            raise ConfigError(f"{self.action}: name the peer, e.g. {self.action}: peer1")
+
+    @property
+    def trigger(self) -> str:
+        if self.at_s is not None:
+            return f"at {self.at_s:g} s"
+        return f"after round {self.after_round} of {self.of or 'any peer'}"
+
+    def describe(self) -> str:
+        if self.action == "partition":
+            return f"partition {','.join(self.group)}"
+        if self.action == "heal":
+            return "heal partition"
+        rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+        return f"{self.action} {self.peer}" + (f" {rate}" if self.action in ("set_rate", "add_peer") else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChurnSpec:
+    """Random SIGKILLs of the initial peers (a Poisson process), each followed by a restart from checkpoint."""
+
+    kills_per_min: float  # mean kills per minute across the swarm
+    min_alive: int = 1  # never kill when only this many peers are alive
+    down_s: float = 20.0  # a killed peer is restarted this many seconds later
+    start_s: float = 0.0  # no kill before this (let the swarm form)
+    stop_s: float | None = None  # no kill after this; default: the scenario's duration_s
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kills_per_min <= 600:
+            raise ConfigError(f"churn.kills_per_min must be in (0, 600], got {self.kills_per_min}")
+        if self.min_alive < 1:
+            raise ConfigError(f"churn.min_alive must be >= 1, got {self.min_alive}")
+        if self.down_s < 0 or self.start_s < 0:
+            raise ConfigError("churn.down_s and churn.start_s must be >= 0 seconds")
+        if self.stop_s is not None and self.stop_s <= self.start_s:
+            raise ConfigError(f"churn.stop_s ({self.stop_s}) must be after churn.start_s ({self.start_s})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChecksSpec:
+    """What must hold at the end of the run; None turns a check off."""
+
+    loss_fell: bool = True  # every surviving peer's validation loss ended below its first value
+    resumed_from_checkpoint: bool = True  # a restarted peer's first round is >= its checkpoint's round
+    max_stall_rounds: float | None = None  # no running peer went longer than this many median rounds without one
+    max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
+
+    def __post_init__(self) -> None:
+        for name in ("max_stall_rounds", "max_consensus_distance"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"checks.{name} must be > 0 (or null to turn it off), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A scenario file, parsed; ``plan_run`` resolves it against the command line."""
+
+    description: str = ""
+    peers: int | None = None
+    bandwidth_mbit: tuple[float | None, ...] = ()
+    rounds: int | None = None
+    duration_s: float | None = None
+    peer_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # merged over --config
+    events: tuple[Event, ...] = ()
+    churn: ChurnSpec | None = None
+    checks: ChecksSpec = dataclasses.field(default_factory=ChecksSpec)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What the launcher runs: resolved peers and rates, the bound of the run, events (scripted and churn)."""
+
+    peer_rates_mbit: tuple[float | None, ...]  # the initial peers peer0..peerN-1
+    added_peers: tuple[str, ...]  # peers that add_peer events start later
+    rounds: int | None  # the run ends when every peer has logged round rounds-1 (or exited) ...
+    duration_s: float | None  # ... or after this many seconds (then peers run until stopped)
+    events: tuple[Event, ...]
+    churn_events: tuple[Event, ...]
+    checks: ChecksSpec
+    peer_config: Mapping[str, Any]
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return [f"peer{i}" for i in range(len(self.peer_rates_mbit))]
+
+
+# ---- parsing ----------------------------------------------------------------------------------------------------
+
+def _number(value: object, where: str, kind: type = float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise ConfigError(f"{where}: expected {'a whole number' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _mapping(value: object, where: str, known: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    unknown = sorted(str(key) for key in value if key not in known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
+    return value
+
+
+def _spec(cls: type, raw: object, where: str, section: str) -> Any:
+    """A ChurnSpec/ChecksSpec from a mapping: keys checked, numbers typed by the field's default."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = _mapping(raw, f"{where}: {section}", tuple(fields))
+    missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and name not in values]
+    if missing:
+        raise ConfigError(f"{where}: {section}.{missing[0]} is required")
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if value is None or isinstance(fields[key].default, bool):
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{where}: {section}.{key}: expected true or false, got {value!r}")
+            kwargs[key] = value
+        else:
+            kind = int if key in ("min_alive", "seed") else float
+            kwargs[key] = _number(value, f"{where}: {section}.{key}", kind)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _parse_event(raw: object, where: str) -> Event:
+    entry = _mapping(raw, where, (*ACTIONS, *TRIGGERS))
+    actions = [key for key in entry if key in ACTIONS]
+    if len(actions) != 1:
+        raise ConfigError(f"{where}: give exactly one action ({', '.join(ACTIONS)}), got {actions or 'none'}")
+    action, value = actions[0], entry[actions[0]]
+    fields: dict[str, Any] = {"action": action}
+    if "at_s" in entry:
+        fields["at_s"] = _number(entry["at_s"], f"{where}.at_s")
+    if "after_round" in entry:
+        fields["after_round"] = _number(entry["after_round"], f"{where}.after_round", int)
+    if "of" in entry:
+        peer_index(entry["of"], f"{where}.of")
+        fields["of"] = entry["of"]
+    if action in PEER_ACTIONS:
+        peer_index(value, f"{where}.{action}")
+        fields["peer"] = value
+    elif action == "set_rate":
+        spec = _mapping(value, f"{where}.set_rate", ("peer", "rate"))
+        if "peer" not in spec or "rate" not in spec:
+            raise ConfigError(f"{where}.set_rate: write set_rate: {{peer: peer1, rate: 5mbit}}")
+        peer_index(spec["peer"], f"{where}.set_rate.peer")
+        fields.update(peer=spec["peer"], rate_mbit=parse_rate(spec["rate"], f"{where}.set_rate.rate"))
+    elif action == "partition":
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{where}.partition: list the peers to cut off, e.g. partition: [peer2, peer3]")
+        fields["group"] = tuple(value)
+        for i, name in enumerate(value):
+            peer_index(name, f"{where}.partition[{i}]")
+    elif action == "heal":
+        if value not in ("partition", True):
+            raise ConfigError(f"{where}.heal: write heal: partition")
+    else:  # add_peer; the name is given by plan_run
+        spec = _mapping({} if value in (None, True) else value, f"{where}.add_peer", ("rate",))
+        fields.update(peer="peer?", rate_mbit=parse_rate(spec.get("rate"), f"{where}.add_peer.rate"))
+    try:
+        return Event(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+SCENARIO_KEYS = ("description", "peers", "bandwidth", "rounds", "duration_s", "peer_config", "events", "churn",
+                 "checks")
+
+
+def parse_scenario(raw: object, where: str = "scenario") -> Scenario:
+    """A Scenario from the loaded YAML document."""
+    values = _mapping({} if raw is None else raw, where, SCENARIO_KEYS)
+    fields: dict[str, Any] = {"description": str(values.get("description", ""))}
+    if values.get("peers") is not None:
+        fields["peers"] = _number(values["peers"], f"{where}: peers", int)
+        if not 1 <= fields["peers"] <= 200:
+            raise ConfigError(f"{where}: peers must be between 1 and 200, got {fields['peers']}")
+    if values.get("bandwidth") is not None:
+        fields["bandwidth_mbit"] = parse_bandwidth(values["bandwidth"], f"{where}: bandwidth")
+    for key, kind in (("rounds", int), ("duration_s", float)):
+        if values.get(key) is not None:
+            fields[key] = _number(values[key], f"{where}: {key}", kind)
+            if fields[key] < 1:
+                raise ConfigError(f"{where}: {key} must be >= 1, got {fields[key]}")
+    if fields.get("rounds") is not None and fields.get("duration_s") is not None:
+        raise ConfigError(f"{where}: give rounds or duration_s, not both")
+    if values.get("peer_config") is not None:
+        if not isinstance(values["peer_config"], dict):
+            raise ConfigError(f"{where}: peer_config must be a mapping of config sections, e.g. "
+                              f"{{model: {{name: tiny}}}}")
+        fields["peer_config"] = values["peer_config"]
+    events = values.get("events") or []
+    if not isinstance(events, list):
+        raise ConfigError(f"{where}: events must be a list of mappings like {{at_s: 30, kill: peer1}}")
+    fields["events"] = tuple(_parse_event(e, f"{where}: events[{i}]") for i, e in enumerate(events))
+    if values.get("churn") is not None:
+        fields["churn"] = _spec(ChurnSpec, values["churn"], where, "churn")
+    if values.get("checks") is not None:
+        fields["checks"] = _spec(ChecksSpec, values["checks"], where, "checks")
+    return Scenario(**fields)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and parse a scenario file; every problem is a one-line ConfigError naming the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read scenario file {str(path)!r}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"scenario file {str(path)!r} is not valid YAML: {one_line(e)}") from None
+    return parse_scenario(raw, where=str(path))
+
+
+# ---- resolving against the command line ---------------------------------------------------------------------------
+
+def plan_run(scenario: Scenario, num_peers: int | None = None, bandwidth: str | None = None,
+             rounds: int | None = None, duration_s: float | None = None) -> RunPlan:
+    """Resolve a scenario with the command line's overrides; names in events must be peers of the run."""
+    rates = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth else scenario.bandwidth_mbit
+    count = num_peers or scenario.peers or (len(rates) if len(rates) > 1 else DEFAULT_PEERS)
+    if len(rates) > 1 and len(rates) != count:
+        raise ConfigError(f"bandwidth lists {len(rates)} rates for {count} peers: give one rate per peer or one "
+                          f"for all")
+    peer_rates = tuple(rates) * count if len(rates) == 1 else tuple(rates) or (None,) * count
+    if rounds is None and duration_s is None:
+        rounds, duration_s = scenario.rounds, scenario.duration_s
+        if rounds is None and duration_s is None:
+            rounds = DEFAULT_ROUNDS
+    events, added = _name_added_peers(scenario.events, count)
+    known = {f"peer{i}" for i in range(count)} | set(added)
+    for i, event in enumerate(events):
+        for name in (event.peer, event.of, *event.group):
+            if name is not None and name not in known:
+                raise ConfigError(f"events[{i}] ({event.describe()}): no peer {name!r} in this run "
+                                  f"(peers: {', '.join(sorted(known, key=lambda n: peer_index(n, 'peer')))})")
+    churn = churn_events(scenario.churn, count, duration_s) if scenario.churn else ()
+    return RunPlan(peer_rates, tuple(added), rounds, duration_s, events, churn, scenario.checks,
+                       dict(scenario.peer_config))
+
+
+def _name_added_peers(events: tuple[Event, ...], num_peers: int) -> tuple[tuple[Event, ...], list[str]]:
+    added: list[str] = []
+    named = []
+    for event in events:
+        if event.action == "add_peer":
+            added.append(f"peer{num_peers + len(added)}")
+            event = dataclasses.replace(event, peer=added[-1])
+        named.append(event)
+    return tuple(named), added
+
+
+def churn_events(churn: ChurnSpec, num_peers: int, duration_s: float | None) -> tuple[Event, ...]:
+    """Kill and restart events for random churn: deterministic for a seed, never fewer than min_alive alive."""
+    stop_s = churn.stop_s if churn.stop_s is not None else duration_s
+    if stop_s is None:
+        raise ConfigError("churn.stop_s: give the last second at which churn may kill a peer (needed when the run "
+                          "is bounded by rounds, not duration_s)")
+    rng = random.Random(churn.seed)
+    back_at: dict[str, float] = {}  # peer -> when its restart fires
+    events: list[Event] = []
+    t = churn.start_s
+    while True:
+        t += rng.expovariate(churn.kills_per_min / 60.0)
+        if t >= stop_s:
+            break
+        alive = sorted((f"peer{i}" for i in range(num_peers) if back_at.get(f"peer{i}", -1.0) <= t),
+                       key=lambda n: peer_index(n, "peer"))
+        if len(alive) <= churn.min_alive:
+            continue
+        victim = rng.choice(alive)
+        back_at[victim] = t + churn.down_s
+        events += [Event("kill", victim, at_s=round(t, 3)), Event("restart", victim, at_s=round(t + churn.down_s, 3))]
+    return tuple(sorted(events, key=lambda e: e.at_s or 0.0))
+
+
+class Timeline:
+    """Events fired in order: each waits for its trigger and for the one before it."""
+
+    def __init__(self, events: tuple[Event, ...] | list[Event]):
+        self.pending = list(events)
+
+    def due(self, elapsed_s: float, last_round: Mapping[str, int]) -> list[Event]:
+        """Pop the events whose trigger holds now (``last_round``: the highest round each peer has logged)."""
+        fired = []
+        while self.pending and _triggered(self.pending[0], elapsed_s, last_round):
+            fired.append(self.pending.pop(0))
+        return fired
+
+
+def _triggered(event: Event, elapsed_s: float, last_round: Mapping[str, int]) -> bool:
+    if event.at_s is not None:
+        return elapsed_s >= event.at_s
+    reached = last_round.get(event.of, -1) if event.of is not None else max(last_round.values(), default=-1)
+    return reached >= (event.after_round or 0)
