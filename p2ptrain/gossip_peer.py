@@ -31,7 +31,7 @@ from p2ptrain.wire import WireError
 logger = logging.getLogger(__name__)
 
 PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
-DEADLINE_FLOOR_S = 2.0  # connection set-up and round trips that do not scale with the payload
+DEADLINE_FLOOR_S = 5.0  # connection set-up, round trips and a busy CPU: what does not scale with the payload
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 ROUND_RETRY_S = 0.25  # Mix1: wait before asking again a partner that has not reached our round yet
 WRONG_ROUND = "not in this round"

@@ -169,7 +169,8 @@ def longest_stall_s(times: Sequence[float], end: float, stopped: Sequence[tuple[
 
 
 def check_stalls(record: RunRecord, max_stall_rounds: float) -> CheckResult:
-    """No peer went longer than ``max_stall_rounds`` median round times without a round (after its first)."""
+    """No peer went longer than ``max_stall_rounds`` median round times without a round (from its first round to
+    its last, or to its end if it was killed, stopped or still running then)."""
     round_s = [row["round_s"] for rows in record.rows.values() for row in rows]
     if not round_s:
         return CheckResult("max_stall_rounds", False, "no peer logged a round")
@@ -178,6 +179,8 @@ def check_stalls(record: RunRecord, max_stall_rounds: float) -> CheckResult:
     for life in record.lives:
         times = [row["time"] for row in record.rows_of(life)]
         end = life.ended if life.ended is not None else record.ended
+        if life.end_reason == "finished" and times:
+            end = times[-1]  # it exited after its last round: its shutdown is no stall
         stall = longest_stall_s(times, end, stopped_intervals(record, life.peer))
         worst[life.peer] = max(worst.get(life.peer, 0.0), stall / median_s)
     bad = sorted(peer for peer, rounds in worst.items() if rounds > max_stall_rounds)

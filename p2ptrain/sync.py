@@ -37,7 +37,7 @@ class SyncConfig:
     gossip_peers: int = 1  # partners per round: 1 = pair averaging (weight 1/2), 2 = weights 1/3
     param_codec: str = "fp16"  # parameters travel as codec(θ − θ_0): fp16 | none | int8 | adaptive
     exchange_safety_factor: float = 4.0  # deadline = factor × payload bytes / measured link throughput
-    max_partner_distance: float = 1.0  # refuse a partner whose parameters are farther than this × ‖ours‖
+    max_partner_distance: float = 10.0  # refuse a partner farther than this × ‖ours‖ (garbage, not disagreement)
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
     mix2_group_size: int = 3  # peers per Mix2 all-reduce group (2 partners + self = the "2-peer" graph)

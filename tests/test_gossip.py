@@ -121,7 +121,7 @@ class Offer:
 def bad_offers() -> list[Offer]:
     header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
               "weight": 0.5}
-    far = [v * 5 for v in reference()]
+    far = [v * 50 for v in reference()]  # 49× our norm away: beyond the default bound of 10
     return [Offer("inf", header, near(reference())), Offer("too far", header, far),
             Offer("other run", dict(header, run_id="other"), near(reference())),
             Offer("other model", dict(header, fingerprint="fp-2"), near(reference())),
