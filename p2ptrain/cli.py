@@ -174,20 +174,38 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) ->
 
 
 @cli.command()
-@click.option("--peers", "num_peers", default=4, show_default=True, type=click.IntRange(1, 32),
-              help="Training peers to start.")
+@click.option("--peers", "num_peers", default=None, type=click.IntRange(1, 32),
+              help="Training peers to start (default 4, or the scenario's).")
 @click.option("--rounds", default=None, type=click.IntRange(min=1), help="Rounds each peer runs.")
 @click.option("--model", default=None, help="Model preset for every peer.")
-@click.option("--sync", default=None, type=click.Choice(SYNC_MODES), help="Outer sync of every peer.")
+@click.option("--sync", default=None, type=click.Choice(SYNC_MODES), help="Outer sync of every peer (loopback).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file for every peer.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go (default: a temp dir).")
 @click.option("--timeout", "timeout_s", default=900, show_default=True, type=click.IntRange(min=10),
               help="Seconds before the testnet gives up.")
-def testnet(**kwargs: Any) -> None:
-    """Start a bootstrap and N peers on loopback, train, and print a summary; exit 1 if training did not happen."""
-    from p2ptrain.testnet import TestnetOptions, run_testnet
+@click.option("--backend", default="loopback", show_default=True, type=click.Choice(["loopback", "netns"]),
+              help="loopback: processes on 127.0.0.1; netns: one network namespace per host (root).")
+@click.option("--bandwidth", default=None, help="netns: per-peer rates, e.g. 50mbit,50mbit,5mbit (or one for all).")
+@click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False), help="netns: scenario YAML file.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=1), help="netns: run this many seconds.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), help="netns: where the report goes.")
+def testnet(backend: str, bandwidth: str | None, scenario_path: str | None, duration_s: float | None,
+            report_dir: str | None, **kwargs: Any) -> None:
+    """Start a bootstrap and N peers, train, and print a summary; exit 1 if training did not happen."""
+    if backend == "netns":
+        from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
 
-    ok = run_testnet(TestnetOptions(**kwargs))
+        if kwargs.pop("sync"):
+            raise click.UsageError("--sync is for the loopback backend; set sync.mode in --config or the scenario")
+        ok = run_netns_testnet(NetnsTestnetOptions(bandwidth=bandwidth, scenario_path=scenario_path,
+                                                   duration_s=duration_s, report_dir=report_dir, **kwargs))
+    else:
+        from p2ptrain.testnet import TestnetOptions, run_testnet
+
+        if bandwidth or scenario_path or duration_s or report_dir:
+            raise click.UsageError("--bandwidth, --scenario, --duration and --report need --backend netns")
+        kwargs["num_peers"] = kwargs["num_peers"] or 4
+        ok = run_testnet(TestnetOptions(**kwargs))
     sys.exit(0 if ok else 1)
 
 

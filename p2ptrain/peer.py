@@ -154,11 +154,15 @@ class TrainingPeer:
         self._update_step_time(phase.compute_s / max(1, phase.steps))
         self.announcer.update(phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss, publish=True)
         sync_started = time.monotonic()
-        context = self._context(self.swarm(), inner_steps=phase.steps)
+        sync_view = self.swarm()
+        context = self._context(sync_view, inner_steps=phase.steps)
         result = self.sync.finish_round(context)
         comm_blocked_s = time.monotonic() - sync_started
         self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
-        self.synced = 2 * result.group_size > 1 + context.same_round_peers
+        # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
+        # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
+        others_here = max(context.same_round_peers, len([r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]))
+        self.synced = 2 * result.group_size > 1 + others_here
         self.round += 1
         val_loss = self.inner.evaluate(self.val_batches)
         metrics = RoundMetrics(

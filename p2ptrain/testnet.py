@@ -67,9 +67,11 @@ class ProcessGroup:
         return process
 
     def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM each main process (not its group: the peer must shut its own DHT down and checkpoint), then
+        SIGKILL whatever is left of each group."""
         for process in self.children.values():
             if process.poll() is None:
-                _signal_group(process, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in self.children.values():
             try:

@@ -1,0 +1,123 @@
+"""Compute utilisation of DiLoCo, GASLoC and Factored on the netns testnet, side by side in one run (root only).
+
+Every algorithm gets the same swarm (N peers on fast links, one straggler at 10 % of their rate, shaped both
+ways with tc tbf), the same model, data and wall-clock budget. Per algorithm it prints: median compute
+utilisation over peers (compute seconds / wall seconds of the peer's life), the straggler's utilisation, the
+mean validation loss the peers reached by the budget, and bytes sent per peer. Writes Markdown and JSON to
+benchmarks/results/. Targets we compare against: gossip >= 0.95 median utilisation and >= 1.5× DiLoCo's in the
+same run; validation loss at equal wall clock <= DiLoCo's.
+
+    sudo python benchmarks/testnet_utilization.py [--peers 6] [--budget-s 150] [--fast-mbit 20]
+
+The 2 CPU cores of a CI machine carry all peers at once (one torch thread each), so compute time is shared
+between peers: utilisation is about waiting on the network, not about CPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("diloco", "gasloc", "factored")
+
+
+def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float) -> dict[str, Any]:
+    rates = [f"{fast_mbit:g}mbit"] * (peers - 1) + [f"{fast_mbit / 10:g}mbit"]
+    return {
+        "description": f"utilisation benchmark: {mode}, one straggler at 10 %",
+        "peers": peers,
+        "bandwidth": rates,
+        "duration_s": budget_s,
+        "peer_config": {
+            "model": {"name": "tiny", "max_seq_len": 64},
+            "data": {"seq_len": 64, "batch_size": 8, "max_corpus_bytes": 2_000_000, "num_shards": 8,
+                     "val_batches": 2},
+            "inner": {"steps": 20},
+            "sync": {"mode": mode, "matchmaking_s": 2.0},
+            "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
+        },
+        "checks": {"loss_fell": True},
+    }
+
+
+def peer_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Utilisation = compute seconds / wall seconds from the start of its first round to the end of its last."""
+    wall_s = rows[-1]["time"] - (rows[0]["time"] - rows[0]["round_s"])
+    return {"utilisation": sum(r["compute_s"] for r in rows) / max(wall_s, 1e-9),
+            "val_loss": rows[-1]["val_loss"], "rounds": len(rows),
+            "bytes_sent": float(sum(r["bytes_sent"] for r in rows))}
+
+
+def summarise(mode: str, report: dict[str, Any], straggler: str) -> dict[str, Any]:
+    figures = {peer: peer_figures(info["rounds"]) for peer, info in report["peers"].items() if info["rounds"]}
+    utilisation = [f["utilisation"] for f in figures.values()]
+    return {
+        "mode": mode,
+        "passed_checks": report["passed"],
+        "median_utilisation": statistics.median(utilisation),
+        "straggler_utilisation": figures.get(straggler, {}).get("utilisation", float("nan")),
+        "mean_val_loss": statistics.fmean(f["val_loss"] for f in figures.values()),
+        "mean_rounds": statistics.fmean(f["rounds"] for f in figures.values()),
+        "bytes_sent_per_peer": statistics.fmean(f["bytes_sent"] for f in figures.values()),
+        "peers": figures,
+    }
+
+
+def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    scenario_path = workdir / f"{mode}.yaml"
+    scenario_path.write_text(yaml.safe_dump(scenario(mode, args.peers, args.fast_mbit, args.budget_s)))
+    report_dir = workdir / f"{mode}-report"
+    run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario_path), workdir=str(workdir / mode),
+                                          report_dir=str(report_dir), timeout_s=args.budget_s * 3 + 120))
+    report = json.loads((report_dir / "report.json").read_text())
+    return summarise(mode, report, straggler=f"peer{args.peers - 1}")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    diloco = next((r for r in rows if r["mode"] == "diloco"), None)
+    lines = ["| algorithm | median utilisation | ÷ DiLoCo | straggler utilisation | mean val loss | rounds (mean) "
+             "| MB sent per peer |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["median_utilisation"] / diloco["median_utilisation"] if diloco else float("nan")
+        lines.append(f"| {r['mode']} | {r['median_utilisation']:.3f} | {ratio:.2f}× | "
+                     f"{r['straggler_utilisation']:.3f} | {r['mean_val_loss']:.4f} | {r['mean_rounds']:.1f} | "
+                     f"{r['bytes_sent_per_peer'] / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=6)
+    parser.add_argument("--budget-s", type=float, default=150.0, help="wall-clock budget per algorithm")
+    parser.add_argument("--fast-mbit", type=float, default=20.0, help="rate of the fast links (straggler: 10 %)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args(argv)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="p2ptrain-util-") as tmp:
+        rows = [run_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
+    text = table(rows)
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    settings = {"command": " ".join(["python", *sys.argv]), "peers": args.peers, "budget_s": args.budget_s,
+                "fast_mbit": args.fast_mbit, "straggler_mbit": args.fast_mbit / 10, "wall_s": time.time() - started}
+    (RESULTS / "testnet_utilization.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+    (RESULTS / "testnet_utilization.md").write_text(
+        f"# Compute utilisation on the netns testnet\n\n`{settings['command']}`: {args.peers} peers, "
+        f"{args.fast_mbit:g} Mbit/s links, one at {args.fast_mbit / 10:g}, {args.budget_s:g} s per algorithm, "
+        f"tiny model, 1 torch thread per peer on 2 shared cores.\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

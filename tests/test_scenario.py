@@ -1,0 +1,346 @@
+"""Scenario files, the run plan, churn, the event timeline, and the report's checks and plots (no root needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from p2ptrain import testnet_netns
+from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.report import EventRecord, Life, RunRecord, longest_stall_s, run_checks, write_report
+from p2ptrain.scenario import (
+    ChecksSpec,
+    ChurnSpec,
+    Event,
+    Scenario,
+    Timeline,
+    churn_events,
+    load_scenario,
+    parse_bandwidth,
+    parse_rate,
+    parse_scenario,
+    plan_run,
+)
+from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO_ROOT / "testnet" / "scenarios").glob("*.yaml"))
+
+
+def write_scenario(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    return path
+
+
+# ---- rates and bandwidth lists ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, mbit", [("50mbit", 50.0), ("800kbit", 0.8), ("1gbit", 1000.0), ("2.5", 2.5),
+                                        (10, 10.0), ("20000bit", 0.02), ("none", None), ("Unlimited", None)])
+def test_parse_rate_units(text: object, mbit: float | None) -> None:
+    assert parse_rate(text) == mbit
+
+
+@pytest.mark.parametrize("text", ["5mbps", "fast", "-3mbit", "0mbit", "200gbit", True])
+def test_bad_rates_are_one_line_errors(text: object) -> None:
+    with pytest.raises(ConfigError, match="rate") as info:
+        parse_rate(text, "--bandwidth[0]")
+    assert "\n" not in str(info.value)
+
+
+def test_bandwidth_list_from_command_line_and_yaml() -> None:
+    assert parse_bandwidth("50mbit,50mbit,5mbit") == (50.0, 50.0, 5.0)
+    assert parse_bandwidth(["1gbit", "none"]) == (1000.0, None)
+    assert parse_bandwidth("20mbit") == (20.0,)
+
+
+# ---- parsing -------------------------------------------------------------------------------------------------------
+
+FULL = """
+description: everything
+peers: 4
+bandwidth: [50mbit, 50mbit, 50mbit, 5mbit]
+rounds: 12
+peer_config: {model: {name: tiny}, run: {checkpoint_every: 1}}
+events:
+  - {after_round: 2, of: peer2, kill: peer2}
+  - {at_s: 30, restart: peer2}
+  - {at_s: 31, stop: peer1}
+  - {at_s: 32, continue: peer1}
+  - {at_s: 33, set_rate: {peer: peer3, rate: 1mbit}}
+  - {after_round: 5, partition: [peer2, peer3]}
+  - {at_s: 60, heal: partition}
+  - {at_s: 70, add_peer: {rate: 20mbit}}
+  - {at_s: 71, kill: peer4}
+checks: {loss_fell: false, max_stall_rounds: 4, max_consensus_distance: 0.05}
+"""
+
+
+def test_full_scenario_parses_and_plans(tmp_path: Path) -> None:
+    plan = plan_run(load_scenario(write_scenario(tmp_path, FULL)))
+    assert plan.peer_rates_mbit == (50.0, 50.0, 50.0, 5.0) and plan.rounds == 12 and plan.duration_s is None
+    assert plan.added_peers == ("peer4",)
+    assert [e.describe() for e in plan.events] == [
+        "kill peer2", "restart peer2", "stop peer1", "continue peer1", "set_rate peer3 1 Mbit/s",
+        "partition peer2,peer3", "heal partition", "add_peer peer4 20 Mbit/s", "kill peer4"]
+    assert plan.events[0] == Event("kill", "peer2", after_round=2, of="peer2")
+    assert plan.events[5].of is None and plan.events[5].trigger == "after round 5 of any peer"
+    assert plan.checks == ChecksSpec(loss_fell=False, max_stall_rounds=4.0, max_consensus_distance=0.05)
+    assert plan.peer_config == {"model": {"name": "tiny"}, "run": {"checkpoint_every": 1}}
+    json.dumps(dataclasses.asdict(plan))  # the plan goes into report.json
+
+
+def test_command_line_overrides_the_scenario(tmp_path: Path) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, "peers: 2\nbandwidth: 10mbit\nduration_s: 100\n"))
+    plan = plan_run(scenario)
+    assert plan.peer_rates_mbit == (10.0, 10.0) and plan.duration_s == 100 and plan.rounds is None
+    plan = plan_run(scenario, num_peers=3, bandwidth="1mbit,2mbit,none", rounds=5)
+    assert plan.peer_rates_mbit == (1.0, 2.0, None) and plan.rounds == 5 and plan.duration_s is None
+    assert plan_run(Scenario(), bandwidth="5mbit,5mbit,5mbit").peer_rates_mbit == (5.0, 5.0, 5.0)  # count from list
+    default = plan_run(Scenario())
+    assert default.peer_rates_mbit == (None,) * 4 and default.rounds == 8
+
+
+@pytest.mark.parametrize("text, message", [
+    ("peers: 3\nbogus: 1\n", "unknown key 'bogus'"),
+    ("events:\n  - {at_s: 3, kil: peer1}\n", "events[0]: unknown key 'kil'"),
+    ("events:\n  - {kill: peer1}\n", "events[0]: kill: give exactly one trigger"),
+    ("events:\n  - {at_s: 1, after_round: 2, kill: peer1}\n", "exactly one trigger"),
+    ("events:\n  - {at_s: 1, kill: peer1, stop: peer2}\n", "exactly one action"),
+    ("events:\n  - {at_s: 1, kill: bob}\n", "'bob' is not a peer name"),
+    ("events:\n  - {at_s: 1, of: peer1, kill: peer1}\n", "`of` goes with after_round"),
+    ("events:\n  - {at_s: x, kill: peer1}\n", "at_s: expected a number"),
+    ("events:\n  - {at_s: 1, set_rate: {peer: peer1}}\n", "set_rate: {peer: peer1, rate: 5mbit}"),
+    ("events:\n  - {at_s: 1, set_rate: {peer: peer1, rate: 5mbps}}\n", "set_rate.rate: '5mbps' is not a rate"),
+    ("events:\n  - {at_s: 1, partition: []}\n", "list the peers to cut off"),
+    ("events:\n  - {at_s: 1, heal: now}\n", "write heal: partition"),
+    ("events: {at_s: 1}\n", "events must be a list"),
+    ("rounds: 5\nduration_s: 10\n", "rounds or duration_s, not both"),
+    ("rounds: 0\n", "rounds must be >= 1"),
+    ("churn: {min_alive: 2}\n", "churn.kills_per_min is required"),
+    ("churn: {kills_per_min: 0}\n", "churn.kills_per_min must be in (0, 600]"),
+    ("churn: {kills_per_min: 1, seed: 1.5}\n", "churn.seed: expected a whole number"),
+    ("checks: {loss_fell: 1}\n", "checks.loss_fell: expected true or false"),
+    ("checks: {max_stall_rounds: 0}\n", "checks.max_stall_rounds must be > 0"),
+    ("peer_config: [1]\n", "peer_config must be a mapping"),
+    ("- just a list\n", "expected a mapping"),
+    ("peers: [unclosed\n", "is not valid YAML"),
+])
+def test_scenario_mistakes_are_one_line_errors_naming_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write_scenario(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_scenario(path)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, kwargs, message", [
+    ("events:\n  - {at_s: 1, kill: peer5}\n", {"num_peers": 3}, "no peer 'peer5' in this run"),
+    ("events:\n  - {after_round: 1, of: peer9, heal: partition}\n", {}, "no peer 'peer9'"),
+    ("peers: 4\n", {"bandwidth": "1mbit,2mbit"}, "2 rates for 4 peers"),
+    ("churn: {kills_per_min: 1}\nrounds: 5\n", {}, "churn.stop_s"),
+])
+def test_plan_mistakes(tmp_path: Path, text: str, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_run(load_scenario(write_scenario(tmp_path, text)), **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_file_is_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read scenario file"):
+        load_scenario(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_scenarios_are_valid(path: Path) -> None:
+    plan = plan_run(load_scenario(path))
+    assert plan.rounds or plan.duration_s
+    assert plan.peer_config["model"]["name"] == "tiny"
+
+
+def test_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= {"churn.yaml", "straggler.yaml", "partition.yaml", "kill_restart.yaml"}
+
+
+# ---- churn -----------------------------------------------------------------------------------------------------------
+
+def test_churn_is_deterministic_respects_min_alive_and_pairs_kills_with_restarts() -> None:
+    spec = ChurnSpec(kills_per_min=30, min_alive=2, down_s=10, start_s=5, stop_s=300, seed=7)
+    events = churn_events(spec, num_peers=4, duration_s=None)
+    assert events == churn_events(spec, num_peers=4, duration_s=None)
+    assert events != churn_events(ChurnSpec(30, 2, 10, 5, 300, seed=8), 4, None)
+    kills = [e for e in events if e.action == "kill"]
+    restarts = [e for e in events if e.action == "restart"]
+    assert len(kills) == len(restarts) > 10
+    assert [e.at_s for e in events] == sorted(e.at_s for e in events)  # type: ignore[type-var]
+    assert all(5 < (e.at_s or 0) < 300 for e in kills)
+    for kill in kills:  # every kill has its restart exactly down_s later
+        assert Event("restart", kill.peer, at_s=round((kill.at_s or 0) + 10, 3)) in restarts
+    alive = {f"peer{i}" for i in range(4)}
+    for event in events:  # replay: a kill only ever hits a live peer, and never goes below min_alive
+        if event.action == "kill":
+            assert event.peer in alive and len(alive) > 2
+            alive.discard(str(event.peer))
+        else:
+            alive.add(str(event.peer))
+
+
+def test_churn_rate_matches_poisson_mean() -> None:
+    # With min_alive far below the peer count nothing is skipped: kills ~ Poisson(rate * window).
+    counts = [sum(e.action == "kill" for e in churn_events(ChurnSpec(6, 1, 1, 0, 600, seed=s), 50, None))
+              for s in range(20)]
+    mean = sum(counts) / len(counts)
+    assert 55 < mean < 65, mean  # expected 6/min * 10 min = 60; sd of the mean ~ 1.7
+
+
+# ---- timeline --------------------------------------------------------------------------------------------------------
+
+def test_timeline_fires_in_order_each_waiting_for_its_trigger_and_the_previous() -> None:
+    timeline = Timeline([Event("kill", "peer2", after_round=2, of="peer2"), Event("restart", "peer2", at_s=5),
+                         Event("heal", at_s=1), Event("stop", "peer0", after_round=4)])
+    assert timeline.due(10.0, {"peer0": 9, "peer2": 1}) == []  # the first waits on peer2; the rest wait on it
+    fired = timeline.due(10.0, {"peer0": 9, "peer2": 2})
+    assert [e.action for e in fired] == ["kill", "restart", "heal", "stop"]
+    timeline = Timeline([Event("heal", at_s=3), Event("stop", "peer0", after_round=4)])
+    assert timeline.due(2.9, {}) == [] and [e.action for e in timeline.due(3.0, {"peer1": 3})] == ["heal"]
+    assert timeline.due(4.0, {"peer1": 3}) == [] and len(timeline.due(4.0, {"peer1": 4})) == 1  # any peer
+    assert timeline.pending == []
+
+
+# ---- report: checks and plots ----------------------------------------------------------------------------------------
+
+def row(peer_round: int, time_s: float, val_loss: float, round_s: float = 2.0) -> dict[str, float | int | str]:
+    return {"peer_id": "x", "round": peer_round, "inner_steps": 5, "train_loss": val_loss, "val_loss": val_loss,
+            "tokens_per_s": 100.0, "compute_s": 0.5, "comm_blocked_s": 1.5, "bytes_sent": 1000,
+            "bytes_received": 1000, "peers_averaged": 2, "round_s": round_s, "joined": False, "time": time_s}
+
+
+def kill_restart_record(tmp_path: Path) -> RunRecord:
+    """peer0 runs rounds 0-9 every 2 s; peer1 is killed at t=5 after rounds 0-1, resumes from round 2 at t=9."""
+    rows = {"peer0": [row(r, 100 + 2 * r, 5.0 - 0.1 * r) for r in range(10)],
+            "peer1": [row(0, 100, 5.0), row(1, 102, 4.9), row(6, 112, 4.5), row(7, 114, 4.4), row(8, 116, 4.3),
+                      row(9, 118, 4.2)]}
+    lives = [Life("peer0", 1, 99.0, 119.0, 0, "finished"), Life("peer1", 2, 99.0, 105.0, -9, "killed"),
+             Life("peer1", 3, 109.0, 119.0, 0, "finished", resumed_from_round=2)]
+    events = [EventRecord(105.0, "kill", "kill peer1", "at 5 s", "script", True),
+              EventRecord(109.0, "restart", "restart peer1", "at 9 s", "script", True, "resumed")]
+    return RunRecord(99.0, 119.0, rows, lives, events, [], {}, {"peer0": None, "peer1": 5.0}, "done")
+
+
+def test_checks_pass_on_a_good_kill_restart_run(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    results = {r.name: r for r in run_checks(record, ChecksSpec(max_stall_rounds=2.0))}
+    assert set(results) == {"finished", "clean_exits", "events_fired", "loss_fell", "resumed_from_checkpoint",
+                            "max_stall_rounds"}
+    assert all(r.passed for r in results.values()), results
+    assert "peer1 checkpoint 2 -> round 6" in results["resumed_from_checkpoint"].detail
+
+
+def test_checks_fail_when_loss_rises_resume_goes_back_or_a_peer_stalls(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    record.rows["peer0"][-1]["val_loss"] = 9.0
+    record.lives[2].resumed_from_round = 7  # it claims checkpoint 7 but logged round 6 first
+    del record.rows["peer0"][3:6]  # peer0: rounds 2 -> 6 took 8 s = 4 median rounds of 2 s
+    results = {r.name: r for r in run_checks(record, ChecksSpec(max_stall_rounds=3.0))}
+    assert not results["loss_fell"].passed and "peer0" in results["loss_fell"].detail
+    assert not results["resumed_from_checkpoint"].passed
+    assert not results["max_stall_rounds"].passed and "peer0 4.0" in results["max_stall_rounds"].detail
+
+
+def test_unplanned_exits_unfired_events_and_timeouts_fail(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    record.lives[0].end_reason, record.lives[0].exit_code = "crashed", 1
+    record.unfired = ["heal partition (at 90 s)"]
+    record.events.append(EventRecord(110.0, "stop", "stop peer7", "at 1 s", "script", False, "peer7 is not running"))
+    record.outcome = "timeout"
+    results = {r.name: r for r in run_checks(record, ChecksSpec(loss_fell=False))}
+    assert not results["clean_exits"].passed and "peer0 (crashed, exit 1)" in results["clean_exits"].detail
+    assert not results["events_fired"].passed and "never triggered" in results["events_fired"].detail
+    assert "peer7 is not running" in results["events_fired"].detail
+    assert not results["finished"].passed
+
+
+def test_stall_counts_the_tail_unless_the_peer_exited_after_its_last_round(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    record.lives[0].ended = 150.0  # peer0 logged its last round at t=118 and took 32 s to shut down
+    assert {r.name: r for r in run_checks(record, ChecksSpec(max_stall_rounds=2.0))}["max_stall_rounds"].passed
+    record.lives[0].end_reason = "stopped_at_end"  # still running at the end, silent for 32 s = 16 rounds of 2 s
+    result = {r.name: r for r in run_checks(record, ChecksSpec(max_stall_rounds=2.0))}["max_stall_rounds"]
+    assert not result.passed and "peer0 16.0" in result.detail
+
+
+def test_longest_stall_discounts_time_stopped() -> None:
+    # Rounds at 0, 2, 10 and the end at 11: gaps 2, 8, 1; stopped from 3 to 8 takes 5 s off the 8 s gap.
+    assert longest_stall_s([0, 2, 10], 11, []) == 8
+    assert longest_stall_s([0, 2, 10], 11, [(3, 8)]) == 3
+    assert longest_stall_s([], 50, []) == 0  # start-up before the first round does not count
+
+
+def test_consensus_distance_from_checkpoints(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
+    for peer, weights, rounds in (("peer0", a, (4, 5)), ("peer1", b, (5, 6))):
+        for r in rounds:
+            save_dir = tmp_path / peer / f"round-{r:06d}"
+            save_dir.mkdir(parents=True)
+            save_file({"w": weights if r == 5 else weights * 100}, str(save_dir / "model.safetensors"))
+        record.checkpoint_dirs[peer] = str(tmp_path / peer)
+    results = {r.name: r for r in run_checks(record, ChecksSpec(max_consensus_distance=1e-6))}
+    assert results["max_consensus_distance"].passed and "at round 5" in results["max_consensus_distance"].detail
+    b.copy_(torch.tensor([3.0, 4.0 + 1.0]))  # mean (3, 4.5): ‖a − mean‖ / ‖mean‖ = 0.5 / sqrt(9 + 20.25)
+    save_file({"w": b}, str(tmp_path / "peer1" / "round-000005" / "model.safetensors"))
+    result = {r.name: r for r in run_checks(record, ChecksSpec(max_consensus_distance=0.05))}["max_consensus_distance"]
+    assert not result.passed and f"{0.5 / (9 + 20.25) ** 0.5:.2e}" in result.detail
+
+
+def test_report_json_and_plots(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    results = run_checks(record, ChecksSpec())
+    paths = write_report(record, results, tmp_path / "report")
+    assert [p.name for p in paths] == ["report.json", "loss.png", "utilisation.png", "bytes.png"]
+    for png in paths[1:]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    report = json.loads(paths[0].read_text())
+    assert report["passed"] is True and report["outcome"] == "done"
+    assert [life["end_reason"] for life in report["peers"]["peer1"]["lives"]] == ["killed", "finished"]
+    assert len(report["peers"]["peer0"]["rounds"]) == 10 and report["peers"]["peer1"]["rate_mbit"] == 5.0
+    assert [e["description"] for e in report["events"]] == ["kill peer1", "restart peer1"]
+
+
+# ---- launcher entry points that need no root -----------------------------------------------------------------------
+
+def test_netns_testnet_without_root_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="need root") as info:
+        run_netns_testnet(NetnsTestnetOptions(num_peers=2, workdir=str(tmp_path)))
+    assert "\n" not in str(info.value)
+    assert not list(tmp_path.iterdir()), "nothing may be written before the privilege check"
+
+
+def test_options_and_peer_config_are_checked_before_any_namespace(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        NetnsTestnetOptions(rounds=3, duration_s=10)
+    scenario = write_scenario(tmp_path, "peer_config: {model: {name: tiny, bogus: 1}}\n")
+    config = tmp_path / "base.yaml"
+    config.write_text("model: {max_seq_len: 64}\nrun: {checkpoint_every: 3}\n")
+    plan = plan_run(load_scenario(scenario))
+    with pytest.raises(ConfigError, match="model.bogus"):
+        testnet_netns.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
+    plan = plan_run(parse_scenario({"peer_config": {"model": {"name": "tiny"}, "data": {"num_shards": 6}}}))
+    path, num_shards = testnet_netns.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
+    assert num_shards == 6
+    merged = path.read_text()
+    assert "max_seq_len: 64" in merged and "name: tiny" in merged and "checkpoint_every: 3" in merged
+
+
+def test_random_is_not_touched_globally() -> None:
+    state = random.getstate()
+    churn_events(ChurnSpec(10, 1, 1, 0, 60, seed=3), 4, None)
+    assert random.getstate() == state
