@@ -161,7 +161,8 @@ class TrainingPeer:
         self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
-        others_here = max(context.same_round_peers, len([r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]))
+        here_or_ahead = [r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]
+        others_here = max(context.same_round_peers, len(here_or_ahead))
         self.synced = 2 * result.group_size > 1 + others_here
         self.round += 1
         val_loss = self.inner.evaluate(self.val_batches)
