@@ -52,7 +52,7 @@ class PendingAverage:
         try:
             gathered = self.control.result() if self.control is not None else None  # type: ignore[attr-defined]
         except Exception as e:  # a failed all-reduce must not stop training: our own Δ stands in
-            logger.warning(f"background all-reduce failed ({e!r}); applying this peer's outer gradient")
+            logger.warning(f"all-reduce failed ({e!r}); applying this peer's outer gradient")
             gathered = None
         return self.averager.collect(self.own, gathered, self.started)
 
