@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
 
 import psutil
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -75,3 +78,33 @@ def no_leftover_p2pd():
     if alive:
         _terminate(alive)
         pytest.fail(f"{len(alive)} p2pd daemon(s) outlived the test suite: {sorted(p.pid for p in alive)}")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """In-process peers share torch's thread pool: one thread each, as the testnet gives every peer."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _netns_unusable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "not running as root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "`ip` or `tc` not installed"
+    probe = f"p2pt-probe-{os.getpid()}"
+    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if added.returncode != 0:
+        return f"`ip netns add` failed: {added.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=True)
+    return None
+
+
+@pytest.fixture
+def netns_ok() -> None:
+    """Skip (saying why, never silently) where network namespaces cannot be made."""
+    reason = _netns_unusable_reason()
+    if reason is not None:
+        pytest.skip(f"netns tests need root and iproute2: {reason}")

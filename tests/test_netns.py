@@ -62,25 +62,6 @@ except OSError:
 """
 
 
-def _netns_unusable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "not running as root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "`ip` or `tc` not installed"
-    probe = f"p2pt-probe-{os.getpid()}"
-    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if added.returncode != 0:
-        return f"`ip netns add` failed: {added.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=True)
-    return None
-
-
-@pytest.fixture
-def netns_ok() -> None:
-    reason = _netns_unusable_reason()
-    if reason is not None:
-        pytest.skip(f"netns tests need root and iproute2: {reason}")
-
 
 @pytest.fixture
 def testbed(netns_ok: None, request: pytest.FixtureRequest) -> Iterator[netns.Testbed]:

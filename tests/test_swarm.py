@@ -5,23 +5,14 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
 from swarm_utils import PeerThread, max_param_difference, run_swarm, start_peer, tiny_config
 
 from p2ptrain.config import replace_section
 from p2ptrain.status import print_status
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 AGREEMENT_TOLERANCE = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_three_peers_train_agree_and_are_listed():
