@@ -259,9 +259,14 @@ def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
     return True, ""
 
 
-def drive(fleet: Fleet, plan: RunPlan, timeout_s: float, events: list[EventRecord]) -> tuple[str, list[str]]:
-    """Fire events until the run's bound; returns (outcome, descriptions of scripted events never fired)."""
-    timelines = {"script": Timeline(plan.events), "churn": Timeline(plan.churn_events)}
+def unfired_events(script: Timeline) -> list[str]:
+    return [f"{e.describe()} ({e.trigger})" for e in script.pending]
+
+
+def drive(fleet: Fleet, plan: RunPlan, timeout_s: float, events: list[EventRecord], script: Timeline) -> str:
+    """Fire events until the run's bound and return the outcome; ``script`` (the scenario's own events) is left
+    holding those never fired, also when an interrupt ends the run early."""
+    timelines = {"script": script, "churn": Timeline(plan.churn_events)}
     churn_down: set[str] = set()  # peers a churn kill took down: only those get the churn restart
     started = time.monotonic()
     while True:
@@ -279,14 +284,13 @@ def drive(fleet: Fleet, plan: RunPlan, timeout_s: float, events: list[EventRecor
                                           detail))
                 click.echo(f"testnet: t={elapsed:5.1f}s {event.describe()} ({event.trigger})"
                            + ("" if ok and not detail else f": {detail}"))
-        unfired = [f"{e.describe()} ({e.trigger})" for e in timelines["script"].pending]
         if plan.duration_s is not None and elapsed >= plan.duration_s:
-            return "duration", unfired
+            return "duration"
         if plan.duration_s is None and not fleet.any_active():
-            return "done", unfired
+            return "done"
         if elapsed > timeout_s:
             click.echo(f"testnet: timed out after {timeout_s:g} s", err=True)
-            return "timeout", unfired
+            return "timeout"
         time.sleep(POLL_S)
 
 
@@ -350,7 +354,7 @@ def run_netns_testnet(options: NetnsTestnetOptions) -> bool:
     click.echo(f"testnet: bootstrap + {len(plan.initial_peers)} peers in network namespaces, {bound}, "
                f"{len(plan.events)} scripted + {len(plan.churn_events)} churn events, logs in {workdir}")
     events: list[EventRecord] = []
-    outcome, unfired, error, started = "error", [str(e.describe()) for e in plan.events], None, time.time()
+    outcome, error, started, script = "error", None, time.time(), Timeline(plan.events)
     with _signals(_interrupt):
         try:
             testbed.create()
@@ -358,7 +362,7 @@ def run_netns_testnet(options: NetnsTestnetOptions) -> bool:
             started = time.time()
             for peer in plan.initial_peers:
                 fleet.start_peer(peer, resume=False)
-            outcome, unfired = drive(fleet, plan, options.timeout_s, events)
+            outcome = drive(fleet, plan, options.timeout_s, events, script)
         except BaseException as e:  # KeyboardInterrupt (Ctrl-C, SIGTERM, SIGHUP) included: report, then re-raise
             outcome, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "error"), e
         finally:
@@ -369,8 +373,8 @@ def run_netns_testnet(options: NetnsTestnetOptions) -> bool:
                 finally:
                     testbed.teardown()
     checkpoint_dirs = {peer: str(fleet.checkpoint_dir(peer)) for peer in fleet.rows}
-    record = RunRecord(started, time.time(), fleet.rows, fleet.lives, events, unfired, checkpoint_dirs, rates,
-                       outcome, dataclasses.asdict(plan))
+    record = RunRecord(started, time.time(), fleet.rows, fleet.lives, events, unfired_events(script), checkpoint_dirs,
+                       rates, outcome, dataclasses.asdict(plan))
     return _report(record, plan, Path(options.report_dir or workdir / "report"), error)
 
 
