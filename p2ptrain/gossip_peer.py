@@ -24,7 +24,7 @@ from p2ptrain.compression import choose_codec_for_link, payload_bytes, relative_
 from p2ptrain.gossip import ExchangeRefused, GossipServicer, OpenExchange, Payload, push_pull
 from p2ptrain.mixing import consensus_distance
 from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s
-from p2ptrain.sync import RoundSync, SyncConfig
+from p2ptrain.sync import ExchangeRecord, RoundSync, SyncConfig
 from p2ptrain.topology import draw_partners
 from p2ptrain.wire import WireError
 
@@ -218,5 +218,7 @@ class GossipMixer:
         stats.bytes_received += outcome.bytes_received
         stats.exchange_s += outcome.seconds
         stats.codec = codec
+        stats.exchanges.append(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
+                                              outcome.seconds))
         stats.consensus_distance.append(consensus_distance(value, received[0]))
         return received[0]

@@ -35,6 +35,7 @@ class RoundMetrics:
     consensus_distance: list[float] = dataclasses.field(default_factory=list)  # ‖θ_i − θ_j‖/‖θ_i‖ per exchange
     failed_exchanges: int = 0
     refused_exchanges: int = 0
+    exchanges: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # partner, codec, bytes, seconds each
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> str:

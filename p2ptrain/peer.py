@@ -11,6 +11,7 @@ sharing, averaging). Each round:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -172,7 +173,7 @@ class TrainingPeer:
             time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
             partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
-            refused_exchanges=result.refused)
+            refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges])
         self.metrics_log.write(metrics)
         self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced)
         return metrics

@@ -93,6 +93,18 @@ class RoundSync:
     consensus_distance: list[float] = dataclasses.field(default_factory=list)  # ‖θ_i − θ_j‖/‖θ_i‖ per partner
     failed: int = 0  # exchanges that timed out or carried invalid data
     refused: int = 0  # partners that were busy or declined
+    exchanges: list[ExchangeRecord] = dataclasses.field(default_factory=list)  # the exchanges we started
+
+
+@dataclasses.dataclass
+class ExchangeRecord:
+    """One completed push-pull exchange this peer started: what a transfer model is calibrated against."""
+
+    partner: str
+    codec: str
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
 
 
 class OuterSync(Protocol):
