@@ -13,6 +13,7 @@ side. What is mixed and how is decided by the peer's side through `ExchangeHandl
 
 # No `from __future__ import annotations`: hivemind's ServicerBase reads the rpc_* annotations at runtime.
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -111,6 +112,23 @@ def _messages(header: dict[str, Any], payload: Payload) -> list[averaging_pb2.Do
     return messages
 
 
+async def _drain(requests: AsyncIterator[averaging_pb2.DownloadData], timeout_s: float) -> None:
+    """Read (and drop) what the initiator still sends until it ends its side of the stream, for at most
+    `timeout_s`.
+
+    Why: when a handler returns, hivemind closes our end of the stream; if the initiator's data is still arriving
+    then (the rest of a payload we refused, or its end-of-stream after the commit), p2pd resets the stream and
+    our last message in flight (the refusal, or the ack) is lost: the initiator waits out its deadline, and after
+    an ack it does not apply the mix we already applied. Measured before this: about 1 exchange in 25 on loopback.
+    """
+    async def read_to_end() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read_to_end(), timeout_s)
+
+
 def _refusal(reason: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
@@ -125,6 +143,13 @@ class GossipServicer(ServicerBase):
 
     async def rpc_exchange(
         self, requests: AsyncIterator[averaging_pb2.DownloadData], _context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in self._respond(requests):
+            yield message
+        await _drain(requests, self.chunk_timeout_s)
+
+    async def _respond(
+        self, requests: AsyncIterator[averaging_pb2.DownloadData]
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         try:
             first = await asyncio.wait_for(requests.__anext__(), timeout=self.chunk_timeout_s)

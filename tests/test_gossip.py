@@ -175,3 +175,51 @@ def test_two_honest_peers_end_with_the_pair_average_and_preserve_the_sum() -> No
             await b.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_a_busy_refusal_reaches_an_initiator_that_is_still_streaming_a_large_payload() -> None:
+    """The responder must not close its end while our payload still arrives: p2pd would reset the stream and
+    drop the refusal, and we would wait out the deadline instead of trying another peer at once."""
+    big = [torch.randn(2**21), torch.randn(2**20)]  # 6 MB as fp16 differences
+    header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
+              "weight": 0.5}
+
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            responder = GossipMixer(b, RUN, FINGERPRINT, "gasloc", big, SyncConfig(mode="gasloc"), seed=0)
+            await responder.register()
+            responder._responding = True  # in the middle of another exchange
+            payload = relative_encode(near(big), big, "fp16")
+            for _ in range(10):
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(gossip.ExchangeRefused, match="busy"):
+                    await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, payload, lambda h, p: lambda: None,
+                                    10**8, deadline_s=20)
+                assert asyncio.get_running_loop().time() - started < 10
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+
+
+def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
+    """Every ack arrives: the initiator mixes exactly as often as the responder did (no one-sided mixes)."""
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            initiator, responder = make_mixer(a), make_mixer(b)
+            await responder.register()
+            responder.set_base_(near(reference(), 0.05))
+            completed = 0
+            for _ in range(30):
+                _mixed, stats = await initiator.mix(near(reference(), 0.05), [b.peer_id.to_base58()], round_=0)
+                assert stats.failed == 0, "an exchange failed between two idle peers on loopback"
+                completed += len(stats.partners)
+            assert completed == 30 and responder.take_incoming_stats().group_size == 30
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=300))

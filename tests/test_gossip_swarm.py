@@ -54,10 +54,10 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
                 assert record.bytes_received == pytest.approx(model_bytes / 2, rel=0.01) and record.seconds > 0
             failed += metrics.failed_exchanges
     assert exchanges >= 2 * (ROUNDS - 1), "peers hardly ever found a partner"
-    # Known defect, open: about 1 exchange in 10 on 2 loaded cores never completes (the initiator waits out the
-    # 5 s deadline floor; the responder may already have applied its side). Allowed here up to 1 in 4 so the
-    # suite tracks it without flaking; a timed-out exchange leaves the initiator unchanged (tests/test_gossip.py).
-    assert failed <= max(1, exchanges // 4), (failed, exchanges)
+    # Exchanges between live peers on loopback complete (they failed about 1 in 25 while the responder closed its
+    # end too early and p2pd reset the stream: gossip._drain). One is allowed to run out its deadline on a loaded
+    # CI machine; a timed-out exchange leaves the initiator unchanged (tests/test_gossip.py).
+    assert failed <= 1, (failed, exchanges)
 
 
 def test_factored_swarm_trains_and_mixes_every_round() -> None:
