@@ -26,7 +26,7 @@ class PeerRecord(BaseModel):
     train_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
-    bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # measured link estimate
+    bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # own link, bits/s (0: unknown)
     fingerprint: StrictStr = ""  # model fingerprint: peers of another architecture are ignored
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat

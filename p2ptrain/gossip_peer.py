@@ -62,9 +62,10 @@ class GossipMixer:
     """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
-                 config: SyncConfig, seed: int, same_round_only: bool = False):
+                 config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
+        self.overlapped = overlapped  # Mix1: our exchanges run during the inner phase (GASLoC's block training)
         self.reference = [t.detach().float().cpu().clone() for t in reference]
         self.raw_bytes = sum(t.numel() * 4 for t in self.reference)
         self.max_payload_bytes = self.raw_bytes + 2**20
@@ -79,6 +80,7 @@ class GossipMixer:
         self.links: dict[str, ThroughputEMA] = {}
         self.incoming = RoundSync(group_size=0)  # what exchanges others started with us did this round
         self.budget_s = float("inf")  # time an exchange may take without delaying training (adaptive codec)
+        self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
 
     @property
     def namespace(self) -> str:
@@ -148,15 +150,47 @@ class GossipMixer:
             return self.config.param_codec
         link = self.links.get(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
         budget_s = self.budget_s if self.budget_s < float("inf") else 60.0
-        return choose_codec_for_link(self.raw_bytes, link.bytes_per_s, budget_s, PARAM_CODECS_ADAPTIVE).name
+        # the EMA counts both directions of an exchange, which travel at once: one direction gets half of it
+        return choose_codec_for_link(self.raw_bytes, link.bytes_per_s / 2, budget_s, PARAM_CODECS_ADAPTIVE).name
+
+    # ---- links ----------------------------------------------------------------------------------------------------
+    def own_link_bytes_per_s(self) -> float:
+        """Our link's speed: the fastest exchange throughput measured (an exchange runs at the slower end's
+        speed, so the fastest partner bounds ours from below); the prior until one is measured."""
+        measured = [link.bytes_per_s for link in self.links.values() if link.num_measurements]
+        return max(measured, default=PRIOR_BYTES_PER_S)
+
+    def expected_exchange_s(self, partner_bytes_per_s: float = 0.0) -> float:
+        """Seconds one exchange of our usual payload should take with a partner that announced this speed
+        (0: unknown, taken as ours)."""
+        own = self.own_link_bytes_per_s()
+        speed = min(own, partner_bytes_per_s) if partner_bytes_per_s > 0 else own
+        return 2 * self.last_payload_bytes / speed
+
+    def partners_worth_waiting_for(self, live_peers: list[str], links: dict[str, float]) -> list[str]:
+        """GASLoC's heterogeneity rule (ours): we start exchanges only with peers whose link lets the exchange
+        end within 1.25 × an exchange on our own link (or, when our exchanges overlap the inner phase as Mix1's
+        do, within that phase). Slower peers are not dropped from the graph: they start exchanges with us, which
+        we answer in the background while we train, so fast peers never wait for a slow one and a slow one waits
+        only for its own link."""
+        hidden_s = self.budget_s if self.overlapped and self.budget_s < float("inf") else 0.0
+        limit = max(hidden_s, 1.25 * self.expected_exchange_s())
+        return [p for p in live_peers if self.expected_exchange_s(links.get(p, 0.0)) <= limit]
 
     async def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int,
-                  patience_s: float = 0.0) -> tuple[list[torch.Tensor], RoundSync]:
+                  patience_s: float = 0.0, links: dict[str, float] | None = None,
+                  ) -> tuple[list[torch.Tensor], RoundSync]:
         """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value).
 
         Peers that are busy or refuse are skipped; those not yet in our round (Mix1) are asked again every
-        ROUND_RETRY_S for up to `patience_s` seconds.
+        ROUND_RETRY_S for up to `patience_s` seconds. With `links` (peers' announced link speeds), peers too slow
+        to wait for are left to start exchanges with us (`partners_worth_waiting_for`).
         """
+        if links is not None:
+            eligible = self.partners_worth_waiting_for(live_peers, links)
+            logger.debug(f"round {round_}: {len(eligible)} of {len(live_peers)} live peers are fast enough to wait for"
+                         f" (own link {self.own_link_bytes_per_s():.3g} B/s, links {links})")
+            live_peers = eligible
         k = self.config.gossip_peers
         weight = 1.0 / (k + 1)
         mixed = [v.clone() for v in value]
@@ -176,13 +210,15 @@ class GossipMixer:
             if result is not None:
                 for m, theirs, mine in zip(mixed, result, value, strict=True):
                     m.add_(theirs - mine, alpha=weight)
+        stats.link_bytes_per_s = self.own_link_bytes_per_s()
+        stats.expected_blocking_s = k * self.expected_exchange_s()
         return mixed, stats
 
     async def _exchange_with(self, partner: str, value: list[torch.Tensor], weight: float, round_: int,
                              stats: RoundSync) -> list[torch.Tensor] | None:
         codec = self.choose_codec(partner)
         payload = relative_encode(value, self.reference, codec)
-        nbytes = payload_bytes(payload)
+        nbytes = self.last_payload_bytes = payload_bytes(payload)
         link = self.links.setdefault(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
         deadline_s = exchange_deadline_s(2 * nbytes, link.bytes_per_s, self.config.exchange_safety_factor,
                                          DEADLINE_FLOOR_S)

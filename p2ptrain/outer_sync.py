@@ -98,7 +98,8 @@ class GaslocSync:
         proposal = propose(self.outer.anchor, self.outer.outer_gradient(), self.outer.config.lr)
         y = [t.float().cpu() + c for t, c in zip(proposal, self.mixer.take_correction_(), strict=True)]
         self.mixer.set_base_(y)  # exchanges others start while we mix see our proposal
-        mixed, stats = self.loop.run(self.mixer.mix(y, context.live_peers, context.round))
+        mixed, stats = self.loop.run(self.mixer.mix(y, context.live_peers, context.round,
+                                                    links=context.link_bytes_per_s))
         x = [m + c for m, c in zip(mixed, self.mixer.take_correction_(), strict=True)]
         _set_params_(self.outer, self.state.momentum_step(x))
         self.mixer.set_base_(self.outer.anchor)
@@ -130,7 +131,8 @@ class FactoredSync:
         self.frozen = [a.detach().float().cpu().clone() for a in self.outer.anchor]
         self.mixer.set_base_(self.frozen)
         self.mix1 = self.loop.submit(self.mixer.mix(self.frozen, context.live_peers, context.round,
-                                                    patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S)))
+                                                    patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S),
+                                                    links=context.link_bytes_per_s))
 
     def finish_round(self, context: RoundContext) -> RoundSync:
         started = time.monotonic()
@@ -181,7 +183,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         return DilocoSync(outer, averager("diloco", None), config)
     factored = config.mode == "factored"
     mixer = GossipMixer(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
-                        same_round_only=factored)
+                        same_round_only=factored, overlapped=factored)
     loop.run(mixer.register(), timeout=30)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)

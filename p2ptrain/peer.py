@@ -76,6 +76,7 @@ class TrainingPeer:
         self.round, self.synced, self.joined_this_round = 0, True, False
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
+        self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         checkpoint = self._load_checkpoint() if resume else None
         self._start_network(initial_peers)
         if checkpoint is not None:
@@ -160,6 +161,7 @@ class TrainingPeer:
         result = self.sync.finish_round(context)
         comm_blocked_s = time.monotonic() - sync_started
         self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
+        self.expected_blocking_s = result.expected_blocking_s
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
         here_or_ahead = [r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]
@@ -175,21 +177,23 @@ class TrainingPeer:
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
             refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges])
         self.metrics_log.write(metrics)
-        self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced)
+        self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
+                              bandwidth_bps=8 * result.link_bytes_per_s)
         return metrics
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]
         phase_s = self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
-                            phase_s)
+                            phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0})
 
     def _inner_steps(self) -> int:
         """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule)."""
         steps = self.config.inner.steps
-        if not self.config.sync.adapt_inner_steps or math.isnan(self.step_time_s) or math.isnan(self.blocked_s):
+        comm_s = self.blocked_s if math.isnan(self.expected_blocking_s) else self.expected_blocking_s
+        if not self.config.sync.adapt_inner_steps or math.isnan(self.step_time_s) or math.isnan(comm_s):
             return steps
-        return inner_steps_for_link(steps * self.step_time_s, self.step_time_s, self.blocked_s,
+        return inner_steps_for_link(steps * self.step_time_s, self.step_time_s, comm_s,
                                     self.config.inner.min_steps, steps)
 
     def _on_inner_step(self, bar: ProgressBar, round_: int, step: int, loss: float, peers: int) -> None:

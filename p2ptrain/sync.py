@@ -78,6 +78,7 @@ class RoundContext:
     live_peers: list[str]  # peer ids of other live peers (any round)
     same_round_peers: int  # how many of them are in this round
     inner_phase_s: float = float("inf")  # expected length of this round's inner phase (inf until measured)
+    link_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # peers' announced link speeds
 
 
 @dataclasses.dataclass
@@ -94,6 +95,8 @@ class RoundSync:
     failed: int = 0  # exchanges that timed out or carried invalid data
     refused: int = 0  # partners that were busy or declined
     exchanges: list[ExchangeRecord] = dataclasses.field(default_factory=list)  # the exchanges we started
+    link_bytes_per_s: float = 0.0  # our own link's measured speed (both directions of an exchange), 0: unknown
+    expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
 
 
 @dataclasses.dataclass

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from p2ptrain.gossip_peer import GossipMixer
 from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
+from p2ptrain.sync import SyncConfig
 
 
 def test_inner_steps_hand_computed() -> None:
@@ -68,3 +71,33 @@ def test_exchange_deadline_hand_computed() -> None:
         exchange_deadline_s(1_000, 0.0, safety_factor=3.0, floor_s=5.0)
     with pytest.raises(ValueError):
         exchange_deadline_s(1_000, 1e6, safety_factor=0.5, floor_s=5.0)
+
+
+def mixer_with_links(measured: dict[str, float], overlapped: bool = False) -> GossipMixer:
+    """A mixer (no network) whose links to these peers measured these two-way throughputs (bytes/s)."""
+    reference = [torch.zeros(250_000)]  # 1 MB of fp32: 500 kB one way in fp16
+    mixer = GossipMixer(None, "run", "fp", "gasloc", reference, SyncConfig(mode="gasloc"), seed=0,  # type: ignore[arg-type]
+                        overlapped=overlapped)
+    for peer, bytes_per_s in measured.items():
+        mixer.links[peer] = ThroughputEMA(bytes_per_s, smoothing=1.0)
+        mixer.links[peer].update_(int(bytes_per_s), 1.0)
+    return mixer
+
+
+def test_a_fast_peer_does_not_start_exchanges_with_a_peer_too_slow_to_wait_for() -> None:
+    mixer = mixer_with_links({"fast": 10e6})  # own link >= 10 MB/s: an exchange takes 0.1 s
+    links = {"fast": 10e6, "slow": 0.25e6, "slower-than-us-a-bit": 9e6}
+    assert mixer.expected_exchange_s() == pytest.approx(0.1)
+    assert mixer.expected_exchange_s(0.25e6) == pytest.approx(4.0)
+    eligible = mixer.partners_worth_waiting_for(["fast", "slow", "slower-than-us-a-bit", "unannounced"], links)
+    assert eligible == ["fast", "slower-than-us-a-bit", "unannounced"]  # unknown speed: given the benefit of doubt
+
+
+def test_a_slow_peer_starts_exchanges_with_anyone_and_overlapped_exchanges_may_use_the_inner_phase() -> None:
+    slow = mixer_with_links({"fast": 0.25e6})  # our own link is the bottleneck of every exchange
+    assert slow.partners_worth_waiting_for(["fast", "other"], {"fast": 10e6, "other": 5e6}) == ["fast", "other"]
+    mix1 = mixer_with_links({"fast": 10e6}, overlapped=True)
+    mix1.budget_s = 5.0  # a Mix1 exchange of up to 5 s hides behind the inner phase
+    assert mix1.partners_worth_waiting_for(["slow"], {"slow": 0.25e6}) == ["slow"]
+    mix1.budget_s = 1.0
+    assert mix1.partners_worth_waiting_for(["slow"], {"slow": 0.25e6}) == []

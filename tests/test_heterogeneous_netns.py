@@ -1,0 +1,74 @@
+"""GASLoC on links of very different speeds, each peer its own host with `tc` shaping (netns testnet): the peer
+on the slow link takes fewer inner steps and sends 8-bit parameters, fast peers keep their steps, 16-bit among
+themselves, and do not wait for the slow one. Needs root and iproute2; skips with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from p2ptrain.metrics import read_metrics
+from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+FAST, SLOW = ("peer0", "peer1"), "peer2"
+STEPS, MIN_STEPS = 100, 5  # ~1 s of compute per round on one thread: an exchange on a fast link costs ~10 steps
+SCENARIO = {
+    "peers": 3, "duration_s": 45, "bandwidth": ["50mbit", "50mbit", "1mbit"],
+    "peer_config": {
+        "model": {"name": "tiny", "max_seq_len": 64},
+        "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2},
+        "inner": {"steps": STEPS, "min_steps": MIN_STEPS},
+        "sync": {"mode": "gasloc", "param_codec": "adaptive", "adapt_inner_steps": True},
+        "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
+    },
+    "checks": {"loss_fell": True},
+}
+
+
+def run_testnet(tmp_path: Path, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    scenario, workdir = tmp_path / "scenario.yaml", tmp_path / "run"
+    scenario.write_text(yaml.safe_dump(SCENARIO))
+    workdir.mkdir()
+    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(workdir), timeout_s=300,
+                                               name_prefix=prefix))
+    report = json.loads((workdir / "report" / "report.json").read_text())
+    assert ok and report["passed"], [c for c in report["checks"] if not c["passed"]]
+    return {peer: read_metrics(workdir / f"{peer}.jsonl") for peer in (*FAST, SLOW)}
+
+
+def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wait_for_it(
+        netns_ok: None, tmp_path: Path) -> None:
+    rows = run_testnet(tmp_path, "het")
+    name_of = {peer_rows[0]["peer_id"]: peer for peer, peer_rows in rows.items()}
+    # Pacing: round 0 runs the full H (nothing measured yet); from then on the slow peer's link (1 Mbit/s: ~2 s
+    # per 8-bit exchange, 200 steps' worth) drives its H to the floor, while a fast peer's (~0.1 s) costs it ~10.
+    steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
+    assert steps[SLOW] <= 2 * MIN_STEPS, steps
+    assert all(steps[peer] >= 0.6 * STEPS for peer in FAST), steps
+
+    exchanges = [(peer, name_of.get(e["partner"], "?"), e) for peer, peer_rows in rows.items()
+                 for r in peer_rows for e in r["exchanges"]]
+    fast_pairs = [e for a, b, e in exchanges if {a, b} <= set(FAST)]
+    assert len(fast_pairs) >= 5, "the fast peers hardly mixed with each other"
+    assert all(e["codec"] == "fp16" for e in fast_pairs), [e["codec"] for e in fast_pairs]
+    # Adaptive codec: once a link to the slow peer is measured, 16-bit no longer fits an inner phase on it.
+    slow_links = [(a, b, e) for a, b, e in exchanges if SLOW in (a, b)]
+    seen: set[tuple[str, str]] = set()
+    for a, b, e in slow_links:
+        if (a, b) in seen:
+            assert e["codec"] == "int8", (a, b, e)
+        seen.add((a, b))
+    # Partner choice: a fast peer starts an exchange with the slow one at most until the slow one has announced
+    # its link speed (its first round); after that the slow peer starts them and fast peers answer while training.
+    for peer in FAST:
+        assert sum(1 for a, b, _ in slow_links if a == peer) <= 2, [(a, b) for a, b, _ in slow_links]
+    assert sum(1 for a, _, _ in slow_links if a == SLOW) >= 3, "the slow peer should reach the fast ones itself"
+    for peer_rows in rows.values():
+        assert min(r["val_loss"] for r in peer_rows[1:]) < peer_rows[0]["val_loss"]
