@@ -108,7 +108,7 @@ class Algorithm:
     codec: str = "none"  # diloco: codec of the exchanged Δ (none = exact fp32 mean)
     density: float = 1.0  # topk only
     graph: str = "complete"  # gasloc: complete | matching (1-peer) | cycle (2-peer)
-    momentum: float = 0.9  # gasloc: γ
+    momentum: float = 0.9  # gasloc and delayed: γ (factored and diloco use outer.momentum, 0.9)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
     eager: bool = False  # delayed: the eager variant
@@ -125,7 +125,10 @@ ROWS = (
     Algorithm("factored-K1", "factored", mix2_every=1),
     Algorithm("factored-K4", "factored", mix2_every=4),
     Algorithm("diloco-delay1", "delayed"),
+    Algorithm("diloco-delay1-g0.5", "delayed", momentum=0.5),
+    Algorithm("diloco-delay1-g0", "delayed", momentum=0.0),
     Algorithm("diloco-eager", "delayed", eager=True),
+    Algorithm("diloco-eager-g0.5", "delayed", eager=True, momentum=0.5),
     Algorithm("diloco-fp16", "diloco", codec="fp16"),
     Algorithm("diloco-int8", "diloco", codec="int8"),
     Algorithm("diloco-topk-1/128+EF", "diloco", codec="topk", density=1 / 128),
@@ -194,7 +197,7 @@ def make_peers(row: Algorithm, bench: Bench) -> list[SimPeer]:
         elif row.kind == "gasloc":
             peer.gasloc = GaslocState(peer.theta, row.momentum)
         else:
-            peer.nesterov = NesterovState(cfg.outer.lr, cfg.outer.momentum)
+            peer.nesterov = NesterovState(cfg.outer.lr, row.momentum if row.kind == "delayed" else cfg.outer.momentum)
         if row.kind == "delayed":
             peer.delayed = DelayedOuterGradient(row.eager)
         if row.codec == "topk":

@@ -72,7 +72,8 @@ class TrainingPeer:
         self.fingerprint = model_fingerprint(self.model)
         self.initial_params = [p.detach().float().cpu().clone() for p in self.params]  # θ_0: gossip's reference
         self.inner = InnerTrainer(self.model, config.inner, self.device)
-        self.outer = OuterOptimizer(self.params, config.outer)
+        self.outer = OuterOptimizer(self.params, dataclasses.replace(
+            config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.round, self.synced, self.joined_this_round = 0, True, False
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)

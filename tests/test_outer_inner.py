@@ -6,12 +6,14 @@ import copy
 import math
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import p2ptrain.inner as inner_module
-from p2ptrain.errors import StateMismatchError
+from p2ptrain.config import build_config
+from p2ptrain.errors import ConfigError, StateMismatchError
 from p2ptrain.inner import InnerConfig, InnerTrainer, lr_multiplier
 from p2ptrain.models import ModelConfig, build_model
 from p2ptrain.outer import OuterConfig, OuterOptimizer
@@ -336,3 +338,19 @@ def test_inner_state_round_trips(tiny_model_state: dict[str, torch.Tensor]) -> N
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert a.optimizer.param_groups[0]["lr"] == b.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize(("overlap", "explicit", "expected"), [
+    ("none", None, 0.9), ("delayed", None, 0.0), ("eager", None, 0.5), ("delayed", 0.3, 0.3)])
+def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explicit: float | None,
+                                                           expected: float) -> None:
+    """A one-round-late gradient with γ = 0.9 diverged in benchmarks/algorithms.py: overlap gets its own γ."""
+    sync = {"overlap": overlap} if explicit is None else {"overlap": overlap, "overlap_momentum": explicit}
+    config = build_config({"sync": sync, "outer": {"momentum": 0.9}})
+    assert config.sync.outer_momentum(config.outer.momentum) == expected
+
+
+@pytest.mark.parametrize("sync", [{"overlap_momentum": 0.5}, {"overlap": "delayed", "overlap_momentum": 1.0}])
+def test_overlap_momentum_without_overlap_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="overlap_momentum"):
+        build_config({"sync": sync})
