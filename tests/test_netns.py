@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from netns_utils import stop_and_clean_up
 
 from p2ptrain import netns
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.netns import STATE_DIR, HostSpec, list_namespaces, tbf_args
+from p2ptrain.netns import HostSpec, list_namespaces, tbf_args
 
 pytestmark = pytest.mark.netns
 
@@ -238,8 +239,4 @@ def test_guard_cleans_up_after_owner_is_sigkilled(netns_ok: None) -> None:
         _wait_until(lambda: _process_gone(info["worker"]), deadline_s=5, what="the worker to be killed")
         _wait_until(lambda: _process_gone(guard_pid), deadline_s=5, what="the guard to exit")
     finally:
-        if owner.poll() is None:
-            owner.kill()
-        owner.wait()
-        if (STATE_DIR / f"{prefix}.json").exists():  # the guard failed: leave the machine clean anyway
-            subprocess.run([sys.executable, "-m", "p2ptrain.netns", "--cleanup"], cwd=REPO_ROOT, check=False)
+        stop_and_clean_up(owner, prefix)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from netns_utils import stop_and_clean_up
 
 from p2ptrain.metrics import read_metrics
 from p2ptrain.netns import STATE_DIR, list_namespaces
@@ -250,9 +251,5 @@ def test_sigkilled_launcher_leaves_no_namespace_or_process(netns_ok: None, tmp_p
         wait_until(lambda: not our_namespaces(prefix), 30, "the guard to delete the namespaces")
         wait_until(lambda: not any(process_state(pid) for pid in in_namespaces), 15, "the peers to die")
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        if (STATE_DIR / f"{prefix}.json").exists():  # the guard failed: leave the machine clean anyway
-            subprocess.run([sys.executable, "-m", "p2ptrain.netns", "--cleanup"], cwd=REPO_ROOT, check=False)
+        stop_and_clean_up(launcher, prefix)
     assert_nothing_left(prefix, workdir, inodes, root_before)
