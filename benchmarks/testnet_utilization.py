@@ -30,9 +30,12 @@ from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("diloco", "gasloc", "factored")
+# rows beyond the three, by name: the sync section they run with
+VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"}}
 
 
-def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float) -> dict[str, Any]:
+def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_steps: int) -> dict[str, Any]:
+    sync = dict(VARIANTS.get(mode, {"mode": mode}), matchmaking_s=2.0)
     rates = [f"{fast_mbit:g}mbit"] * (peers - 1) + [f"{fast_mbit / 10:g}mbit"]
     return {
         "description": f"utilisation benchmark: {mode}, one straggler at 10 %",
@@ -43,8 +46,8 @@ def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float) -> dict[s
             "model": {"name": "tiny", "max_seq_len": 64},
             "data": {"seq_len": 64, "batch_size": 8, "max_corpus_bytes": 2_000_000, "num_shards": 8,
                      "val_batches": 2},
-            "inner": {"steps": 20},
-            "sync": {"mode": mode, "matchmaking_s": 2.0},
+            "inner": {"steps": inner_steps, "min_steps": max(1, inner_steps // 20)},
+            "sync": sync,
             "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
         },
         "checks": {"loss_fell": True},
@@ -76,7 +79,8 @@ def summarise(mode: str, report: dict[str, Any], straggler: str) -> dict[str, An
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     scenario_path = workdir / f"{mode}.yaml"
-    scenario_path.write_text(yaml.safe_dump(scenario(mode, args.peers, args.fast_mbit, args.budget_s)))
+    scenario_path.write_text(yaml.safe_dump(scenario(mode, args.peers, args.fast_mbit, args.budget_s,
+                                                     args.inner_steps)))
     report_dir = workdir / f"{mode}-report"
     run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario_path), workdir=str(workdir / mode),
                                           report_dir=str(report_dir), timeout_s=args.budget_s * 3 + 120))
@@ -101,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=150.0, help="wall-clock budget per algorithm")
     parser.add_argument("--fast-mbit", type=float, default=20.0, help="rate of the fast links (straggler: 10 %)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--inner-steps", type=int, default=20, help="H of every peer (paced rows: at most H)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + tuple(VARIANTS))}")
     args = parser.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES) - set(VARIANTS)
+    if unknown or args.inner_steps < 1:
+        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}" if unknown else "--inner-steps must be >= 1")
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="p2ptrain-util-") as tmp:
         rows = [run_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
@@ -110,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     RESULTS.mkdir(exist_ok=True)
     settings = {"command": " ".join(["python", *sys.argv]), "peers": args.peers, "budget_s": args.budget_s,
+                "inner_steps": args.inner_steps,
                 "fast_mbit": args.fast_mbit, "straggler_mbit": args.fast_mbit / 10, "wall_s": time.time() - started}
     (RESULTS / "testnet_utilization.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     (RESULTS / "testnet_utilization.md").write_text(
         f"# Compute utilisation on the netns testnet\n\n`{settings['command']}`: {args.peers} peers, "
         f"{args.fast_mbit:g} Mbit/s links, one at {args.fast_mbit / 10:g}, {args.budget_s:g} s per algorithm, "
-        f"tiny model, 1 torch thread per peer on 2 shared cores.\n\n{text}\n")
+        f"H = {args.inner_steps}, tiny model, 1 torch thread per peer on 2 shared cores.\n\n{text}\n")
     return 0
 
 
