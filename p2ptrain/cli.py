@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -68,6 +69,7 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
         stop()
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is a stuck peer?
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

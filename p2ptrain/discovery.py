@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -72,9 +73,20 @@ def parse_records(raw: object, ttl_s: float, now: float) -> list[PeerRecord]:
     return sorted(by_peer.values(), key=lambda r: r.peer_id)
 
 
-def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float) -> list[PeerRecord]:
-    """The run's live peers, as of now."""
-    raw = dht.get(peers_key(run_id), latest=True)
+DHT_READ_TIMEOUT_S = 30.0
+
+
+def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float,
+                timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
+    """The run's live peers, as of now; none (with a warning) when the DHT does not answer within `timeout_s`
+    (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
+    future = dht.get(peers_key(run_id), latest=True, return_future=True)
+    try:
+        raw = future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
+        future.cancel()
+        logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on as if alone this round")
+        return []
     return parse_records(raw, ttl_s, get_dht_time())
 
 

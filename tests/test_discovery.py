@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
+import time
 from types import SimpleNamespace
 
-from p2ptrain.discovery import PeerRecord, SwarmView, parse_records
+import pytest
+from hivemind.utils import get_dht_time
+
+from p2ptrain.discovery import PeerRecord, SwarmView, fetch_peers, parse_records
+from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table
 
 NOW = 1000.0
@@ -44,3 +51,35 @@ def test_swarm_view_questions_and_the_status_table() -> None:
     assert [r.peer_id for r in view.ahead_of(3)] == ["b"]  # a joining peer is not "ahead"
     table = format_status_table(records, NOW + 2)
     assert "4 live peer(s)" in table and "2.500" in table and "2.0s" in table
+
+
+class SilentDHT:
+    """A DHT whose reads never come back (a reply lost inside hivemind's DHT process)."""
+
+    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+        assert return_future, "a blocking get would hang the training loop"
+        return concurrent.futures.Future()
+
+
+def test_a_dht_that_never_answers_yields_no_peers_instead_of_a_hang() -> None:
+    started = time.monotonic()
+    assert fetch_peers(SilentDHT(), "run", ttl_s=5.0, timeout_s=0.2) == []  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+
+
+def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:
+    return PeerRecord(peer_id=f"{phase}-{eta}", round=round_, inner_step=0, phase=phase, round_eta=eta, updated=NOW)
+
+
+def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_already_syncing() -> None:
+    """Else a group a matchmaking window behind averages alone, round after round (the swarm splits in two)."""
+    me = SimpleNamespace(round=7, config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=True)))
+    now_dht, now = get_dht_time(), time.monotonic()
+    syncing = SwarmView("me", [peer_at(7, "sync", now_dht - 1.0)])
+    assert TrainingPeer._inner_deadline(me, syncing) <= now + 0.1  # type: ignore[arg-type]  # at once (min steps)
+    still_training = SwarmView("me", [peer_at(7, "inner", now_dht + 3.0), peer_at(7, "sync", now_dht - 1.0)])
+    assert TrainingPeer._inner_deadline(me, still_training) == pytest.approx(now + 3.0, abs=0.5)
+    other_round = SwarmView("me", [peer_at(6, "sync", now_dht - 1.0), peer_at(8, "inner", now_dht + 3.0)])
+    assert TrainingPeer._inner_deadline(me, other_round) == math.inf
+    gossip = SimpleNamespace(round=7, config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=False)))
+    assert TrainingPeer._inner_deadline(gossip, syncing) == math.inf  # type: ignore[arg-type]
