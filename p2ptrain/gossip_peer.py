@@ -212,6 +212,8 @@ class GossipMixer:
                     m.add_(theirs - mine, alpha=weight)
         stats.link_bytes_per_s = self.own_link_bytes_per_s()
         stats.expected_blocking_s = k * self.expected_exchange_s()
+        fastest = max([self.own_link_bytes_per_s(), *(links or {}).values()])
+        stats.swarm_blocking_s = k * 2 * self.last_payload_bytes / fastest
         return mixed, stats
 
     async def _exchange_with(self, partner: str, value: list[torch.Tensor], weight: float, round_: int,

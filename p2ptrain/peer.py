@@ -78,6 +78,7 @@ class TrainingPeer:
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
+        self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
         checkpoint = self._load_checkpoint() if resume else None
         self._start_network(initial_peers)
         if checkpoint is not None:
@@ -162,7 +163,7 @@ class TrainingPeer:
         result = self.sync.finish_round(context)
         comm_blocked_s = time.monotonic() - sync_started
         self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
-        self.expected_blocking_s = result.expected_blocking_s
+        self.expected_blocking_s, self.swarm_blocking_s = result.expected_blocking_s, result.swarm_blocking_s
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
         here_or_ahead = [r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]
@@ -189,12 +190,19 @@ class TrainingPeer:
                             phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0})
 
     def _inner_steps(self) -> int:
-        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule)."""
+        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule).
+
+        The target round is that of a peer on the swarm's fastest link running all H steps, so a fast peer keeps
+        H and a slower one gives up the steps its extra communication time would take.
+        """
         steps = self.config.inner.steps
-        comm_s = self.blocked_s if math.isnan(self.expected_blocking_s) else self.expected_blocking_s
+        if math.isnan(self.expected_blocking_s):  # no link forecast (all-reduce modes): what blocking measured
+            comm_s, base_s = self.blocked_s, 0.0
+        else:
+            comm_s, base_s = self.expected_blocking_s, min(self.swarm_blocking_s, self.expected_blocking_s)
         if not self.config.sync.adapt_inner_steps or math.isnan(self.step_time_s) or math.isnan(comm_s):
             return steps
-        return inner_steps_for_link(steps * self.step_time_s, self.step_time_s, comm_s,
+        return inner_steps_for_link(steps * self.step_time_s + base_s, self.step_time_s, comm_s,
                                     self.config.inner.min_steps, steps)
 
     def _on_inner_step(self, bar: ProgressBar, round_: int, step: int, loss: float, peers: int) -> None:

@@ -110,6 +110,7 @@ class RoundSync:
     exchanges: list[ExchangeRecord] = dataclasses.field(default_factory=list)  # the exchanges we started
     link_bytes_per_s: float = 0.0  # our own link's measured speed (both directions of an exchange), 0: unknown
     expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
+    swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
 
 
 @dataclasses.dataclass

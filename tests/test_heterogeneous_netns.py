@@ -47,11 +47,12 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
         netns_ok: None, tmp_path: Path) -> None:
     rows = run_testnet(tmp_path, "het")
     name_of = {peer_rows[0]["peer_id"]: peer for peer, peer_rows in rows.items()}
-    # Pacing: round 0 runs the full H (nothing measured yet); from then on the slow peer's link (1 Mbit/s: ~2 s
-    # per 8-bit exchange, 200 steps' worth) drives its H to the floor, while a fast peer's (~0.1 s) costs it ~10.
+    # Pacing: round 0 runs the full H (nothing measured yet); from then on the slow peer gives up the steps its
+    # extra link time takes (1 Mbit/s: ~2 s per 8-bit exchange, 200 steps' worth, against ~0.1 s on a fast link)
+    # and drops to the floor, while a fast peer, whose rounds set the pace, keeps (nearly) all H.
     steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
     assert steps[SLOW] <= 2 * MIN_STEPS, steps
-    assert all(steps[peer] >= 0.6 * STEPS for peer in FAST), steps
+    assert all(steps[peer] >= 0.85 * STEPS for peer in FAST), steps
 
     exchanges = [(peer, name_of.get(e["partner"], "?"), e) for peer, peer_rows in rows.items()
                  for r in peer_rows for e in r["exchanges"]]
