@@ -108,7 +108,7 @@ class Algorithm:
     codec: str = "none"  # diloco: codec of the exchanged Δ (none = exact fp32 mean)
     density: float = 1.0  # topk only
     graph: str = "complete"  # gasloc: complete | matching (1-peer) | cycle (2-peer)
-    momentum: float = 0.9  # gasloc and delayed: γ (factored and diloco use outer.momentum, 0.9)
+    momentum: float = 0.9  # γ of gasloc, delayed and diloco rows (factored uses outer.momentum, 0.9)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
     eager: bool = False  # delayed: the eager variant
@@ -133,6 +133,10 @@ ROWS = (
     Algorithm("diloco-int8", "diloco", codec="int8"),
     Algorithm("diloco-topk-1/128+EF", "diloco", codec="topk", density=1 / 128),
     Algorithm("diloco-topk-1/32+EF", "diloco", codec="topk", density=1 / 32),
+    # error feedback delays what top-k leaves out, like the overlap rows: momentum 0.5 instead of 0.9
+    Algorithm("diloco-topk-1/128+EF-g0.5", "diloco", codec="topk", density=1 / 128, momentum=0.5),
+    Algorithm("diloco-topk-1/32+EF-g0.5", "diloco", codec="topk", density=1 / 32, momentum=0.5),
+    Algorithm("diloco-g0", "diloco", momentum=0.0),  # is DiLoCo's γ = 0.9 tuned for this run? (a reference)
 )
 
 
@@ -193,7 +197,7 @@ def make_peers(row: Algorithm, bench: Bench) -> list[SimPeer]:
         batches = bench.shards[i].train_batches(seed=1000 * cfg.run.seed + i)  # the same batches in every row
         peer = SimPeer(i, params, InnerTrainer(model, cfg.inner, torch.device("cpu")), batches, _clone(params))
         if row.kind == "diloco":
-            peer.outer = OuterOptimizer(params, cfg.outer)
+            peer.outer = OuterOptimizer(params, dataclasses.replace(cfg.outer, momentum=row.momentum))
         elif row.kind == "gasloc":
             peer.gasloc = GaslocState(peer.theta, row.momentum)
         else:
