@@ -18,8 +18,9 @@ from p2ptrain.aio import BackgroundLoop
 from p2ptrain.allreduce import AllReduceAverager, AveragingResult, PendingAverage
 from p2ptrain.gasloc import DelayedOuterGradient, GaslocState, propose
 from p2ptrain.gossip_peer import GossipMixer
+from p2ptrain.grad_gossip import GossipMix2, GradGossip
 from p2ptrain.outer import OuterOptimizer
-from p2ptrain.sync import OuterSync, RoundContext, RoundSync, SyncConfig
+from p2ptrain.sync import Mix2, OuterSync, RoundContext, RoundSync, SyncConfig
 
 MIX1_PATIENCE_S = 10.0  # Mix1 waits at most this long (or the inner phase) for a partner to reach its round
 
@@ -115,13 +116,35 @@ class GaslocSync:
         pass
 
 
+class AllReduceMix2:
+    """Factored's Mix2 as an exact all-reduce of Δ among a group of the round's peers (hivemind)."""
+
+    def __init__(self, averager: AllReduceAverager):
+        self.averager = averager
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
+        return result.delta, RoundSync(group_size=result.group_size, bytes_sent=result.bytes_sent,
+                                       bytes_received=result.bytes_received)
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return []
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+
 class FactoredSync:
     """Factored Gossip DiLoCo: Mix1 gossips θ_r in the background during the inner phase (its correction is added
-    at the round's end); Mix2 all-reduces Δ in small groups every K rounds; the outer step is Nesterov."""
+    at the round's end); Mix2 mixes Δ every K rounds, all-reduced in small groups or gossiped compressed with
+    1–2 peers (`sync.mix2_transport`); the outer step is Nesterov."""
 
-    def __init__(self, outer: OuterOptimizer, mixer: GossipMixer, averager: AllReduceAverager,
-                 loop: BackgroundLoop, config: SyncConfig):
-        self.outer, self.mixer, self.averager, self.loop, self.config = outer, mixer, averager, loop, config
+    def __init__(self, outer: OuterOptimizer, mixer: GossipMixer, mix2: Mix2, loop: BackgroundLoop,
+                 config: SyncConfig):
+        self.outer, self.mixer, self.mix2, self.loop, self.config = outer, mixer, mix2, loop, config
         self.mix1: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None
         self.frozen: list[torch.Tensor] = []
 
@@ -141,12 +164,8 @@ class FactoredSync:
         correction = [m - f + c for m, f, c in zip(mixed, self.frozen, self.mixer.take_correction_(), strict=True)]
         delta = self.outer.outer_gradient()
         if context.round % self.config.mix2_every == 0:
-            result = self.averager.average(delta, context.round, float(context.inner_steps),
-                                           context.same_round_peers)
-            delta = result.delta
-            stats.bytes_sent += result.bytes_sent
-            stats.bytes_received += result.bytes_received
-            stats.group_size = max(stats.group_size, result.group_size)
+            delta, mix2 = self.mix2.mix(delta, context)
+            _merge_mix2(stats, mix2)
         self.outer.step_(delta)
         _set_params_(self.outer, [p.detach().float().cpu() + c for p, c in zip(self.outer.params, correction,
                                                                                   strict=True)])
@@ -154,15 +173,31 @@ class FactoredSync:
         return _merge_incoming(stats, self.mixer.take_incoming_stats())
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"momentum:{i}", b) for i, b in enumerate(self.outer.momentum_buffers())]
+        momentum = [(f"momentum:{i}", b) for i, b in enumerate(self.outer.momentum_buffers())]
+        return momentum + self.mix2.state_tensors()
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.outer.load_momentum_buffers_(tensors)
+        count = len(self.outer.params)
+        self.outer.load_momentum_buffers_(tensors[:count])
+        self.mix2.load_state_tensors_(tensors[count:])
 
     def shutdown(self) -> None:
         if self.mix1 is not None:
             self.mix1.cancel()
-        self.averager.shutdown()
+        self.mix2.shutdown()
+
+
+def _merge_mix2(stats: RoundSync, mix2: RoundSync) -> None:
+    """Add Mix2's traffic and exchanges to the round's record (Mix1's)."""
+    if mix2.partners:
+        stats.codec = f"{stats.codec}+{mix2.codec}" if stats.partners else mix2.codec
+    stats.bytes_sent += mix2.bytes_sent
+    stats.bytes_received += mix2.bytes_received
+    stats.group_size = max(stats.group_size, mix2.group_size)
+    stats.partners += mix2.partners
+    stats.exchanges += mix2.exchanges
+    stats.failed += mix2.failed
+    stats.refused += mix2.refused
 
 
 def _merge_incoming(own: RoundSync, incoming: RoundSync) -> RoundSync:
@@ -187,4 +222,8 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     loop.run(mixer.register(), timeout=30)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)
-    return FactoredSync(outer, mixer, averager("mix2", config.mix2_group_size), loop, config)
+    if config.mix2_transport == "gossip":
+        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed)
+        loop.run(gossip.register(), timeout=30)
+        return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
+    return FactoredSync(outer, mixer, AllReduceMix2(averager("mix2", config.mix2_group_size)), loop, config)

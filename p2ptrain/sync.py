@@ -20,7 +20,9 @@ from p2ptrain.errors import ConfigError
 SYNC_MODES = ("diloco", "gasloc", "factored")
 OVERLAP_MODES = ("none", "delayed", "eager")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
-GRAD_CODECS = ("none", "fp16")
+GRAD_CODECS = ("none", "fp16", "topk")
+MIX2_TRANSPORTS = ("allreduce", "gossip")
+MAX_TOPK_CHUNK_SIZE = 65536  # top-k indices within a chunk travel as uint16
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
@@ -33,10 +35,10 @@ class SyncConfig:
     mode: str = "diloco"  # diloco | gasloc | factored
     # diloco, and factored's Mix2: an all-reduce among the peers of the round
     matchmaking_s: float = 3.0  # how long a peer waits for the others of its round to form a group
-    allreduce_timeout_s: float = 60.0  # an all-reduce that takes longer is abandoned (own Δ is applied)
+    allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
     overlap: str = "none"  # diloco only: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
-    grad_codec: str = "none"  # outer gradients in the all-reduce: none (fp32) | fp16
+    grad_codec: str = "none"  # outer gradients: none (fp32) | fp16 | topk (gossip Mix2 only, with error feedback)
     # gasloc, and factored's Mix1: push-pull gossip with random live peers
     gossip_peers: int = 1  # partners per round: 1 = pair averaging (weight 1/2), 2 = weights 1/3
     param_codec: str = "fp16"  # parameters travel as codec(θ − θ_0): fp16 | none | int8 | adaptive
@@ -44,14 +46,18 @@ class SyncConfig:
     max_partner_distance: float = 10.0  # refuse a partner farther than this × ‖ours‖ (garbage, not disagreement)
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
-    mix2_group_size: int = 3  # peers per Mix2 all-reduce group (2 partners + self = the "2-peer" graph)
+    mix2_group_size: int = 3  # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3)
+    mix2_transport: str = "allreduce"  # allreduce (exact mean of the group) | gossip (push-pull, grad_gossip.py)
+    topk_density: float = 1 / 32  # grad_codec topk: fraction of each chunk's entries sent (3 bytes each)
+    topk_chunk_size: int = 4096  # grad_codec topk: elements per chunk (64×64), each with its own 8-bit scale
+    error_feedback_decay: float = 1.0  # gossip Mix2: β in e ← β·e + Δ (1: what was not sent is sent later)
     # all modes
     adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
     state_download_timeout_s: float = 60.0  # per-chunk deadline when a joiner downloads state
 
     def __post_init__(self) -> None:
         choices = (("mode", SYNC_MODES), ("overlap", OVERLAP_MODES), ("param_codec", PARAM_CODECS),
-                   ("grad_codec", GRAD_CODECS))
+                   ("grad_codec", GRAD_CODECS), ("mix2_transport", MIX2_TRANSPORTS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -68,6 +74,21 @@ class SyncConfig:
             raise ConfigError("sync.exchange_safety_factor must be >= 1 and sync.max_partner_distance > 0")
         if self.mix2_every < 1 or self.mix2_group_size < 2:
             raise ConfigError("sync.mix2_every must be >= 1 round and sync.mix2_group_size >= 2 peers")
+        self._check_gossip_mix2()
+
+    def _check_gossip_mix2(self) -> None:
+        if self.mix2_transport == "gossip" and self.mode != "factored":
+            raise ConfigError("sync.mix2_transport gossip applies to sync.mode factored only")
+        if self.grad_codec == "topk" and self.mix2_transport != "gossip":
+            raise ConfigError("sync.grad_codec topk needs sync.mode factored with sync.mix2_transport gossip "
+                              "(an all-reduce cannot sum sparse payloads)")
+        if not 0 < self.topk_density <= 1:
+            raise ConfigError(f"sync.topk_density must be in (0, 1], got {self.topk_density}")
+        if not 1 <= self.topk_chunk_size <= MAX_TOPK_CHUNK_SIZE:
+            raise ConfigError(f"sync.topk_chunk_size must be in [1, {MAX_TOPK_CHUNK_SIZE}], "
+                              f"got {self.topk_chunk_size}")
+        if not 0 <= self.error_feedback_decay <= 1:
+            raise ConfigError(f"sync.error_feedback_decay must be in [0, 1], got {self.error_feedback_decay}")
 
     def outer_momentum(self, configured: float) -> float:
         """The γ the outer optimizer runs with: `outer.momentum`, except with overlap, where momentum on a stale
@@ -122,6 +143,22 @@ class ExchangeRecord:
     bytes_sent: int
     bytes_received: int
     seconds: float
+
+
+class Mix2(Protocol):
+    """Factored's blocking mix of outer gradients: an all-reduce (outer_sync.py) or gossip (grad_gossip.py)."""
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        """The outer gradient to apply (Δ itself when nobody mixed with us) and what mixing cost."""
+        ...
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Outer state of the transport (error-feedback buffers); empty for the all-reduce."""
+        ...
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class OuterSync(Protocol):

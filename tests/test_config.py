@@ -156,12 +156,39 @@ def test_int_is_accepted_for_float_and_list_for_tuple() -> None:
         ({"network": {"host_maddrs": []}}, "network.host_maddrs"),
         ({"sync": {"mode": "nope"}}, "sync.mode"),
         ({"sync": {"matchmaking_s": 0.0}}, "sync.matchmaking_s"),
+        ({"sync": {"mix2_transport": "carrier-pigeon"}}, "sync.mix2_transport"),
+        ({"sync": {"mix2_transport": "gossip"}}, "sync.mix2_transport"),  # diloco has no Mix2
+        ({"sync": {"mode": "gasloc", "mix2_transport": "gossip"}}, "sync.mix2_transport"),
+        ({"sync": {"grad_codec": "int8"}}, "sync.grad_codec"),
+        ({"sync": {"grad_codec": "topk"}}, "sync.grad_codec"),  # an all-reduce cannot sum sparse payloads
+        ({"sync": {"mode": "factored", "grad_codec": "topk"}}, "sync.grad_codec"),
+        ({"sync": {"topk_density": 0.0}}, "sync.topk_density"),
+        ({"sync": {"topk_density": 1.5}}, "sync.topk_density"),
+        ({"sync": {"topk_chunk_size": 0}}, "sync.topk_chunk_size"),
+        ({"sync": {"topk_chunk_size": 65537}}, "sync.topk_chunk_size"),
+        ({"sync": {"error_feedback_decay": 1.1}}, "sync.error_feedback_decay"),
+        ({"sync": {"error_feedback_decay": -0.1}}, "sync.error_feedback_decay"),
         ({"model": {"max_seq_len": 4}}, "model.max_seq_len"),
         ({"data": {"seq_len": 1}}, "data.seq_len"),
     ],
 )
 def test_out_of_range_values_are_one_line_config_errors(values: dict[str, Any], named: str) -> None:
     assert named in one_line_config_error(values)
+
+
+@pytest.mark.parametrize("codec", ["topk", "fp16", "none"])
+def test_gossip_mix2_takes_every_grad_codec(codec: str) -> None:
+    sync = build_config({"sync": {"mode": "factored", "mix2_transport": "gossip", "grad_codec": codec,
+                                  "topk_density": 0.01, "topk_chunk_size": 1024}}).sync
+    assert (sync.mix2_transport, sync.grad_codec, sync.topk_density, sync.topk_chunk_size) == (
+        "gossip", codec, 0.01, 1024)
+
+
+def test_mix2_defaults_keep_the_all_reduce() -> None:
+    sync = build_config().sync
+    assert (sync.mix2_transport, sync.grad_codec, sync.topk_density, sync.error_feedback_decay) == (
+        "allreduce", "none", 1 / 32, 1.0)
+    assert build_config({"sync": {"mode": "factored", "grad_codec": "fp16"}}).sync.mix2_transport == "allreduce"
 
 
 def test_cuda_index_device_is_accepted() -> None:

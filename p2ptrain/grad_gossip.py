@@ -1,0 +1,300 @@
+"""Factored's Mix2 as gossip: each peer swaps one compressed outer gradient with 1–2 random peers of its round.
+
+At the end of round t peer i computes, once, s_i = decode(codec(β·e_i + Δ_i)) (error feedback's prepare step)
+and keeps the encoded payload: every partner gets the same bytes and decodes them with the same function, so
+what it mixes is s_i bit for bit. An exchange between i and j moves m_i by w(s_j − s_i) and m_j by w(s_i − s_j),
+always from the original s values, with w = 1/(D+1) and each peer in at most D = mix2_group_size − 1 exchanges of
+the round (those it starts plus those it accepts). The round's mixing matrix is then symmetric, doubly stochastic
+and nonnegative, so Σ_i m_i = Σ_i s_i.
+
+If at least one exchange completed, the peer applies m_i and commits e_i ← β·e_i + Δ_i − s_i; if none did, it
+applies its exact Δ_i and keeps e_i (nothing sent, nothing subtracted). Exchanges use gossip.py's push-pull
+protocol, so a refused, failed or invalid exchange changes nothing on either side. Closing a round is atomic:
+offers are refused from then on, accepted ones in flight get until their initiator's deadline, and a commit that
+arrives later raises instead of mixing (the partner then gets no ack and does not mix either).
+
+The error-feedback buffers are outer state (`state_tensors`): checkpoints keep them, and a joiner starts from its
+donor's (so the donor's unsent remainder is held twice for a while: a one-off bias of at most ‖e‖/N per joiner).
+Everything here runs on the peer's event loop; `Mix2Round`'s methods never await, so each of them is atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from p2ptrain.aio import BackgroundLoop
+from p2ptrain.compression import ErrorFeedback, decode_all, get_codec
+from p2ptrain.gossip import Apply, ExchangeRefused, GossipServicer, OpenExchange, Payload, payload_nbytes, push_pull
+from p2ptrain.gossip_peer import DEADLINE_FLOOR_S, PRIOR_BYTES_PER_S, ROUND_RETRY_S, WRONG_ROUND
+from p2ptrain.mixing import consensus_distance
+from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.sync import GRAD_CODECS, ExchangeRecord, RoundContext, RoundSync, SyncConfig
+from p2ptrain.topology import draw_partners
+
+logger = logging.getLogger(__name__)
+
+KIND = "mix2"
+ROUND_OVER = "round over"  # the responder's Mix2 of that round has closed (or it is already past that round)
+
+
+class RoundClosed(RuntimeError):
+    """A commit after the round closed: raised in the servicer's apply, so no ack goes out and neither side mixes."""
+
+
+class Mix2Round:
+    """One peer's Mix2 of one round: its s and payload, the running mix m, and who it is mixing with."""
+
+    def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
+                 degree_cap: int):
+        self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
+        self.degree_cap = degree_cap
+        self.weight = 1.0 / (degree_cap + 1)
+        self.mixed = [s.clone() for s in sent]
+        self.done: list[str] = []  # partners whose mix is applied, in the order it was
+        self.outgoing: set[str] = set()  # our offers in flight
+        self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
+        self.closing = self.closed = False
+        self.idle = asyncio.Event()  # set while no accepted offer is in flight
+        self.idle.set()
+
+    def free_slots(self) -> int:
+        return self.degree_cap - len(self.done) - len(self.outgoing) - len(self.incoming)
+
+    def reserve_outgoing_(self, partner: str) -> bool:
+        """Take a slot for an offer of ours; False when full, closing, or already mixing with `partner`."""
+        partnered = partner in self.done or partner in self.outgoing or partner in self.incoming
+        if self.closing or self.free_slots() <= 0 or partnered or partner == self.own_id:
+            return False
+        self.outgoing.add(partner)
+        return True
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
+        to each other at once, the offer of the lower peer id is the one accepted."""
+        if round_ > self.round:
+            return WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
+        if round_ < self.round or self.closing:
+            return ROUND_OVER
+        if sender == self.own_id or sender in self.done or sender in self.incoming or (
+                sender in self.outgoing and not sender < self.own_id):
+            return "already partners"
+        if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
+            return "busy"
+        self.incoming[sender] = gives_up_at
+        self.idle.clear()
+        return None
+
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+        """A completed exchange: m ← m + w(s_partner − s). Raises RoundClosed after `close_` (nothing changes)."""
+        if self.closed or partner in self.done:
+            raise RoundClosed(f"round {self.round}'s Mix2 closed (or mixed with {partner}) before this commit")
+        for m, t, s in zip(self.mixed, theirs, self.sent, strict=True):
+            m.add_(t - s, alpha=self.weight)
+        self.done.append(partner)
+        self.release_(partner, outgoing)
+
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended (applied or not): free its slot in flight."""
+        if outgoing:
+            self.outgoing.discard(partner)
+        else:
+            self.incoming.pop(partner, None)
+            if not self.incoming:
+                self.idle.set()
+
+    def begin_close_(self) -> float:
+        """Refuse offers from now on; return the seconds until accepted ones in flight must have ended."""
+        self.closing = True
+        return max(self.incoming.values(), default=0.0) - time.monotonic()
+
+    def close_(self) -> list[torch.Tensor] | None:
+        """Close for good: m, or None when no exchange completed (the caller then applies its own Δ)."""
+        self.closing = self.closed = True
+        return self.mixed if self.done else None
+
+
+class _Incoming:
+    """The responder's side of one accepted exchange: answers with our payload, mixes on commit."""
+
+    def __init__(self, gossip: GradGossip, rnd: Mix2Round, sender: str):
+        self.gossip, self.rnd, self.sender = gossip, rnd, sender
+        self.header = {"codec": rnd.codec, "round": rnd.round}
+        self.payload = rnd.payload
+
+    def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
+        theirs = self.gossip.decode_partner(self.rnd, partner_header, partner_payload)
+        return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
+
+    def close(self) -> None:
+        self.rnd.release_(self.sender, outgoing=False)
+
+
+class GradGossip:
+    """Mix2 over gossip for one peer: `open` answers offers, `mix` runs a round's Mix2 (async, on the event loop)."""
+
+    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
+                 seed: int):
+        self.p2p, self.run_id, self.fingerprint, self.config = p2p, run_id, fingerprint, config
+        self.own_id = p2p.peer_id.to_base58()
+        self.degree_cap = config.mix2_group_size - 1
+        topk = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
+        codec = get_codec(config.grad_codec, **(topk if config.grad_codec == "topk" else {}))
+        self.feedback = ErrorFeedback(codec, like, config.error_feedback_decay)
+        self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
+        self.rng = random.Random(seed)
+        self.links: dict[str, ThroughputEMA] = {}
+        self.current: Mix2Round | None = None  # the latest round's Mix2 (closed once `mix` returned)
+        self.namespace = f"{run_id}.{KIND}"
+
+    async def register(self) -> None:
+        servicer = GossipServicer(self, self.max_payload_bytes, chunk_timeout_s=self.config.state_download_timeout_s)
+        await servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+
+    # ---- one round ------------------------------------------------------------------------------------------------
+    async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
+                  patience_s: float) -> tuple[list[torch.Tensor], RoundSync]:
+        """Blocking Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost.
+
+        Peers not yet in our round are asked again every ROUND_RETRY_S for up to `patience_s` seconds."""
+        try:  # the codec's top-k over the whole model runs off the event loop, which keeps answering others
+            payload, sent = await asyncio.get_running_loop().run_in_executor(None, self.feedback.prepare, delta)
+        except ValueError as e:  # non-finite Δ: nothing can be sent
+            logger.warning(f"round {round_}: not mixing this outer gradient ({e})")
+            return list(delta), RoundSync(codec=self.feedback.codec.name)
+        rnd = self.current = Mix2Round(round_, self.own_id, sent, payload, self.feedback.codec.name, self.degree_cap)
+        stats = RoundSync(codec=rnd.codec)
+        await self._initiate_all(rnd, list(live_peers), patience_s, stats)
+        with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
+            await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
+        mixed = rnd.close_()
+        stats.group_size = 1 + len(rnd.done)
+        if mixed is None:
+            return list(delta), stats
+        self.feedback.commit_(sent)
+        return mixed, stats
+
+    async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
+                            stats: RoundSync) -> None:
+        """Offer our payload to random live peers until our D slots are taken or nobody is left to ask."""
+        give_up_at = time.monotonic() + patience_s
+        candidates = live_peers
+        while candidates and rnd.free_slots() > 0:
+            later = []
+            for partner in draw_partners(candidates, len(candidates), self.rng, exclude=set()):
+                if rnd.reserve_outgoing_(partner) and await self._exchange_with(rnd, partner, stats) == WRONG_ROUND:
+                    later.append(partner)
+            if not later or time.monotonic() >= give_up_at:
+                return
+            candidates = later
+            await asyncio.sleep(ROUND_RETRY_S)
+
+    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
+        """One exchange we start (its slot is reserved); returns "ok", "failed" or the partner's refusal."""
+        nbytes = payload_nbytes(rnd.payload)
+        link = self.links.setdefault(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
+        deadline_s = min(self.config.allreduce_timeout_s, exchange_deadline_s(
+            2 * nbytes, link.bytes_per_s, self.config.exchange_safety_factor, DEADLINE_FLOOR_S))
+        header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": KIND, "round": rnd.round,
+                  "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s}
+
+        def validate(answer: dict[str, Any], payload: Payload) -> Apply:
+            if answer.get("round") != rnd.round:
+                raise ValueError(f"partner answered for round {answer.get('round')}, not {rnd.round}")
+            theirs = self.decode_partner(rnd, answer, payload)
+            return lambda: rnd.apply_(partner, theirs, outgoing=True)
+
+        try:
+            outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
+                                      validate, self.max_payload_bytes, deadline_s)
+            outcome.apply()
+        except ExchangeRefused as e:
+            logger.debug(f"{partner} refused round {rnd.round}'s Mix2: {e}")
+            stats.refused += int(str(e) != WRONG_ROUND)
+            return str(e)
+        except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
+            logger.info(f"Mix2 exchange with {partner} failed: {e!r}")
+            stats.failed += 1
+            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                link.update_timeout_(2 * nbytes, deadline_s)
+            return "failed"
+        finally:
+            rnd.release_(partner, outgoing=True)
+        link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
+        _record(stats, ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
+                                      outcome.seconds))
+        return "ok"
+
+    # ---- responder ------------------------------------------------------------------------------------------------
+    def open(self, header: dict[str, Any]) -> OpenExchange | str:
+        """Accept an offer for our current round once our s is set, within our degree cap; refuse anything else.
+
+        Offers name their sender (one exchange per pair and round) and their deadline (how long our close waits
+        for them); both are the initiator's word, and the deadline is capped by `allreduce_timeout_s`."""
+        if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
+            return "another run or model"
+        if header.get("kind") != KIND or header.get("codec") not in GRAD_CODECS:
+            return "unsupported exchange"
+        sender, round_, deadline_s = header.get("sender"), header.get("round"), header.get("deadline_s")
+        if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
+            return "malformed offer"
+        rnd = self.current
+        if rnd is None or round_ > rnd.round:
+            return WRONG_ROUND  # our s for that round is not set yet: the initiator asks again
+        if header.get("weight") != rnd.weight:
+            return "bad mixing weight"
+        gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
+        refusal = rnd.accept_(sender, round_, gives_up_at)
+        return refusal if refusal is not None else _Incoming(self, rnd, sender)
+
+    def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
+        """The partner's s, or ValueError if it does not decode, does not fit our shapes, or is implausibly far."""
+        theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
+        distance = consensus_distance(rnd.sent, theirs)
+        if not distance <= self.config.max_partner_distance:
+            raise ValueError(f"partner's outer gradient is {distance:.3g}× ours away "
+                             f"(bound {self.config.max_partner_distance})")
+        return theirs
+
+    # ---- outer state ----------------------------------------------------------------------------------------------
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"error_feedback:{i}", e) for i, e in enumerate(self.feedback.residual)]
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.feedback.load_state_dict({"decay": self.feedback.decay, "residual": list(tensors)})
+
+
+def _record(stats: RoundSync, record: ExchangeRecord) -> None:
+    stats.partners.append(record.partner)
+    stats.bytes_sent += record.bytes_sent
+    stats.bytes_received += record.bytes_received
+    stats.exchange_s += record.seconds
+    stats.exchanges.append(record)
+
+
+class GossipMix2:
+    """`GradGossip` behind FactoredSync's blocking `Mix2` interface; waits for partners up to `matchmaking_s`."""
+
+    def __init__(self, gossip: GradGossip, loop: BackgroundLoop):
+        self.gossip, self.loop = gossip, loop
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round,
+                                             patience_s=self.gossip.config.matchmaking_s))
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.gossip.state_tensors()
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.gossip.load_state_tensors_(tensors)
+
+    def shutdown(self) -> None:
+        pass
