@@ -142,18 +142,19 @@ class GossipServicer(ServicerBase):
         self.chunk_timeout_s = chunk_timeout_s
 
     async def rpc_exchange(
-        self, requests: AsyncIterator[averaging_pb2.DownloadData], _context: P2PContext
+        self, requests: AsyncIterator[averaging_pb2.DownloadData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        async for message in self._respond(requests):
+        async for message in self._respond(requests, context.remote_id.to_base58()):
             yield message
         await _drain(requests, self.chunk_timeout_s)
 
     async def _respond(
-        self, requests: AsyncIterator[averaging_pb2.DownloadData]
+        self, requests: AsyncIterator[averaging_pb2.DownloadData], remote_id: str
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         try:
             first = await asyncio.wait_for(requests.__anext__(), timeout=self.chunk_timeout_s)
             header = decode_metadata(first.metadata)
+            header["sender"] = remote_id  # who offers is what libp2p authenticated, never what the offer claims
             nbytes = int(header.get("nbytes", -1))
         except (StopAsyncIteration, asyncio.TimeoutError, WireError, TypeError, ValueError):
             yield _refusal("malformed offer")

@@ -223,3 +223,28 @@ def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
             await b.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+
+
+def test_the_responder_learns_who_offers_from_libp2p_not_from_the_offer() -> None:
+    seen: list[str] = []
+
+    class Recorder:
+        def open(self, header: dict[str, Any]) -> str:
+            seen.append(header["sender"])
+            return "busy"
+
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            await gossip.GossipServicer(Recorder(), 10**6, chunk_timeout_s=5.0).add_p2p_handlers(
+                b, namespace=f"{RUN}.gasloc")
+            header = {"run_id": RUN, "sender": "somebody-else"}
+            with pytest.raises(gossip.ExchangeRefused, match="busy"):
+                await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, relative_encode(near(reference()),
+                                reference()), lambda h, p: lambda: None, 10**8, deadline_s=20)
+            assert seen == [a.peer_id.to_base58()]
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

@@ -279,7 +279,7 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
     """The responder accepts our offer, waits for it until our announced deadline, then closes its round; our commit
     arrives after that: it must not mix, and it must not ack (so we would not mix either)."""
     async def scenario() -> None:
-        a, b = await start_p2ps(2)
+        a, b, c = await start_p2ps(3)
         try:
             responder = GradGossip(b, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)
             stranger = GradGossip(a, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=1)  # never in a round
@@ -287,7 +287,8 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
                 await g.register()
             delta = deltas(1)
             mixing = asyncio.create_task(responder.mix(delta, [stranger.own_id], 0, patience_s=2.0))
-            responses, commit = await offer_until_accepted(a, b.peer_id, sender="hand-driven")
+            # from a third peer: the responder knows who offers from libp2p, not from the offer's "sender"
+            responses, commit = await offer_until_accepted(c, b.peer_id, sender="hand-driven")
             applied, stats = await mixing  # closes once our exchange's deadline (0.5 s) has passed
             commit.set()
             with pytest.raises(P2PHandlerError, match="closed"):
@@ -296,7 +297,7 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
             assert responder.current is not None and responder.current.done == []
             assert same(responder.feedback.residual, [torch.zeros(s) for s in SHAPES])
         finally:
-            await shutdown([a, b])
+            await shutdown([a, b, c])
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 
