@@ -150,7 +150,8 @@ class GossipMixer:
             return self.config.param_codec
         link = self.links.get(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
         budget_s = self.budget_s if self.budget_s < float("inf") else 60.0
-        # the EMA counts both directions of an exchange, which travel at once: one direction gets half of it
+        # the EMA is both directions' bytes over the exchange's time (they travel one after the other): on a
+        # symmetric link one direction's payload fits the budget when twice its bytes fit at the EMA's rate
         return choose_codec_for_link(self.raw_bytes, link.bytes_per_s / 2, budget_s, PARAM_CODECS_ADAPTIVE).name
 
     # ---- links ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""What the simulation assumes: home links, compute per inner step, and how long an exchange or all-reduce takes.
+
+Transfer model (S = payload bytes each way; rates are goodput, as speed tests report it):
+  exchange   p2ptrain's push-pull (p2ptrain/gossip.py): the initiator streams its payload, the responder reads and
+             validates all of it before it streams its own back, then a commit/ack round trip. So the two
+             directions run one after the other: fixed_s + (S / b(i→p) + S / b(p→i)) / efficiency, with b(i→p) =
+             min(upload of i, download of p), the bottleneck of the pair in that direction. With k partners at
+             once the initiator's upload and download are split evenly between the k flows; the exchange ends
+             with the slowest flow.
+  all-reduce a butterfly: allreduce_latency_s + 2·S·(n−1)/n / (b_min · efficiency), b_min the slowest upload or
+             download of the swarm.
+  fixed_s (EXCHANGE_FIXED_S) and efficiency (LINK_EFFICIENCY) are fitted by `simulate_scale.py calibrate` from
+  the exchanges of a netns testnet run (FITTED_FROM). The all-reduce was not measured: it rides the same libp2p
+  streams, so it is given the same efficiency (assumed).
+
+Links: upload log-normal with 10th percentile 5 and 90th percentile 100 Mbit/s (median sqrt(5·100) ≈ 22.4,
+  σ = ln 20 / (2·1.2816) ≈ 1.17), clipped to [1, 1000] Mbit/s (slower volunteers assumed not to join);
+  download = min(5 × upload, 1000). Shaped after public fixed-broadband speed-test summaries (upload medians of
+  tens of Mbit/s, a long fibre tail, asymmetric cable/DSL), not a fitted data set.
+Compute: an inner step is 6·N·tokens_per_step FLOPs on gpus_per_peer GPUs at MFU 0.4 (assumed); default GPU
+  RTX 4090, 165.2 TFLOP/s dense BF16 with FP32 accumulate (NVIDIA Ada whitepaper), 24 GB. gpus_per_peer = the
+  fewest GPUs whose memory (80 % usable) holds 16 bytes/parameter (bf16 weights and grads, fp32 master and
+  AdamW moments), so a 70B peer is a multi-GPU node. step_time_s replaces this model; compute_spread σ gives
+  each peer a log-normal throughput factor (heterogeneous GPUs). Inner phase = inner_steps × step time.
+Payload: S = N × 2 bytes (fp16) / compression, for every exchange and both directions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2ptrain.errors import ConfigError
+
+Z_90 = 1.2815515655446004  # 90th percentile of the standard normal
+UPLOAD_P10_MBIT, UPLOAD_P90_MBIT = 5.0, 100.0
+UPLOAD_MEDIAN_MBIT = math.sqrt(UPLOAD_P10_MBIT * UPLOAD_P90_MBIT)
+UPLOAD_SIGMA = math.log(UPLOAD_P90_MBIT / UPLOAD_P10_MBIT) / (2 * Z_90)
+DOWNLOAD_PER_UPLOAD = 5.0
+LINK_FLOOR_MBIT, LINK_CAP_MBIT = 1.0, 1000.0
+TRAIN_BYTES_PER_PARAM = 16
+USABLE_GPU_MEMORY = 0.8
+PAYLOAD_BYTES_PER_PARAM = 2  # fp16
+
+# Fitted by `python benchmarks/simulate_scale.py calibrate --workdir /tmp/cal/real` to the exchanges of one netns
+# testnet run (62 exchanges on link pairs 20-20, 20-5, 20-2 and 5-2 Mbit/s; the table, measured against predicted
+# before and after, is benchmarks/results/simulate_scale_calibration.md). The Theil–Sen intercept was -8 ms, so
+# the fixed cost is 0 and the efficiency the median of measured / transfer seconds. The testnet adds no
+# propagation delay: on the Internet an exchange also pays a few round trips (stream open, answer, commit/ack);
+# --exchange-latency-s adds them.
+EXCHANGE_FIXED_S = 0.0  # per exchange: stream set-up, headers, validation, commit/ack round trip
+LINK_EFFICIENCY = 0.889  # exchange goodput / link goodput: libp2p framing and encryption, protobuf chunks, TCP
+FITTED_FROM = ("fitted by `simulate_scale.py calibrate` to the netns testnet run of 2026-11-22 10:45 UTC (4 peers "
+               "at 20, 20, 5, 2 Mbit/s, 66 s; benchmarks/results/simulate_scale_calibration.md)")
+ALLREDUCE_LATENCY_S = 5.0  # matchmaking of one all-reduce (hivemind's min_matchmaking_time; not measured)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    peak_flops: float  # dense BF16 tensor FLOP/s with FP32 accumulate, from the vendor's spec sheet
+    memory_bytes: float
+
+
+GPUS = {g.name: g for g in (Gpu("rtx4090", 165.2e12, 24e9), Gpu("a100", 312e12, 80e9), Gpu("h100", 989e12, 80e9))}
+
+
+def exchange_transfer_s(
+    upload_mbit: Sequence[float], download_mbit: Sequence[float], initiator: int, partners: Sequence[int],
+    sent_bytes: float, received_bytes: float, fixed_s: float, efficiency: float,
+) -> float:
+    """One push-pull exchange: the initiator's bytes out, then each partner's back, through the bottleneck of
+    each direction; with k partners at once the initiator's link is split k ways. See the module docstring."""
+    k = len(partners)
+
+    def flow_s(partner: int) -> float:
+        out_mbit = min(upload_mbit[initiator] / k, download_mbit[partner])
+        back_mbit = min(upload_mbit[partner], download_mbit[initiator] / k)
+        return (sent_bytes * 8 / out_mbit + received_bytes * 8 / back_mbit) / 1e6
+
+    return fixed_s + max(flow_s(partner) for partner in partners) / efficiency
+
+
+@dataclass(frozen=True, eq=False)
+class Swarm:
+    """Per-peer links (Mbit/s, goodput) and inner-phase times (s), and the payload every exchange sends each way."""
+
+    upload_mbit: np.ndarray
+    download_mbit: np.ndarray
+    inner_phase_s: np.ndarray
+    payload_bytes: float
+    exchange_latency_s: float = EXCHANGE_FIXED_S  # fixed cost of one gossip exchange
+    allreduce_latency_s: float = ALLREDUCE_LATENCY_S
+    link_efficiency: float = LINK_EFFICIENCY  # what fraction of a link's goodput a transfer gets
+
+    def __post_init__(self) -> None:
+        n = len(self.upload_mbit)
+        if n < 2 or len(self.download_mbit) != n or len(self.inner_phase_s) != n:
+            raise ConfigError("a swarm needs >= 2 peers and one upload, download and inner-phase time per peer")
+        arrays = (self.upload_mbit, self.download_mbit, self.inner_phase_s)
+        if min(float(np.min(a)) for a in arrays) <= 0 or self.payload_bytes <= 0:
+            raise ConfigError("link rates, inner-phase times and payload_bytes must be > 0")
+        if self.exchange_latency_s < 0 or self.allreduce_latency_s < 0:
+            raise ConfigError("latencies must be >= 0 s")
+        if not 0 < self.link_efficiency <= 1:
+            raise ConfigError(f"link_efficiency {self.link_efficiency}: give a fraction in (0, 1]")
+
+    @property
+    def n(self) -> int:
+        return len(self.upload_mbit)
+
+
+def allreduce_s(swarm: Swarm) -> float:
+    """Butterfly all-reduce: 2·S·(n−1)/n through the slowest link of the swarm, plus matchmaking."""
+    slowest_mbit = min(float(np.min(swarm.upload_mbit)), float(np.min(swarm.download_mbit)))
+    bits = 2 * swarm.payload_bytes * 8 * (swarm.n - 1) / swarm.n
+    return swarm.allreduce_latency_s + bits / (slowest_mbit * 1e6 * swarm.link_efficiency)
+
+
+def exchange_s(swarm: Swarm, initiator: int, partners: Sequence[int]) -> float:
+    """A gossip exchange of the swarm's payload (both ways) between ``initiator`` and ``partners``."""
+    return exchange_transfer_s(swarm.upload_mbit, swarm.download_mbit, initiator, partners, swarm.payload_bytes,
+                               swarm.payload_bytes, swarm.exchange_latency_s, swarm.link_efficiency)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One grid point: swarm size and model size, plus the assumptions that turn them into a Swarm."""
+
+    peers: int
+    params: float  # model parameters N
+    gpu: str = "rtx4090"
+    mfu: float = 0.4  # model FLOPs utilisation of the inner steps (assumed)
+    tokens_per_step: int = 131_072  # tokens per inner step per peer
+    inner_steps: int = 500  # H
+    step_time_s: float | None = None  # replaces the FLOP model when given
+    compute_spread: float = 0.0  # σ of the per-peer log-normal throughput factor; 0 = identical GPUs
+    compression: float = 1.0  # payload = fp16 bytes / compression
+    exchange_latency_s: float = EXCHANGE_FIXED_S
+    allreduce_latency_s: float = ALLREDUCE_LATENCY_S
+    link_efficiency: float = LINK_EFFICIENCY
+    stragglers: int = 0  # peers whose links are multiplied by straggler_factor
+    straggler_factor: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ConfigError(f"gpu {self.gpu!r}: use one of {', '.join(GPUS)}")
+        if self.peers < 2 or self.params <= 0 or not 0 < self.mfu <= 1 or self.compression < 1:
+            raise ConfigError("need peers >= 2, params > 0, 0 < mfu <= 1 and compression >= 1")
+        if self.tokens_per_step < 1 or self.inner_steps < 1 or (self.step_time_s is not None and self.step_time_s <= 0):
+            raise ConfigError("tokens_per_step and inner_steps must be >= 1 and step_time_s > 0")
+        if self.compute_spread < 0 or not 0 <= self.stragglers <= self.peers or not 0 < self.straggler_factor <= 1:
+            raise ConfigError("need compute_spread >= 0, 0 <= stragglers <= peers and 0 < straggler_factor <= 1")
+
+
+def gpus_per_peer(params: float, gpu: Gpu) -> int:
+    return math.ceil(params * TRAIN_BYTES_PER_PARAM / (gpu.memory_bytes * USABLE_GPU_MEMORY))
+
+
+def flops_step_time_s(params: float, gpu: Gpu, mfu: float, tokens_per_step: int) -> float:
+    """6·N·tokens FLOPs over the peer's GPUs at the given MFU."""
+    return 6 * params * tokens_per_step / (gpu.peak_flops * mfu * gpus_per_peer(params, gpu))
+
+
+def sample_upload_mbit(n: int, rng: np.random.Generator) -> np.ndarray:
+    rates = rng.lognormal(math.log(UPLOAD_MEDIAN_MBIT), UPLOAD_SIGMA, n)
+    return np.clip(rates, LINK_FLOOR_MBIT, LINK_CAP_MBIT)
+
+
+def build_swarm(scenario: Scenario) -> Swarm:
+    s, rng = scenario, np.random.default_rng(scenario.seed)
+    upload = sample_upload_mbit(s.peers, rng)
+    download = np.minimum(upload * DOWNLOAD_PER_UPLOAD, LINK_CAP_MBIT)
+    upload[: s.stragglers] *= s.straggler_factor  # links are drawn iid, so the first peers are as good as any
+    download[: s.stragglers] *= s.straggler_factor
+    step_s = s.step_time_s or flops_step_time_s(s.params, GPUS[s.gpu], s.mfu, s.tokens_per_step)
+    speed = np.exp(rng.normal(0.0, s.compute_spread, s.peers)) if s.compute_spread else np.ones(s.peers)
+    return Swarm(
+        upload, download, s.inner_steps * step_s / speed, s.params * PAYLOAD_BYTES_PER_PARAM / s.compression,
+        s.exchange_latency_s, s.allreduce_latency_s, s.link_efficiency,
+    )
