@@ -31,6 +31,7 @@ from p2ptrain.wire import WireError
 logger = logging.getLogger(__name__)
 
 PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
+OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
 DEADLINE_FLOOR_S = 5.0  # connection set-up, round trips and a busy CPU: what does not scale with the payload
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 ROUND_RETRY_S = 0.25  # Mix1: wait before asking again a partner that has not reached our round yet
@@ -157,9 +158,13 @@ class GossipMixer:
     # ---- links ----------------------------------------------------------------------------------------------------
     def own_link_bytes_per_s(self) -> float:
         """Our link's speed: the fastest exchange throughput measured (an exchange runs at the slower end's
-        speed, so the fastest partner bounds ours from below); the prior until one is measured."""
+        speed, so the fastest partner bounds ours from below), and at least the prior until links to
+        OWN_LINK_MIN_PARTNERS partners are measured: a fast peer whose first partner was slow would otherwise
+        take itself for slow, keep choosing slow partners and never learn otherwise (seen on the netns testnet)."""
         measured = [link.bytes_per_s for link in self.links.values() if link.num_measurements]
-        return max(measured, default=PRIOR_BYTES_PER_S)
+        if len(measured) < OWN_LINK_MIN_PARTNERS:
+            measured.append(PRIOR_BYTES_PER_S)
+        return max(measured)
 
     def expected_exchange_s(self, partner_bytes_per_s: float = 0.0) -> float:
         """Seconds one exchange of our usual payload should take with a partner that announced this speed

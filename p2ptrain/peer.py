@@ -185,7 +185,8 @@ class TrainingPeer:
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]
-        phase_s = self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
+        # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
+        phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
                             phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0})
 

@@ -47,25 +47,28 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
         netns_ok: None, tmp_path: Path) -> None:
     rows = run_testnet(tmp_path, "het")
     name_of = {peer_rows[0]["peer_id"]: peer for peer, peer_rows in rows.items()}
-    # Pacing: round 0 runs the full H (nothing measured yet); from then on the slow peer gives up the steps its
-    # extra link time takes (1 Mbit/s: ~2 s per 8-bit exchange, 200 steps' worth, against ~0.1 s on a fast link)
-    # and drops to the floor, while a fast peer, whose rounds set the pace, keeps (nearly) all H.
-    steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
-    assert steps[SLOW] <= 2 * MIN_STEPS, steps
-    assert all(steps[peer] >= 0.85 * STEPS for peer in FAST), steps
-
     exchanges = [(peer, name_of.get(e["partner"], "?"), e) for peer, peer_rows in rows.items()
                  for r in peer_rows for e in r["exchanges"]]
     fast_pairs = [e for a, b, e in exchanges if {a, b} <= set(FAST)]
     assert len(fast_pairs) >= 5, "the fast peers hardly mixed with each other"
     assert all(e["codec"] == "fp16" for e in fast_pairs), [e["codec"] for e in fast_pairs]
-    # Adaptive codec: once a link to the slow peer is measured, 16-bit no longer fits an inner phase on it.
     slow_links = [(a, b, e) for a, b, e in exchanges if SLOW in (a, b)]
-    seen: set[tuple[str, str]] = set()
+
+    # Pacing: round 0 runs the full H (nothing measured yet); from then on the slow peer gives up the steps its
+    # extra link time is worth (~2 s per exchange at 1 Mbit/s against ~0.1 s on a fast link: 200 steps at 10 ms,
+    # 40 at 50 ms on a loaded CI machine), while a fast peer, whose rounds set the pace, keeps (nearly) all H.
+    steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
+    slow_step_s = statistics.median(r["compute_s"] / r["inner_steps"] for r in rows[SLOW][1:])
+    extra_s = statistics.median(e["seconds"] for a, _, e in slow_links if a == SLOW) - statistics.median(
+        e["seconds"] for e in fast_pairs)
+    assert steps[SLOW] <= max(MIN_STEPS, STEPS - 0.5 * extra_s / slow_step_s), (steps, extra_s, slow_step_s)
+    assert all(steps[peer] >= 0.85 * STEPS for peer in FAST), steps
+    # Adaptive codec: once the slow peer has measured a link, 16-bit no longer fits its (paced) inner phase.
+    seen: set[str] = set()
     for a, b, e in slow_links:
-        if (a, b) in seen:
+        if a == SLOW and b in seen:
             assert e["codec"] == "int8", (a, b, e)
-        seen.add((a, b))
+        seen.add(b)
     # Partner choice: a fast peer starts an exchange with the slow one at most until the slow one has announced
     # its link speed (its first round); after that the slow peer starts them and fast peers answer while training.
     for peer in FAST:

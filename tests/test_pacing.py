@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.gossip_peer import GossipMixer
+from p2ptrain.gossip_peer import PRIOR_BYTES_PER_S, GossipMixer
 from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
 from p2ptrain.sync import SyncConfig
 
@@ -94,10 +94,18 @@ def test_a_fast_peer_does_not_start_exchanges_with_a_peer_too_slow_to_wait_for()
 
 
 def test_a_slow_peer_starts_exchanges_with_anyone_and_overlapped_exchanges_may_use_the_inner_phase() -> None:
-    slow = mixer_with_links({"fast": 0.25e6})  # our own link is the bottleneck of every exchange
+    slow = mixer_with_links({"fast": 0.25e6, "also-fast": 0.25e6})  # our own link is every exchange's bottleneck
+    assert slow.own_link_bytes_per_s() == pytest.approx(0.25e6)
     assert slow.partners_worth_waiting_for(["fast", "other"], {"fast": 10e6, "other": 5e6}) == ["fast", "other"]
     mix1 = mixer_with_links({"fast": 10e6}, overlapped=True)
     mix1.budget_s = 5.0  # a Mix1 exchange of up to 5 s hides behind the inner phase
     assert mix1.partners_worth_waiting_for(["slow"], {"slow": 0.25e6}) == ["slow"]
     mix1.budget_s = 1.0
     assert mix1.partners_worth_waiting_for(["slow"], {"slow": 0.25e6}) == []
+
+
+def test_one_slow_partner_does_not_make_a_peer_believe_its_own_link_slow() -> None:
+    """Else a fast peer whose first partner was slow keeps choosing slow partners and never learns otherwise."""
+    first_partner_slow = mixer_with_links({"slow": 0.25e6})
+    assert first_partner_slow.own_link_bytes_per_s() == PRIOR_BYTES_PER_S
+    assert first_partner_slow.partners_worth_waiting_for(["slow", "fast"], {"slow": 0.25e6, "fast": 10e6}) == ["fast"]
