@@ -82,6 +82,7 @@ class GossipMixer:
         self.incoming = RoundSync(group_size=0)  # what exchanges others started with us did this round
         self.budget_s = float("inf")  # time an exchange may take without delaying training (adaptive codec)
         self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
+        self.announced: dict[str, float] = {}  # peers' announced link speeds, as of our latest mix
 
     @property
     def namespace(self) -> str:
@@ -161,10 +162,17 @@ class GossipMixer:
         speed, so the fastest partner bounds ours from below), and at least the prior until links to
         OWN_LINK_MIN_PARTNERS partners are measured: a fast peer whose first partner was slow would otherwise
         take itself for slow, keep choosing slow partners and never learn otherwise (seen on the netns testnet)."""
-        measured = [link.bytes_per_s for link in self.links.values() if link.num_measurements]
-        if len(measured) < OWN_LINK_MIN_PARTNERS:
-            measured.append(PRIOR_BYTES_PER_S)
-        return max(measured)
+        measured = {peer: link.bytes_per_s for peer, link in self.links.items() if link.num_measurements}
+        # a partner that announced a much faster link than we got with it shows that we were the bottleneck
+        we_are_the_bottleneck = any(self.announced.get(peer, 0.0) > 1.5 * speed for peer, speed in measured.items())
+        if len(measured) < OWN_LINK_MIN_PARTNERS and not we_are_the_bottleneck:
+            return max([*measured.values(), PRIOR_BYTES_PER_S])
+        return max(measured.values(), default=PRIOR_BYTES_PER_S)
+
+    def measured_link_bytes_per_s(self) -> float:
+        """What we announce: the fastest exchange throughput measured, 0 before any (never the prior: a slow peer
+        announcing the prior would look fast to everyone)."""
+        return max((link.bytes_per_s for link in self.links.values() if link.num_measurements), default=0.0)
 
     def expected_exchange_s(self, partner_bytes_per_s: float = 0.0) -> float:
         """Seconds one exchange of our usual payload should take with a partner that announced this speed
@@ -193,6 +201,7 @@ class GossipMixer:
         to wait for are left to start exchanges with us (`partners_worth_waiting_for`).
         """
         if links is not None:
+            self.announced = links
             eligible = self.partners_worth_waiting_for(live_peers, links)
             logger.debug(f"round {round_}: {len(eligible)} of {len(live_peers)} live peers are fast enough to wait for"
                          f" (own link {self.own_link_bytes_per_s():.3g} B/s, links {links})")
@@ -216,7 +225,7 @@ class GossipMixer:
             if result is not None:
                 for m, theirs, mine in zip(mixed, result, value, strict=True):
                     m.add_(theirs - mine, alpha=weight)
-        stats.link_bytes_per_s = self.own_link_bytes_per_s()
+        stats.link_bytes_per_s = self.measured_link_bytes_per_s()
         stats.expected_blocking_s = k * self.expected_exchange_s()
         fastest = max([self.own_link_bytes_per_s(), *(links or {}).values()])
         stats.swarm_blocking_s = k * 2 * self.last_payload_bytes / fastest

@@ -108,4 +108,9 @@ def test_one_slow_partner_does_not_make_a_peer_believe_its_own_link_slow() -> No
     """Else a fast peer whose first partner was slow keeps choosing slow partners and never learns otherwise."""
     first_partner_slow = mixer_with_links({"slow": 0.25e6})
     assert first_partner_slow.own_link_bytes_per_s() == PRIOR_BYTES_PER_S
+    assert first_partner_slow.measured_link_bytes_per_s() == pytest.approx(0.25e6)  # announced: never the prior
+    assert mixer_with_links({}).measured_link_bytes_per_s() == 0.0  # nothing measured: announce "unknown"
+    slow_first = mixer_with_links({"fast": 0.25e6})  # but a partner that announced 10 MB/s: we were the bottleneck
+    slow_first.announced = {"fast": 10e6}
+    assert slow_first.own_link_bytes_per_s() == pytest.approx(0.25e6)
     assert first_partner_slow.partners_worth_waiting_for(["slow", "fast"], {"slow": 0.25e6, "fast": 10e6}) == ["fast"]
