@@ -70,6 +70,7 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is a stuck peer?
+    faulthandler.enable(all_threads=True)  # a crash in native code (torch, a driver) still says where it was
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

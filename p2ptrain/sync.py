@@ -26,6 +26,11 @@ MAX_TOPK_CHUNK_SIZE = 65536  # top-k indices within a chunk travel as uint16
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
+# GASLoC's γ (momentum on the mixed iterates). 0.9 re-injects 0.9 × the last round's disagreement after every pair
+# average; on the netns testnet (50/50/1 Mbit, a paced peer at 5 of 100 steps) consensus distances reached 3.5 and
+# validation loss spiked ×3, while γ = 0 trained smoothly to a lower loss (1.77 against 1.9–2.3), and
+# benchmarks/algorithms.py at equal tokens also prefers γ = 0 (−5.8 % against +0.5 % vs DiLoCo)
+GASLOC_MOMENTUM = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,7 @@ class SyncConfig:
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
     overlap: str = "none"  # diloco only: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
+    gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
     grad_codec: str = "none"  # outer gradients: none (fp32) | fp16 | topk (gossip Mix2 only, with error feedback)
     # gasloc, and factored's Mix1: push-pull gossip with random live peers
     gossip_peers: int = 1  # partners per round: 1 = pair averaging (weight 1/2), 2 = weights 1/3
@@ -65,6 +71,8 @@ class SyncConfig:
             raise ConfigError("sync.overlap applies to sync.mode diloco only (factored overlaps its Mix1 already)")
         if self.overlap_momentum is not None and (self.overlap == "none" or not 0 <= self.overlap_momentum < 1):
             raise ConfigError("sync.overlap_momentum applies with sync.overlap delayed or eager and must be in [0, 1)")
+        if self.gasloc_momentum is not None and (self.mode != "gasloc" or not 0 <= self.gasloc_momentum < 1):
+            raise ConfigError("sync.gasloc_momentum applies with sync.mode gasloc and must be in [0, 1)")
         if self.gossip_peers not in (1, 2):
             raise ConfigError(f"sync.gossip_peers must be 1 or 2, got {self.gossip_peers}")
         if min(self.matchmaking_s, self.allreduce_timeout_s, self.state_download_timeout_s) <= 0:
@@ -92,7 +100,10 @@ class SyncConfig:
 
     def outer_momentum(self, configured: float) -> float:
         """The γ the outer optimizer runs with: `outer.momentum`, except with overlap, where momentum on a stale
-        gradient overshoots (OVERLAP_MOMENTUM, or `sync.overlap_momentum` when set)."""
+        gradient overshoots (OVERLAP_MOMENTUM, or `sync.overlap_momentum` when set), and in gasloc, where it
+        amplifies disagreement (GASLOC_MOMENTUM, or `sync.gasloc_momentum` when set)."""
+        if self.mode == "gasloc":
+            return self.gasloc_momentum if self.gasloc_momentum is not None else GASLOC_MOMENTUM
         if self.overlap == "none":
             return configured
         return self.overlap_momentum if self.overlap_momentum is not None else OVERLAP_MOMENTUM[self.overlap]
@@ -101,6 +112,13 @@ class SyncConfig:
     def aligned_rounds(self) -> bool:
         """Whether peers must be in the same round to sync (all-reduce modes) or gossip at any time."""
         return self.mode == "diloco"
+
+    @property
+    def needs_current_swarm(self) -> bool:
+        """Whether a round must read the swarm from the DHT (and publish our phase) before it syncs: an all-reduce
+        expects exactly the peers of its round. Gossip tolerates a view a heartbeat old: a partner gone since
+        refuses or times out and the next one is drawn, so gossip peers never wait for the DHT."""
+        return self.mode == "diloco" or (self.mode == "factored" and self.mix2_transport == "allreduce")
 
 
 @dataclasses.dataclass

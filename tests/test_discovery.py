@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
-from p2ptrain.discovery import PeerRecord, SwarmView, fetch_peers, parse_records
+from p2ptrain.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table
 
@@ -67,6 +67,36 @@ def test_a_dht_that_never_answers_yields_no_peers_instead_of_a_hang() -> None:
     assert time.monotonic() - started < 5
 
 
+class ScriptedDHT:
+    """A DHT whose reads return these results in turn (the last one from then on)."""
+
+    def __init__(self, *results: SimpleNamespace | None) -> None:
+        self.results, self.reads = list(results), 0
+
+    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.set_result(self.results[min(self.reads, len(self.results) - 1)])
+        self.reads += 1
+        return future
+
+
+def test_the_swarm_watcher_keeps_records_until_they_expire_not_until_a_read_misses_them() -> None:
+    """A DHT read that reaches only some nodes (or none) must not make a peer believe itself alone."""
+    now = get_dht_time()
+    both = dht_result(entry(peer_id="A", updated=now), entry(peer_id="B", updated=now - 3.0))
+    dht = ScriptedDHT(both, None, dht_result(entry(peer_id="A", round=4, updated=now + 0.1)))
+    watcher = SwarmWatcher(dht, "run", ttl_s=5.0, refresh_s=0.5)  # type: ignore[arg-type]
+    assert [r.peer_id for r in watcher.records()] == ["A", "B"]  # first call: waits for a read
+    assert watcher.records() == watcher.records() and dht.reads == 1  # then answers from what it knows
+    assert [r.peer_id for r in watcher.records(current=True)] == ["A", "B"]  # an empty read forgets nobody
+    assert [(r.peer_id, r.round) for r in watcher.records(current=True)] == [("A", 4), ("B", 3)]  # fresher wins
+    watcher.merge_([PeerRecord(peer_id="B", round=2, inner_step=0, phase="inner", round_eta=0.0,
+                               updated=now - 4.0)])  # an older record of B does not replace the newer one
+    assert [r.round for r in watcher.records()] == [4, 3]
+    watcher.ttl_s = 2.0  # B's record (3 s old) has now expired
+    assert [r.peer_id for r in watcher.records()] == ["A"]
+
+
 def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:
     return PeerRecord(peer_id=f"{phase}-{eta}", round=round_, inner_step=0, phase=phase, round_eta=eta, updated=NOW)
 
@@ -83,3 +113,14 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
     assert TrainingPeer._inner_deadline(me, other_round) == math.inf
     gossip = SimpleNamespace(round=7, config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=False)))
     assert TrainingPeer._inner_deadline(gossip, syncing) == math.inf  # type: ignore[arg-type]
+
+
+def test_a_newcomer_downloads_state_from_the_most_advanced_peer_with_the_fastest_link() -> None:
+    """State is the whole model and optimizer: among peers of the latest round, the fastest link serves it."""
+    newcomer = SimpleNamespace(round=0, joined_ever=False, synced=True,
+                               config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=False)))
+    records = [PeerRecord(peer_id=name, round=round_, inner_step=0, phase="inner", round_eta=0.0, updated=NOW,
+                          bandwidth_bps=bps) for name, round_, bps in
+               (("a-slow", 5, 1e6), ("b-fast", 5, 50e6), ("c-behind", 4, 100e6), ("d-unknown", 5, 0.0))]
+    donors = TrainingPeer._donors(newcomer, SwarmView("me", records))  # type: ignore[arg-type]
+    assert [r.peer_id for r in donors] == ["b-fast", "a-slow", "d-unknown", "c-behind"]

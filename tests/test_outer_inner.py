@@ -354,3 +354,18 @@ def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explici
 def test_overlap_momentum_without_overlap_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="overlap_momentum"):
         build_config({"sync": sync})
+
+
+@pytest.mark.parametrize(("sync", "expected"), [
+    ({"mode": "gasloc"}, 0.0), ({"mode": "gasloc", "gasloc_momentum": 0.9}, 0.9), ({"mode": "factored"}, 0.9)])
+def test_gasloc_runs_with_its_own_momentum(sync: dict[str, Any], expected: float) -> None:
+    """γ = 0.9 on mixed iterates re-injected disagreement and spiked the loss on the netns testnet: gasloc gets
+    its own γ (0 unless set); factored's Nesterov step on mixed Δ keeps `outer.momentum`."""
+    config = build_config({"sync": sync, "outer": {"momentum": 0.9}})
+    assert config.sync.outer_momentum(config.outer.momentum) == expected
+
+
+@pytest.mark.parametrize("sync", [{"gasloc_momentum": 0.5}, {"mode": "gasloc", "gasloc_momentum": 1.0}])
+def test_gasloc_momentum_outside_gasloc_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="gasloc_momentum"):
+        build_config({"sync": sync})

@@ -93,6 +93,16 @@ def test_a_fast_peer_does_not_start_exchanges_with_a_peer_too_slow_to_wait_for()
     assert eligible == ["fast", "slower-than-us-a-bit", "unannounced"]  # unknown speed: given the benefit of doubt
 
 
+def test_a_partner_whose_exchange_blocks_a_tenth_of_the_inner_phase_or_less_is_worth_waiting_for() -> None:
+    """Equally fast links measure 30 % apart under CPU load: that noise must not leave a fast peer without
+    partners, while a truly slow partner (4 s for a 1.3 s phase) is still left to start exchanges itself."""
+    mixer = mixer_with_links({"fast": 3.6e6})  # own exchange: 1 MB / 3.6 MB/s = 0.28 s
+    links = {"noisy-fast": 2.6e6, "slow": 0.25e6}  # 0.38 s (> 1.25 × 0.28 s) and 4 s
+    assert mixer.partners_worth_waiting_for(["noisy-fast", "slow"], links) == []  # inner phase not known yet
+    mixer.budget_s = 4.0  # a 0.4 s wait is a tenth of the inner phase
+    assert mixer.partners_worth_waiting_for(["noisy-fast", "slow"], links) == ["noisy-fast"]
+
+
 def test_a_slow_peer_starts_exchanges_with_anyone_and_overlapped_exchanges_may_use_the_inner_phase() -> None:
     slow = mixer_with_links({"fast": 0.25e6, "also-fast": 0.25e6})  # our own link is every exchange's bottleneck
     assert slow.own_link_bytes_per_s() == pytest.approx(0.25e6)

@@ -245,13 +245,25 @@ def test_checks_pass_on_a_good_kill_restart_run(tmp_path: Path) -> None:
 
 def test_checks_fail_when_loss_rises_resume_goes_back_or_a_peer_stalls(tmp_path: Path) -> None:
     record = kill_restart_record(tmp_path)
-    record.rows["peer0"][-1]["val_loss"] = 9.0
+    for late_row in record.rows["peer0"][-2:]:  # two of the last three rounds: the trend rose
+        late_row["val_loss"] = 9.0
     record.lives[2].resumed_from_round = 7  # it claims checkpoint 7 but logged round 6 first
     del record.rows["peer0"][3:6]  # peer0: rounds 2 -> 6 took 8 s = 4 median rounds of 2 s
     results = {r.name: r for r in run_checks(record, ChecksSpec(max_stall_rounds=3.0))}
     assert not results["loss_fell"].passed and "peer0" in results["loss_fell"].detail
     assert not results["resumed_from_checkpoint"].passed
     assert not results["max_stall_rounds"].passed and "peer0 4.0" in results["max_stall_rounds"].detail
+
+
+def test_loss_fell_judges_the_trend_not_one_noisy_last_round(tmp_path: Path) -> None:
+    """A round's validation loss is two batches: one high last value does not fail a run whose loss fell."""
+    record = kill_restart_record(tmp_path)
+    record.rows["peer0"][-1]["val_loss"] = 9.0
+    result = run_checks(record, ChecksSpec())[3]
+    assert result.name == "loss_fell" and result.passed, result
+    assert "peer0 4.900->4.300" in result.detail  # medians of rounds 0-2 and 7-9
+    record.rows["peer1"] = record.rows["peer1"][:1]  # one round: nothing to compare
+    assert not run_checks(record, ChecksSpec())[3].passed
 
 
 def test_unplanned_exits_unfired_events_and_timeouts_fail(tmp_path: Path) -> None:
