@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=150.0, help="wall-clock budget per algorithm")
-    parser.add_argument("--fast-mbit", type=float, default=20.0, help="rate of the fast links (straggler: 10 %)")
+    parser.add_argument("--fast-mbit", type=float, default=20.0, help="rate of the fast links (straggler: 10 %%)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H of every peer (paced rows: at most H)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + tuple(VARIANTS))}")
     args = parser.parse_args(argv)

@@ -74,13 +74,17 @@ def parse_records(raw: object, ttl_s: float, now: float) -> list[PeerRecord]:
 
 
 DHT_READ_TIMEOUT_S = 30.0
+# hivemind's DHT hands each call to its process through one pipe, written without a lock; the heartbeat, the swarm
+# watcher and the round loop call it from three threads, so each hand-over is serialised (waiting is not)
+DHT_CALL_LOCK = threading.Lock()
 
 
 def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float,
                 timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
     """The run's live peers, as of now; none (with a warning) when the DHT does not answer within `timeout_s`
     (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
-    future = dht.get(peers_key(run_id), latest=True, return_future=True)
+    with DHT_CALL_LOCK:
+        future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
         raw = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
@@ -131,8 +135,10 @@ class Announcer:
             self._record = self._record.copy(update=dict(updated=now))
             value = self._record.dict()
         try:
-            return bool(self.dht.store(peers_key(self.run_id), subkey=self._validator.local_public_key, value=value,
-                                       expiration_time=now + self.ttl_s))
+            with DHT_CALL_LOCK:
+                future = self.dht.store(peers_key(self.run_id), subkey=self._validator.local_public_key,
+                                        value=value, expiration_time=now + self.ttl_s, return_future=True)
+            return bool(future.result(timeout=DHT_READ_TIMEOUT_S))
         except Exception:  # the DHT process may be shutting down; the next heartbeat tries again
             logger.debug("peer record not stored", exc_info=True)
             return False

@@ -108,7 +108,8 @@ class TrainingPeer:
                                    cfg.network.record_ttl_s)
         self.announcer.start()
         self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s)
-        self.watcher.start()
+        if not cfg.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
+            self.watcher.start()
 
     @property
     def maddrs(self) -> list[str]:

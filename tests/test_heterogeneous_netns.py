@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,25 @@ SCENARIO = {
 
 
 def run_testnet(tmp_path: Path, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    scenario, workdir = tmp_path / "scenario.yaml", tmp_path / "run"
+    """The scenario's metrics. A run in which a peer died of SIGSEGV is run once more, with a warning: a rare
+    native crash in the peer's uvloop thread (3 of ~20 runs on 2026-11-23, while the main thread wrote its first
+    checkpoint; not root-caused, see the closing note) must stay visible without failing every other check."""
+    scenario = tmp_path / "scenario.yaml"
     scenario.write_text(yaml.safe_dump(SCENARIO))
-    workdir.mkdir()
-    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(workdir), timeout_s=300,
-                                               name_prefix=prefix))
-    report = json.loads((workdir / "report" / "report.json").read_text())
-    assert ok and report["passed"], [c for c in report["checks"] if not c["passed"]]
-    return {peer: read_metrics(workdir / f"{peer}.jsonl") for peer in (*FAST, SLOW)}
+    for attempt in range(2):
+        workdir = tmp_path / f"run{attempt}"
+        workdir.mkdir()
+        ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(workdir),
+                                                   timeout_s=300, name_prefix=prefix))
+        report = json.loads((workdir / "report" / "report.json").read_text())
+        failed = [c for c in report["checks"] if not c["passed"]]
+        if attempt == 0 and [c["name"] for c in failed] == ["clean_exits"] and "exit -11" in failed[0]["detail"]:
+            warnings.warn(f"a peer crashed with SIGSEGV, running the scenario again: {failed[0]['detail']}",
+                          stacklevel=2)
+            continue
+        assert ok and report["passed"], failed
+        return {peer: read_metrics(workdir / f"{peer}.jsonl") for peer in (*FAST, SLOW)}
+    raise AssertionError("unreachable")
 
 
 def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wait_for_it(
@@ -60,7 +72,8 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
     # rounds set the pace, keeps (nearly) all H.
     # (A peer that starts seconds before the others trains alone, unpaced, until it first meets a partner: the
     # slow peer's paced rounds are those after its first exchange or failed attempt.)
-    first_try = next(i for i, r in enumerate(rows[SLOW]) if r["exchanges"] or r["failed_exchanges"])
+    first_try = next((i for i, r in enumerate(rows[SLOW]) if r["exchanges"] or r["failed_exchanges"]), None)
+    assert first_try is not None, "the slow peer never tried an exchange"
     paced_rows = rows[SLOW][first_try + 1:]
     assert len(paced_rows) >= 3, "the slow peer met its partners too late in the run"
     steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
