@@ -10,16 +10,23 @@ from typing import Any, TypeVar
 
 import uvloop
 
+from p2ptrain import loop_gc
+
 T = TypeVar("T")
 
 
 class BackgroundLoop:
-    """A uvloop event loop running in a daemon thread; `run(coro)` blocks the caller until the coroutine is done."""
+    """A uvloop event loop running in a daemon thread; `run(coro)` blocks the caller until the coroutine is done.
+
+    While it runs, cyclic garbage is collected only at safe points (`loop_gc`): a collection in another thread
+    would close leaked transports of this loop while its thread is inside libuv.
+    """
 
     def __init__(self, name: str = "p2ptrain-loop"):
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        loop_gc.register(self)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -37,6 +44,7 @@ class BackgroundLoop:
             raise TimeoutError(f"timed out after {timeout} s") from None
 
     def stop(self) -> None:
+        loop_gc.unregister(self)
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)

@@ -13,7 +13,9 @@ class ThroughputEMA:
     """Exponential moving average of one link's throughput in bytes/s, starting from a prior.
 
     ``smoothing`` is the weight of each new measurement (1.0: keep only the latest). Measurements are averaged
-    as transfer *times per byte* so that one fast sample cannot hide a slow link.
+    as transfer *times per byte* so that one fast sample cannot hide a slow link. The prior is only a guess: the
+    first completed exchange replaces it (blending a 1 Mbit/s link into a 20 Mbit/s prior took five exchanges to
+    show, and a paced peer kept most of its inner steps meanwhile; seen on the netns testnet).
     """
 
     def __init__(self, prior_bytes_per_s: float, smoothing: float = 0.3) -> None:
@@ -24,6 +26,7 @@ class ThroughputEMA:
         self.smoothing = smoothing
         self._seconds_per_byte = 1.0 / prior_bytes_per_s
         self.num_measurements = 0
+        self.num_completed = 0  # measurements of completed exchanges (the others are timeouts' bounds)
 
     @property
     def bytes_per_s(self) -> float:
@@ -34,8 +37,10 @@ class ThroughputEMA:
         if payload_bytes <= 0 or not elapsed_s > 0.0 or not math.isfinite(elapsed_s):
             return
         sample = elapsed_s / payload_bytes
-        self._seconds_per_byte += self.smoothing * (sample - self._seconds_per_byte)
+        weight = self.smoothing if self.num_completed else 1.0
+        self._seconds_per_byte += weight * (sample - self._seconds_per_byte)
         self.num_measurements += 1
+        self.num_completed += 1
 
     def update_timeout_(self, payload_bytes: int, deadline_s: float) -> None:
         """Record an exchange that missed its deadline: the link was at most ``payload_bytes / deadline_s`` fast."""

@@ -34,9 +34,10 @@ SCENARIO = {
 
 
 def run_testnet(tmp_path: Path, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    """The scenario's metrics. A run in which a peer died of SIGSEGV is run once more, with a warning: a rare
-    native crash in the peer's uvloop thread (3 of ~20 runs on 2026-11-23, while the main thread wrote its first
-    checkpoint; not root-caused, see the closing note) must stay visible without failing every other check."""
+    """The scenario's metrics. A run in which a peer died of SIGSEGV is run once more, with a warning: that crash
+    (uvloop transports closed by a garbage collection in the main thread, about one run in seven before
+    `p2ptrain/loop_gc.py`; tests/test_loop_gc.py covers the fix) is not what this test is about, and a recurrence
+    must stay visible without hiding the pacing checks."""
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(yaml.safe_dump(SCENARIO))
     for attempt in range(2):
@@ -70,11 +71,15 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
     # 8-bit, the slow peer gives up the steps its extra link time is worth (~2 s per exchange at 1 Mbit/s against
     # ~0.1 s on a fast link: 80 steps at 25 ms, 40 at 50 ms on a loaded CI machine), while a fast peer, whose
     # rounds set the pace, keeps (nearly) all H.
-    # (A peer that starts seconds before the others trains alone, unpaced, until it first meets a partner: the
-    # slow peer's paced rounds are those after its first exchange or failed attempt.)
+    # (A peer that starts before the others trains alone, unpaced, until it meets a partner; the others may take
+    # 20 s to join, downloading the state over its 1 Mbit link. Its paced rounds are those after its first 8-bit
+    # exchange: its link has been measured by then.)
     first_try = next((i for i, r in enumerate(rows[SLOW]) if r["exchanges"] or r["failed_exchanges"]), None)
     assert first_try is not None, "the slow peer never tried an exchange"
-    paced_rows = rows[SLOW][first_try + 1:]
+    first_int8 = next((i for i, r in enumerate(rows[SLOW]) if any(e["codec"] == "int8" for e in r["exchanges"])),
+                      None)
+    assert first_int8 is not None, "the slow peer never exchanged 8-bit"
+    paced_rows = rows[SLOW][first_int8 + 1:]
     assert len(paced_rows) >= 3, "the slow peer met its partners too late in the run"
     steps = {peer: statistics.median(r["inner_steps"] for r in peer_rows[1:]) for peer, peer_rows in rows.items()}
     steps[SLOW] = statistics.median(r["inner_steps"] for r in paced_rows)

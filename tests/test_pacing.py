@@ -43,12 +43,22 @@ def test_inner_steps_rejects_bad_arguments() -> None:
 def test_throughput_ema_hand_computed() -> None:
     ema = ThroughputEMA(prior_bytes_per_s=1e6, smoothing=0.5)
     assert ema.bytes_per_s == pytest.approx(1e6) and ema.num_measurements == 0
-    ema.update_(2_000_000, 1.0)  # 0.5 µs/byte: s/B = 1e-6 + 0.5 (0.5e-6 − 1e-6) = 0.75e-6
+    ema.update_(2_000_000, 1.0)  # the first exchange replaces the prior: 0.5 µs/byte
+    assert ema.bytes_per_s == pytest.approx(2e6)
+    ema.update_(1_000_000, 1.0)  # then blends: s/B = 0.5e-6 + 0.5 (1e-6 − 0.5e-6) = 0.75e-6
     assert ema.bytes_per_s == pytest.approx(1 / 0.75e-6)
     assert ema.transfer_time_s(4_000_000) == pytest.approx(3.0)
     ema.update_(0, 1.0)  # empty exchanges carry no information
     ema.update_(10, 0.0)
-    assert ema.num_measurements == 1
+    assert ema.num_measurements == 2
+
+
+def test_throughput_ema_first_exchange_replaces_the_prior_even_after_a_timeout() -> None:
+    ema = ThroughputEMA(prior_bytes_per_s=2.5e6, smoothing=0.3)
+    ema.update_timeout_(1_000_000, deadline_s=2.0)  # a bound (at most 0.5 MB/s), not a measurement of the link
+    assert ema.bytes_per_s == pytest.approx(5e5) and ema.num_completed == 0
+    ema.update_(1_000_000, 8.0)  # a 1 Mbit/s link: believed at once, not blended into the guess
+    assert ema.bytes_per_s == pytest.approx(1.25e5)
 
 
 def test_throughput_ema_converges_and_learns_from_timeouts() -> None:
