@@ -24,7 +24,7 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0  # young generations: cyclic garbage lives at most about this long
-FULL_EVERY = 30  # a full collection every this many ticks (~230 ms with torch and transformers loaded)
+FULL_EVERY = 30  # a full collection every this many ticks (~200 ms with torch loaded, ~0 after the freeze)
 PARK_TIMEOUT_S = 2.0  # a loop busier than this is not waited for: the collection is skipped, tried next tick
 
 
@@ -140,6 +140,6 @@ class _Collector:
                 if collect_at_safe_point(2 if full else 1) and full:
                     self.full_collections += 1
                     if self.full_collections == 1:
-                        gc.freeze()  # what survived the first minute (modules, the model) is never scanned again
+                        gc.freeze()  # what outlived the first 30 s (modules, the model) is never scanned again
             except Exception:  # never let the collector die: skipped collections only cost memory
                 logger.debug("garbage collection failed", exc_info=True)
