@@ -2,8 +2,9 @@
 
 N simulated peers, each with its own model replica, training shard (``TextShards(..., shard_index=i)``) and
 ``InnerTrainer``, run R rounds of H inner AdamW steps; rows differ only in what is exchanged between inner phases.
-No network: exchanges go through the codecs of ``p2ptrain.compression`` and the outer-step maths of
-``p2ptrain.gasloc`` / ``p2ptrain.outer`` on local copies, and bytes are counted from the real payloads.
+No network: exchanges go through the codecs of ``p2ptrain.maths.codecs`` and the outer-step maths of
+``p2ptrain.maths.outer_rules`` / ``p2ptrain.maths.outer_optimizer`` on local copies, and bytes are counted
+from the real payloads.
 
 Table 1, equal tokens: every peer runs R·H steps; validation loss of the peers' average model.
 Table 2, equal simulated wall clock: inner steps take the measured mean step time; fast peers have bandwidth B,
@@ -36,7 +37,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from p2ptrain.compression import (  # noqa: E402
+from p2ptrain.config import PeerConfig, build_config  # noqa: E402
+from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
+from p2ptrain.errors import ConfigError  # noqa: E402
+from p2ptrain.maths.codecs import (  # noqa: E402
     ErrorFeedback,
     compress_all,
     decode_all,
@@ -45,10 +49,10 @@ from p2ptrain.compression import (  # noqa: E402
     relative_decode,
     relative_encode,
 )
-from p2ptrain.config import PeerConfig, build_config  # noqa: E402
-from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
-from p2ptrain.errors import ConfigError  # noqa: E402
-from p2ptrain.gasloc import (  # noqa: E402
+from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
+from p2ptrain.maths.mixing import consensus_distance, exact_average, mix_, mixing_weights  # noqa: E402
+from p2ptrain.maths.outer_optimizer import OuterOptimizer  # noqa: E402
+from p2ptrain.maths.outer_rules import (  # noqa: E402
     DelayedOuterGradient,
     GaslocState,
     NesterovState,
@@ -56,12 +60,9 @@ from p2ptrain.gasloc import (  # noqa: E402
     mix1_correction,
     propose,
 )
-from p2ptrain.inner import InnerTrainer  # noqa: E402
-from p2ptrain.mixing import consensus_distance, exact_average, mix_, mixing_weights  # noqa: E402
+from p2ptrain.maths.pacing import inner_steps_for_link  # noqa: E402
+from p2ptrain.maths.topology import Neighbours, complete_graph, random_cycle_graph, random_matching  # noqa: E402
 from p2ptrain.models import build_model  # noqa: E402
-from p2ptrain.outer import OuterOptimizer  # noqa: E402
-from p2ptrain.pacing import inner_steps_for_link  # noqa: E402
-from p2ptrain.topology import Neighbours, complete_graph, random_cycle_graph, random_matching  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
 Tensors = list[torch.Tensor]

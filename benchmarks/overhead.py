@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
-from p2ptrain.inner import InnerTrainer  # noqa: E402
+from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
 from p2ptrain.models import build_model, count_parameters  # noqa: E402
 
 RESULTS_PATH = REPO / "benchmarks" / "results" / "overhead.json"

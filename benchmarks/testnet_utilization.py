@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("diloco", "gasloc", "factored")

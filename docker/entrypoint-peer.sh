@@ -12,7 +12,7 @@ if [ -n "${P2PTRAIN_RATE_MBIT:-}" ]; then
     case $P2PTRAIN_RATE_MBIT in
         *[!0-9.]* | *.*.* | .* | *.) say "P2PTRAIN_RATE_MBIT=$P2PTRAIN_RATE_MBIT is not a number of Mbit/s"; exit 2 ;;
     esac
-    # Same tbf sizing as p2ptrain.netns.tbf_args: burst = max(rate/250, 16 KiB), queue = 50 ms at the rate.
+    # Same tbf sizing as p2ptrain.testnet.netns.tbf_args: burst = max(rate/250, 16 KiB), queue = 50 ms at the rate.
     tbf=$(awk -v r="$P2PTRAIN_RATE_MBIT" 'BEGIN {
         bytes_per_s = r * 1e6 / 8; burst = bytes_per_s / 250; if (burst < 16384) burst = 16384
         printf "rate %.0fbit burst %.0f limit %.0f", r * 1e6, burst, burst + bytes_per_s * 0.05 }')

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from p2ptrain.errors import UserError
-from p2ptrain.sync import SYNC_MODES
+from p2ptrain.sync.config import SYNC_MODES
 
 EXIT_USER_ERROR = 2
 
@@ -88,8 +88,8 @@ def cli(log_level: str) -> None:
 @click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
 def bootstrap(address_file: str | None, **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node and print the address peers must pass as --initial-peers."""
-    from p2ptrain.bootstrap import BootstrapNode
     from p2ptrain.config import load_config
+    from p2ptrain.net.bootstrap import BootstrapNode
 
     network = load_config(None, network_overrides(kwargs)).network
     node = BootstrapNode(network, address_file)
@@ -126,7 +126,7 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
          **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
-    from p2ptrain.network import parse_maddr
+    from p2ptrain.net.dht import parse_maddr
     from p2ptrain.peer import TrainingPeer
 
     peers = split_peers(initial_peers)
@@ -196,14 +196,14 @@ def testnet(backend: str, bandwidth: str | None, scenario_path: str | None, dura
             report_dir: str | None, **kwargs: Any) -> None:
     """Start a bootstrap and N peers, train, and print a summary; exit 1 if training did not happen."""
     if backend == "netns":
-        from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+        from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 
         if kwargs.pop("sync"):
             raise click.UsageError("--sync is for the loopback backend; set sync.mode in --config or the scenario")
         ok = run_netns_testnet(NetnsTestnetOptions(bandwidth=bandwidth, scenario_path=scenario_path,
                                                    duration_s=duration_s, report_dir=report_dir, **kwargs))
     else:
-        from p2ptrain.testnet import TestnetOptions, run_testnet
+        from p2ptrain.testnet.loopback import TestnetOptions, run_testnet
 
         if bandwidth or scenario_path or duration_s or report_dir:
             raise click.UsageError("--bandwidth, --scenario, --duration and --report need --backend netns")

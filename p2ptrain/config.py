@@ -19,11 +19,11 @@ import yaml
 
 from p2ptrain.data import DataConfig
 from p2ptrain.errors import ConfigError, one_line
-from p2ptrain.inner import InnerConfig
+from p2ptrain.maths.inner import InnerConfig
+from p2ptrain.maths.outer_optimizer import OuterConfig
 from p2ptrain.models import ModelConfig
-from p2ptrain.network import NetworkConfig
-from p2ptrain.outer import OuterConfig
-from p2ptrain.sync import SyncConfig
+from p2ptrain.net.dht import NetworkConfig
+from p2ptrain.sync.config import SyncConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

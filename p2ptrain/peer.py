@@ -22,21 +22,22 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from p2ptrain.aio import BackgroundLoop
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import TextShards, build_tokenizer, shard_for_peer
-from p2ptrain.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
-from p2ptrain.inner import InnerTrainer
+from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, model_fingerprint
-from p2ptrain.network import start_dht, visible_maddrs
-from p2ptrain.outer import OuterOptimizer
-from p2ptrain.outer_sync import build_outer_sync
-from p2ptrain.pacing import inner_steps_for_link
-from p2ptrain.state_sharing import StateServer, StateSnapshot, check_tensors, download_state, layout_of
-from p2ptrain.sync import OuterSync, RoundContext
+from p2ptrain.net.dht import start_dht, visible_maddrs
+from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.state_sharing import StateServer, StateSnapshot, download_state
+from p2ptrain.sync.interface import OuterSync, RoundContext
+from p2ptrain.sync.strategies import build_outer_sync
+from p2ptrain.tensor_layout import check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import click
 from hivemind.utils import get_dht_time
 
 from p2ptrain.config import PeerConfig
-from p2ptrain.discovery import PeerRecord, add_record_validators, fetch_peers
-from p2ptrain.network import start_dht
+from p2ptrain.net.dht import start_dht
+from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers
 
 
 def format_status_table(records: Sequence[PeerRecord], now: float) -> str:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from p2ptrain.netns import STATE_DIR
+from p2ptrain.testnet.netns import STATE_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,4 +18,4 @@ def stop_and_clean_up(owner: subprocess.Popen[bytes], prefix: str) -> None:
         owner.kill()
     owner.wait()
     if (STATE_DIR / f"{prefix}.json").exists():
-        subprocess.run([sys.executable, "-m", "p2ptrain.netns", "--cleanup"], cwd=REPO_ROOT, check=False)
+        subprocess.run([sys.executable, "-m", "p2ptrain.testnet.netns", "--cleanup"], cwd=REPO_ROOT, check=False)

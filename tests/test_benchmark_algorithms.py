@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from p2ptrain.mixing import consensus_distance
+from p2ptrain.maths.mixing import consensus_distance
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO_OVERHEAD_BYTES = 32  # upper bound on one runtime_pb2.Tensor's fields besides its buffer

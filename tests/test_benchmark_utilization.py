@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 from p2ptrain.config import build_config
-from p2ptrain.scenario import parse_bandwidth
+from p2ptrain.testnet.scenario import parse_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,9 +21,9 @@ from p2ptrain.checkpoint import (
 )
 from p2ptrain.config import PeerConfig, build_config
 from p2ptrain.errors import CheckpointError
-from p2ptrain.inner import InnerTrainer
+from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.models import build_model, model_fingerprint
-from p2ptrain.outer import OuterOptimizer
 
 VOCAB = 257
 CONFIG = build_config({

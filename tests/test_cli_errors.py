@@ -19,9 +19,9 @@ import torch
 
 from p2ptrain.checkpoint import TrainingCheckpoint, save_checkpoint
 from p2ptrain.config import build_config
-from p2ptrain.inner import InnerTrainer
+from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.models import build_model, model_fingerprint
-from p2ptrain.outer import OuterOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 240

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from p2ptrain.compression import (
+from p2ptrain.errors import ConfigError
+from p2ptrain.maths.codecs import (
     CODEC_NAMES,
     ErrorFeedback,
     compress_all,
@@ -19,10 +20,9 @@ from p2ptrain.compression import (
     relative_decode,
     relative_encode,
 )
-from p2ptrain.compression import (
+from p2ptrain.maths.codecs import (
     choose_codec_for_link as choose,
 )
-from p2ptrain.errors import ConfigError
 
 SHAPES = [(), (1,), (7,), (33, 17), (4096,), (3, 5000)]  # scalars, odd sizes, a partial last chunk
 

@@ -11,9 +11,9 @@ import pytest
 
 from p2ptrain.config import PeerConfig, RunConfig, build_config, load_config, read_config_file
 from p2ptrain.errors import ConfigError
-from p2ptrain.inner import InnerConfig
-from p2ptrain.network import NetworkConfig
-from p2ptrain.outer import OuterConfig
+from p2ptrain.maths.inner import InnerConfig
+from p2ptrain.maths.outer_optimizer import OuterConfig
+from p2ptrain.net.dht import NetworkConfig
 
 YAML_TEXT = """
 run:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.gasloc import (
+from p2ptrain.maths.mixing import exact_average, mix_, mixing_weights
+from p2ptrain.maths.outer_rules import (
     DelayedOuterGradient,
     GaslocState,
     NesterovState,
@@ -15,8 +16,7 @@ from p2ptrain.gasloc import (
     nesterov_update,
     propose,
 )
-from p2ptrain.mixing import exact_average, mix_, mixing_weights
-from p2ptrain.topology import complete_graph
+from p2ptrain.maths.topology import complete_graph
 
 SHAPES = [(4, 3), (5,)]
 LR = 0.7

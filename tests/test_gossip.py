@@ -13,12 +13,12 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2ptrain import gossip
-from p2ptrain.compression import relative_encode
-from p2ptrain.gossip import push_pull
-from p2ptrain.gossip_peer import GossipMixer
-from p2ptrain.sync import SyncConfig
-from p2ptrain.wire import encode_metadata, stream_parts
+from p2ptrain.maths.codecs import relative_encode
+from p2ptrain.net import exchange
+from p2ptrain.net.exchange import push_pull
+from p2ptrain.net.wire import encode_metadata, stream_parts
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.param_gossip import GossipMixer
 
 pytestmark = [pytest.mark.network]
 
@@ -35,7 +35,7 @@ def near(values: list[torch.Tensor], scale: float = 0.01) -> list[torch.Tensor]:
     return [v + scale * torch.randn_like(v) for v in values]
 
 
-class GossipServicer(gossip.GossipServicer):  # same class name: hivemind routes calls by it
+class GossipServicer(exchange.GossipServicer):  # same class name: hivemind routes calls by it
     """A partner that misbehaves in one chosen way."""
 
     def __init__(self, fault: str):
@@ -140,7 +140,7 @@ def test_an_invalid_offer_is_refused_and_leaves_the_responder_unchanged(offer: O
             payload = relative_encode(offer.tensors, reference(), "fp16")
             if offer.name == "inf":  # our encoder refuses non-finite values: poison the bytes by hand
                 payload[2].buffer = b"\x00\x7c" + payload[2].buffer[2:]  # fp16 +inf
-            with pytest.raises(gossip.ExchangeRefused):
+            with pytest.raises(exchange.ExchangeRefused):
                 await push_pull(a, b.peer_id, f"{RUN}.gasloc", offer.header, payload, lambda h, p: lambda: None,
                                 10**8, deadline_s=20)
             assert all(torch.equal(x, y) for x, y in zip(state_of(responder), before, strict=True))
@@ -193,7 +193,7 @@ def test_a_busy_refusal_reaches_an_initiator_that_is_still_streaming_a_large_pay
             payload = relative_encode(near(big), big, "fp16")
             for _ in range(10):
                 started = asyncio.get_running_loop().time()
-                with pytest.raises(gossip.ExchangeRefused, match="busy"):
+                with pytest.raises(exchange.ExchangeRefused, match="busy"):
                     await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, payload, lambda h, p: lambda: None,
                                     10**8, deadline_s=20)
                 assert asyncio.get_running_loop().time() - started < 10
@@ -236,10 +236,10 @@ def test_the_responder_learns_who_offers_from_libp2p_not_from_the_offer() -> Non
     async def scenario() -> None:
         a, b = await start_pair()
         try:
-            await gossip.GossipServicer(Recorder(), 10**6, chunk_timeout_s=5.0).add_p2p_handlers(
+            await exchange.GossipServicer(Recorder(), 10**6, chunk_timeout_s=5.0).add_p2p_handlers(
                 b, namespace=f"{RUN}.gasloc")
             header = {"run_id": RUN, "sender": "somebody-else"}
-            with pytest.raises(gossip.ExchangeRefused, match="busy"):
+            with pytest.raises(exchange.ExchangeRefused, match="busy"):
                 await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, relative_encode(near(reference()),
                                 reference()), lambda h, p: lambda: None, 10**8, deadline_s=20)
             assert seen == [a.peer_id.to_base58()]

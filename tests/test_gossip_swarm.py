@@ -9,7 +9,7 @@ import torch
 from swarm_utils import PeerThread, run_swarm, tiny_config
 
 from p2ptrain.metrics import RoundMetrics
-from p2ptrain.sync import ExchangeRecord
+from p2ptrain.sync.interface import ExchangeRecord
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

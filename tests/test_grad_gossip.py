@@ -23,15 +23,17 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 from swarm_utils import run_swarm, tiny_config
 
-from p2ptrain import gossip, grad_gossip
-from p2ptrain.compression import ErrorFeedback, compress_all, decode_all, get_codec
-from p2ptrain.gossip import ExchangeOutcome, ExchangeRefused, payload_nbytes, push_pull, read_payload
-from p2ptrain.gossip_peer import ROUND_RETRY_S, WRONG_ROUND
-from p2ptrain.grad_gossip import ROUND_OVER, GossipMix2, GradGossip, Mix2Round, RoundClosed
-from p2ptrain.outer import OuterConfig, OuterOptimizer
-from p2ptrain.outer_sync import FactoredSync
-from p2ptrain.sync import ExchangeRecord, RoundSync, SyncConfig
-from p2ptrain.wire import decode_metadata, encode_metadata, stream_parts
+from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
+from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
+from p2ptrain.net import exchange
+from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, payload_nbytes, push_pull, read_payload
+from p2ptrain.net.wire import decode_metadata, encode_metadata, stream_parts
+from p2ptrain.sync import grad_gossip
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.grad_gossip import ROUND_OVER, GossipMix2, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.param_gossip import ROUND_RETRY_S, WRONG_ROUND
+from p2ptrain.sync.strategies import FactoredSync
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
 SHAPES = [(64, 32), (32,), (5, 7)]
@@ -308,7 +310,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
     offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "round": 0, "codec": "topk",
              "weight": 1 / 3, "sender": sender, "deadline_s": 0.5,
              "nbytes": payload_nbytes(payload)}
-    stub = gossip.GossipServicer.get_stub(p2p, peer_id, namespace=f"{RUN}.mix2")
+    stub = exchange.GossipServicer.get_stub(p2p, peer_id, namespace=f"{RUN}.mix2")
     while True:
         commit = asyncio.Event()
         accepted = asyncio.get_running_loop().create_future()
@@ -333,7 +335,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
         await asyncio.sleep(ROUND_RETRY_S)  # what a real initiator does: ask again when it may have reached our round
 
 
-class GossipServicer(gossip.GossipServicer):  # same class name: hivemind routes calls by it
+class GossipServicer(exchange.GossipServicer):  # same class name: hivemind routes calls by it
     """A Mix2 partner that answers with a broken payload."""
 
     def __init__(self, fault: str):

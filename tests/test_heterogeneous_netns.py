@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from p2ptrain import loop_gc
-from p2ptrain.aio import BackgroundLoop
+from p2ptrain.net import loop_gc
+from p2ptrain.net.event_loop import BackgroundLoop
 
 
 class _Cyclic:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from netns_utils import stop_and_clean_up
 
-from p2ptrain import netns
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.netns import HostSpec, list_namespaces, tbf_args
+from p2ptrain.testnet import netns
+from p2ptrain.testnet.netns import HostSpec, list_namespaces, tbf_args
 
 pytestmark = pytest.mark.netns
 
@@ -215,7 +215,7 @@ def test_teardown_leaves_no_namespace_link_qdisc_or_process(netns_ok: None) -> N
 CRASHING_OWNER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from p2ptrain.netns import HostSpec, Testbed
+from p2ptrain.testnet.netns import HostSpec, Testbed
 bed = Testbed(sys.argv[2], [HostSpec("a", 10), HostSpec("b")])
 bed.create()
 worker = bed.popen("a", ["tail", "-f", "/dev/null"])

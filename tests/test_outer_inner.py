@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-import p2ptrain.inner as inner_module
+import p2ptrain.maths.inner as inner_module
 from p2ptrain.config import build_config
 from p2ptrain.errors import ConfigError, StateMismatchError
-from p2ptrain.inner import InnerConfig, InnerTrainer, lr_multiplier
+from p2ptrain.maths.inner import InnerConfig, InnerTrainer, lr_multiplier
+from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.models import ModelConfig, build_model
-from p2ptrain.outer import OuterConfig, OuterOptimizer
 
 GAMMA, ETA = 0.9, 0.7
 ANCHOR = [[1.0, -2.0, 0.5], [0.25]]  # θ_0: two parameters of 3 and 1 elements
@@ -267,7 +267,7 @@ def test_run_phase_past_deadline_takes_exactly_min_steps(tiny_model_state: dict[
 
 
 class FakeClock:
-    """Stands in for the `time` module inside p2ptrain.inner; each fake inner step takes `step_s` seconds."""
+    """Stands in for the `time` module inside p2ptrain.maths.inner; each fake inner step takes `step_s` seconds."""
 
     def __init__(self, step_s: float) -> None:
         self.now, self.step_s = 1000.0, step_s

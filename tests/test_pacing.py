@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.gossip_peer import PRIOR_BYTES_PER_S, GossipMixer
-from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
-from p2ptrain.sync import SyncConfig
+from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.param_gossip import PRIOR_BYTES_PER_S, GossipMixer
 
 
 def test_inner_steps_hand_computed() -> None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from p2ptrain import testnet_netns
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.report import EventRecord, Life, RunRecord, longest_stall_s, run_checks, write_report
-from p2ptrain.scenario import (
+from p2ptrain.testnet import netns_run
+from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.report import EventRecord, Life, RunRecord, longest_stall_s, run_checks, write_report
+from p2ptrain.testnet.scenario import (
     ChecksSpec,
     ChurnSpec,
     Event,
@@ -28,7 +29,6 @@ from p2ptrain.scenario import (
     parse_scenario,
     plan_run,
 )
-from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO_ROOT / "testnet" / "scenarios").glob("*.yaml"))
@@ -344,9 +344,9 @@ def test_options_and_peer_config_are_checked_before_any_namespace(tmp_path: Path
     config.write_text("model: {max_seq_len: 64}\nrun: {checkpoint_every: 3}\n")
     plan = plan_run(load_scenario(scenario))
     with pytest.raises(ConfigError, match="model.bogus"):
-        testnet_netns.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
+        netns_run.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
     plan = plan_run(parse_scenario({"peer_config": {"model": {"name": "tiny"}, "data": {"num_shards": 6}}}))
-    path, num_shards = testnet_netns.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
+    path, num_shards = netns_run.merged_peer_config(NetnsTestnetOptions(config_path=str(config)), plan, tmp_path)
     assert num_shards == 6
     merged = path.read_text()
     assert "max_seq_len: 64" in merged and "name: tiny" in merged and "checkpoint_every: 3" in merged

@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))  # benchmarks/ is not installed; simulate_scale.py
 from benchmarks import simulate_scale  # noqa: E402
 from benchmarks.scale import calibrate, grid, model, sim  # noqa: E402
 from p2ptrain.errors import ConfigError  # noqa: E402
-from p2ptrain.netns import NAMESPACE_MARKER, list_namespaces  # noqa: E402
+from p2ptrain.testnet.netns import NAMESPACE_MARKER, list_namespaces  # noqa: E402
 
 DILOCO, GOSSIP1, GOSSIP2 = sim.Algorithm("allreduce"), sim.Algorithm("gossip", 1), sim.Algorithm("gossip", 2)
 # At 16 Mbit/s a pair exchange of 5 MB takes 2.5 s out, then 2.5 s back: 5 s. (All-reduce tests use other rates.)

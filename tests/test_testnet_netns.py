@@ -19,8 +19,8 @@ import yaml
 from netns_utils import stop_and_clean_up
 
 from p2ptrain.metrics import read_metrics
-from p2ptrain.netns import STATE_DIR, list_namespaces
-from p2ptrain.testnet_netns import PORT, NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.netns import STATE_DIR, list_namespaces
+from p2ptrain.testnet.netns_run import PORT, NetnsTestnetOptions, run_netns_testnet
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ TINY_PEER_CONFIG = {
 }
 LAUNCHER = """
 import sys
-from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 try:
     ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=sys.argv[1], workdir=sys.argv[2], name_prefix=sys.argv[3]))
 except KeyboardInterrupt:

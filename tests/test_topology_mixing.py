@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.mixing import (
+from p2ptrain.maths.mixing import (
     consensus_distance,
     exact_average,
     metropolis_weight,
@@ -17,7 +17,7 @@ from p2ptrain.mixing import (
     mixing_weights,
     pair_average_,
 )
-from p2ptrain.topology import (
+from p2ptrain.maths.topology import (
     check_symmetric,
     complete_graph,
     draw_partners,

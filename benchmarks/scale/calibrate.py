@@ -8,8 +8,8 @@ model.exchange_transfer_s, the function the simulation uses. Per link pair: byte
 with the simulation's constants (before) and with constants fitted from this run (after).
 
 tbf shapes on-wire bytes, the model's rates are goodput: a TCP stream through tbf carries 1448 payload bytes per
-1514-byte frame. Measured 2026-11-22 on the 2-core development machine with p2ptrain.netns.Testbed (one TCP stream
-from a shaped host to an unshaped one, timed from the first byte to EOF, as in tests/test_netns.py): 4.82, 19.19,
+1514-byte frame. Measured 2026-11-22 on the 2-core development machine with p2ptrain.testnet.netns.Testbed (one TCP
+stream from a shaped host to an unshaped one, timed from the first byte to EOF, as in tests/test_netns.py): 4.82, 19.19,
 19.14 and 95.8 Mbit/s of goodput at 5, 20, 20 and 100 Mbit/s, i.e. 0.957-0.964 of the rate. That was the
 previous calibration (one-way transfers, no protocol); it is kept only as this constant.
 """
@@ -202,9 +202,9 @@ def summary_lines(rows: list[dict[str, Any]], before: ExchangeConstants, after: 
 
 def run_testnet(bandwidth: str, duration_s: float, name_prefix: str, workdir: Path) -> bool:
     """One netns testnet run (root) into ``workdir``; True when its checks passed. Its namespaces are gone after."""
-    # imported here: p2ptrain.testnet_netns pulls in torch and transformers (4 s), which the simulation never needs
-    from p2ptrain.netns import NAMESPACE_MARKER, delete_namespaces, list_namespaces
-    from p2ptrain.testnet_netns import NetnsTestnetOptions, run_netns_testnet
+    # imported here: p2ptrain.testnet.netns_run pulls in torch and transformers (4 s), which the simulation never needs
+    from p2ptrain.testnet.netns import NAMESPACE_MARKER, delete_namespaces, list_namespaces
+    from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 
     scenario = {"description": "transfer-model calibration of benchmarks/simulate_scale.py",
                 "peers": len(bandwidth.split(",")), "bandwidth": bandwidth.split(","), "duration_s": duration_s,

@@ -24,7 +24,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2ptrain.wire import WireError, decode_metadata, encode_metadata, stream_parts
+from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, stream_parts
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A graph is returned as neighbour lists: ``neighbours[i]`` holds the peers that peer ``i`` mixes with this round,
 never ``i`` itself, and the relation is symmetric (``j in neighbours[i]`` iff ``i in neighbours[j]``).
-Weights for these graphs live in :mod:`p2ptrain.mixing`.
+Weights for these graphs live in :mod:`p2ptrain.maths.mixing`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.scenario import ChecksSpec
+from p2ptrain.testnet.scenario import ChecksSpec
 
 SURVIVING_ENDS = ("finished", "stopped_at_end")  # life end reasons of a peer that was running at the end
 SCENARIO_ENDS = ("killed", "restarted")  # ends the scenario caused; anything else but SURVIVING_ENDS is a failure
@@ -204,7 +204,7 @@ def consensus_at_last_common_checkpoint(checkpoint_dirs: dict[str, str]) -> tupl
     """(round, max_i ‖θ_i − θ̄‖/‖θ̄‖) at the newest checkpoint round every given peer has; None if there is none."""
     from safetensors.torch import load_file
 
-    from p2ptrain.mixing import consensus_distance, exact_average
+    from p2ptrain.maths.mixing import consensus_distance, exact_average
 
     def model_files(directory: str) -> dict[int, Path]:
         found = {}

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from p2ptrain.errors import StateMismatchError
-from p2ptrain.topology import Neighbours, check_symmetric
+from p2ptrain.maths.topology import Neighbours, check_symmetric
+from p2ptrain.tensor_layout import check_alike
 
 
 def metropolis_weight(own_degree: int, partner_degree: int) -> float:
@@ -41,17 +41,6 @@ def mixing_matrix(neighbours: Neighbours, n: int) -> torch.Tensor:
             matrix[i, j] = weight
         matrix[i, i] = 1.0 - matrix[i].sum()
     return matrix
-
-
-def check_alike(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor], what: str) -> None:
-    """Raise StateMismatchError unless `other` has as many tensors as `own`, of the same shapes."""
-    if len(other) != len(own):
-        raise StateMismatchError(f"{what} holds {len(other)} tensors, expected {len(own)}")
-    for index, (mine, theirs) in enumerate(zip(own, other, strict=True)):
-        if theirs.shape != mine.shape:
-            raise StateMismatchError(
-                f"{what} tensor {index} has shape {tuple(theirs.shape)}, expected {tuple(mine.shape)}"
-            )
 
 
 def mix_(own: list[torch.Tensor], neighbours: Sequence[list[torch.Tensor]], weights: Sequence[float]) -> None:

@@ -1,19 +1,8 @@
-"""How peers combine their work after an inner phase: the swappable outer-sync stage and its configuration.
-
-An `OuterSync` takes the round's anchor θ_r and the parameters after the inner phase θ_r', talks to other peers,
-and leaves the parameters at θ_{r+1} (which becomes the next anchor). Three implementations (`outer_sync.py`):
-`diloco` (exact all-reduce of outer gradients), `gasloc` (gossip of proposals with 1 or 2 random peers) and
-`factored` (background parameter gossip + periodic blocking gradient mixing). A peer with no partners runs the
-same code: mixing with nobody is the identity.
-"""
+"""The outer-sync stage's configuration (`sync` section): which strategy, and the knobs of its transports."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Protocol
-
-import torch
 
 from p2ptrain.errors import ConfigError
 
@@ -119,82 +108,3 @@ class SyncConfig:
         expects exactly the peers of its round. Gossip tolerates a view a heartbeat old: a partner gone since
         refuses or times out and the next one is drawn, so gossip peers never wait for the DHT."""
         return self.mode == "diloco" or (self.mode == "factored" and self.mix2_transport == "allreduce")
-
-
-@dataclasses.dataclass
-class RoundContext:
-    """What the outer sync may know about the swarm at the end of a round."""
-
-    round: int
-    inner_steps: int
-    live_peers: list[str]  # peer ids of other live peers (any round)
-    same_round_peers: int  # how many of them are in this round
-    inner_phase_s: float = float("inf")  # expected length of this round's inner phase (inf until measured)
-    link_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # peers' announced link speeds
-
-
-@dataclasses.dataclass
-class RoundSync:
-    """What the outer sync of one round did and cost."""
-
-    group_size: int = 1  # peers whose contributions were combined, ourselves included
-    partners: list[str] = dataclasses.field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    exchange_s: float = 0.0  # seconds spent in exchanges (blocking or not)
-    codec: str = "none"
-    consensus_distance: list[float] = dataclasses.field(default_factory=list)  # ‖θ_i − θ_j‖/‖θ_i‖ per partner
-    failed: int = 0  # exchanges that timed out or carried invalid data
-    refused: int = 0  # partners that were busy or declined
-    exchanges: list[ExchangeRecord] = dataclasses.field(default_factory=list)  # the exchanges we started
-    link_bytes_per_s: float = 0.0  # our own link's measured speed (both directions of an exchange), 0: unknown
-    expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
-    swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
-
-
-@dataclasses.dataclass
-class ExchangeRecord:
-    """One completed push-pull exchange this peer started: what a transfer model is calibrated against."""
-
-    partner: str
-    codec: str
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-
-
-class Mix2(Protocol):
-    """Factored's blocking mix of outer gradients: an all-reduce (outer_sync.py) or gossip (grad_gossip.py)."""
-
-    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        """The outer gradient to apply (Δ itself when nobody mixed with us) and what mixing cost."""
-        ...
-
-    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Outer state of the transport (error-feedback buffers); empty for the all-reduce."""
-        ...
-
-    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-class OuterSync(Protocol):
-    def start_round(self, context: RoundContext) -> None:
-        """Called right after the anchor θ_r is fixed, before the inner phase (background work may start)."""
-        ...
-
-    def finish_round(self, context: RoundContext) -> RoundSync:
-        """Combine with other peers and leave the parameters (and the anchor) at θ_{r+1}."""
-        ...
-
-    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The outer state a joiner needs and a checkpoint keeps (momentum, previous iterate, ...)."""
-        ...
-
-    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Load tensors in the order of `state_tensors()` (validated by the caller)."""
-        ...
-
-    def shutdown(self) -> None: ...
-

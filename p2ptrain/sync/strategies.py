@@ -14,13 +14,14 @@ import hivemind
 import torch
 from hivemind.p2p import P2P
 
-from p2ptrain.aio import BackgroundLoop
-from p2ptrain.allreduce import AllReduceAverager, AveragingResult, PendingAverage
-from p2ptrain.gasloc import DelayedOuterGradient, GaslocState, propose
-from p2ptrain.gossip_peer import GossipMixer
-from p2ptrain.grad_gossip import GossipMix2, GradGossip
-from p2ptrain.outer import OuterOptimizer
-from p2ptrain.sync import Mix2, OuterSync, RoundContext, RoundSync, SyncConfig
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.outer_rules import DelayedOuterGradient, GaslocState, propose
+from p2ptrain.net.allreduce import AllReduceAverager, AveragingResult, PendingAverage
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.grad_gossip import GossipMix2, GradGossip
+from p2ptrain.sync.interface import Mix2, OuterSync, RoundContext, RoundSync
+from p2ptrain.sync.param_gossip import GossipMixer
 
 MIX1_PATIENCE_S = 10.0  # Mix1 waits at most this long (or the inner phase) for a partner to reach its round
 

@@ -2,7 +2,7 @@
 
 Conventions (ALGORITHMS.md): θ is the point an inner phase starts from, Δ = θ − θ' is the outer gradient,
 η the outer learning rate, γ the outer momentum. Every function here is pure or mutates only its own state
-object; mixing and exchanges are done by the caller (see :mod:`p2ptrain.mixing`).
+object; mixing and exchanges are done by the caller (see :mod:`p2ptrain.maths.mixing`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.mixing import check_alike
+from p2ptrain.tensor_layout import check_alike
 
 Tensors = list[torch.Tensor]
 

@@ -31,14 +31,23 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.aio import BackgroundLoop
-from p2ptrain.compression import ErrorFeedback, decode_all, get_codec
-from p2ptrain.gossip import Apply, ExchangeRefused, GossipServicer, OpenExchange, Payload, payload_nbytes, push_pull
-from p2ptrain.gossip_peer import DEADLINE_FLOOR_S, PRIOR_BYTES_PER_S, ROUND_RETRY_S, WRONG_ROUND
-from p2ptrain.mixing import consensus_distance
-from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s
-from p2ptrain.sync import GRAD_CODECS, ExchangeRecord, RoundContext, RoundSync, SyncConfig
-from p2ptrain.topology import draw_partners
+from p2ptrain.maths.codecs import ErrorFeedback, decode_all, get_codec
+from p2ptrain.maths.mixing import consensus_distance
+from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.maths.topology import draw_partners
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.exchange import (
+    Apply,
+    ExchangeRefused,
+    GossipServicer,
+    OpenExchange,
+    Payload,
+    payload_nbytes,
+    push_pull,
+)
+from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.interface import ExchangeRecord, RoundContext, RoundSync
+from p2ptrain.sync.param_gossip import DEADLINE_FLOOR_S, PRIOR_BYTES_PER_S, ROUND_RETRY_S, WRONG_ROUND
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.mixing import check_alike
+from p2ptrain.tensor_layout import check_alike
 
 
 @dataclasses.dataclass(frozen=True)

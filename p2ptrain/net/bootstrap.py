@@ -8,7 +8,7 @@ from pathlib import Path
 
 import hivemind
 
-from p2ptrain.network import NetworkConfig, start_dht, visible_maddrs
+from p2ptrain.net.dht import NetworkConfig, start_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 

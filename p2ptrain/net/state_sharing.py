@@ -18,11 +18,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.wire import WireError, collect_serialized, decode_metadata, encode_metadata, stream_parts
+from p2ptrain.net.wire import WireError, collect_serialized, decode_metadata, encode_metadata, stream_parts
+from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
-
-TensorLayout = list[tuple[str, tuple[int, ...], str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +41,6 @@ class StateSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def layout_of(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> TensorLayout:
-    return [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors, strict=True)]
-
-
-def check_tensors(expected: TensorLayout, tensors: Sequence[torch.Tensor], what: str = "state") -> None:
-    """Raise StateMismatchError unless `tensors` match `expected` exactly and are all finite."""
-    if len(tensors) != len(expected):
-        raise StateMismatchError(f"{what} has {len(tensors)} tensors, expected {len(expected)}")
-    for (name, shape, dtype), tensor in zip(expected, tensors, strict=True):
-        if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype:
-            raise StateMismatchError(f"{what} tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
-                                     f"{tuple(shape)} {dtype}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise StateMismatchError(f"{what} tensor {name} holds NaN or infinite values")
 
 
 class StateServer(ServicerBase):

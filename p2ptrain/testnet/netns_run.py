@@ -1,7 +1,7 @@
 """`p2ptrain testnet --backend netns`: a bootstrap and N peers, each in its own network namespace, run a scenario.
 
-Each host gets a namespace, an address and a tbf-shaped link (``p2ptrain.netns.Testbed``). The launcher starts the
-bootstrap and the peers inside them, fires the scenario's events on a timeline (kills, stops, restarts from
+Each host gets a namespace, an address and a tbf-shaped link (``p2ptrain.testnet.netns.Testbed``). The launcher
+starts the bootstrap and the peers inside them, fires the scenario's events on a timeline (kills, stops, restarts from
 checkpoint, rate changes, partitions, new peers, random churn), follows the peers' metrics files, and at the end
 writes the report and judges the scenario's checks. Teardown always runs: in ``finally`` on success, failure and
 SIGINT/SIGTERM/SIGHUP, and through the testbed's guard process if the launcher itself is killed; every process
@@ -31,10 +31,10 @@ from p2ptrain.checkpoint import latest_checkpoint
 from p2ptrain.config import build_config, read_config_file
 from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
 from p2ptrain.metrics import read_metrics
-from p2ptrain.netns import HostSpec, Testbed, require_netns_support
-from p2ptrain.report import EventRecord, Life, RunRecord, format_checks, run_checks, write_report
-from p2ptrain.scenario import Event, RunPlan, Scenario, Timeline, load_scenario, peer_index, plan_run
-from p2ptrain.testnet import PeerSummary, cli_argv, format_summary
+from p2ptrain.testnet.loopback import PeerSummary, cli_argv, format_summary
+from p2ptrain.testnet.netns import HostSpec, Testbed, require_netns_support
+from p2ptrain.testnet.report import EventRecord, Life, RunRecord, format_checks, run_checks, write_report
+from p2ptrain.testnet.scenario import Event, RunPlan, Scenario, Timeline, load_scenario, peer_index, plan_run
 
 POLL_S = 0.25  # how often the launcher looks at its children and their metrics files
 PORT = 31337  # every host has its own network stack, so one fixed port serves all

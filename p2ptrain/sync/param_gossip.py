@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.compression import choose_codec_for_link, payload_bytes, relative_decode, relative_encode
-from p2ptrain.gossip import ExchangeRefused, GossipServicer, OpenExchange, Payload, push_pull
-from p2ptrain.mixing import consensus_distance
-from p2ptrain.pacing import ThroughputEMA, exchange_deadline_s
-from p2ptrain.sync import ExchangeRecord, RoundSync, SyncConfig
-from p2ptrain.topology import draw_partners
-from p2ptrain.wire import WireError
+from p2ptrain.maths.codecs import choose_codec_for_link, payload_bytes, relative_decode, relative_encode
+from p2ptrain.maths.mixing import consensus_distance
+from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.maths.topology import draw_partners
+from p2ptrain.net.exchange import ExchangeRefused, GossipServicer, OpenExchange, Payload, push_pull
+from p2ptrain.net.wire import WireError
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 
 logger = logging.getLogger(__name__)
 

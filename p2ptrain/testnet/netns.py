@@ -6,7 +6,7 @@ veth ``trA``-``trB``, so a partition is ``ip link set trA down``. Nothing is add
 interface names cannot collide with another testbed's. tbf shapes upload on ``eth0`` and download on ``v<i>``
 (``netem`` is missing on some kernels). Every namespace is recorded in a state file under /run/p2ptrain-netns
 before it is made, and a detached guard process tears the testbed down if its owner dies (SIGKILL included);
-``python -m p2ptrain.netns --cleanup`` removes leftovers by hand.
+``python -m p2ptrain.testnet.netns --cleanup`` removes leftovers by hand.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class Testbed:
     def _start_guard(self) -> None:
         package_root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
-        argv = [sys.executable, "-m", "p2ptrain.netns", "--guard", str(self.state_path), str(os.getpid())]
+        argv = [sys.executable, "-m", "p2ptrain.testnet.netns", "--guard", str(self.state_path), str(os.getpid())]
         quiet = subprocess.DEVNULL
         self._guard = subprocess.Popen(argv, env=env, start_new_session=True, stdin=quiet, stdout=quiet, stderr=quiet)
         self._state["guard_pid"] = self._guard.pid
@@ -281,7 +281,7 @@ class Testbed:
 
     def _add_namespace(self, namespace: str) -> None:
         if namespace in list_namespaces():
-            raise UserError(f"namespace {namespace} already exists: run `python -m p2ptrain.netns --cleanup`")
+            raise UserError(f"namespace {namespace} already exists: run `python -m p2ptrain.testnet.netns --cleanup`")
         self._state["namespaces"].append(namespace)
         _write_state(self.state_path, self._state)  # recorded before it exists, so a crash cannot leak it
         _run(["ip", "netns", "add", namespace])
@@ -374,7 +374,7 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.netns", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.testnet.netns", description=__doc__.split("\n")[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--cleanup", action="store_true", help="remove leftover testbed namespaces and state files")
     group.add_argument("--guard", nargs=2, metavar=("STATE_FILE", "OWNER_PID"), help=argparse.SUPPRESS)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from p2ptrain import loop_gc
+from p2ptrain.net import loop_gc
 
 T = TypeVar("T")
 
