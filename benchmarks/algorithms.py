@@ -37,6 +37,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.sim.graphs import (  # noqa: E402
+    Neighbours,
+    complete_graph,
+    mix_,
+    mixing_weights,
+    random_cycle_graph,
+    random_matching,
+)
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
 from p2ptrain.errors import ConfigError  # noqa: E402
@@ -50,7 +58,7 @@ from p2ptrain.maths.codecs import (  # noqa: E402
     relative_encode,
 )
 from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
-from p2ptrain.maths.mixing import consensus_distance, exact_average, mix_, mixing_weights  # noqa: E402
+from p2ptrain.maths.mixing import consensus_distance, exact_average  # noqa: E402
 from p2ptrain.maths.outer_optimizer import OuterOptimizer  # noqa: E402
 from p2ptrain.maths.outer_rules import (  # noqa: E402
     DelayedOuterGradient,
@@ -61,7 +69,6 @@ from p2ptrain.maths.outer_rules import (  # noqa: E402
     propose,
 )
 from p2ptrain.maths.pacing import inner_steps_for_link  # noqa: E402
-from p2ptrain.maths.topology import Neighbours, complete_graph, random_cycle_graph, random_matching  # noqa: E402
 from p2ptrain.models import build_model  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from p2ptrain.errors import StateMismatchError
-from p2ptrain.maths.mixing import exact_average, mix_, mixing_weights
-from p2ptrain.maths.outer_rules import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks.sim.graphs import complete_graph, mix_, mixing_weights  # noqa: E402
+from p2ptrain.errors import StateMismatchError  # noqa: E402
+from p2ptrain.maths.mixing import exact_average  # noqa: E402
+from p2ptrain.maths.outer_rules import (  # noqa: E402
     DelayedOuterGradient,
     GaslocState,
     NesterovState,
@@ -16,7 +22,6 @@ from p2ptrain.maths.outer_rules import (
     nesterov_update,
     propose,
 )
-from p2ptrain.maths.topology import complete_graph
 
 SHAPES = [(4, 3), (5,)]
 LR = 0.7

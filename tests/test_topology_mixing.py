@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from p2ptrain.errors import StateMismatchError
-from p2ptrain.maths.mixing import (
-    consensus_distance,
-    exact_average,
-    metropolis_weight,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks.sim.graphs import (  # noqa: E402
+    check_symmetric,
+    complete_graph,
+    edges,
     mix_,
     mixing_matrix,
     mixing_weights,
     pair_average_,
-)
-from p2ptrain.maths.topology import (
-    check_symmetric,
-    complete_graph,
-    draw_partners,
-    edges,
     random_cycle_graph,
     random_matching,
 )
+from p2ptrain.errors import StateMismatchError  # noqa: E402
+from p2ptrain.maths.mixing import consensus_distance, exact_average, metropolis_weight  # noqa: E402
+from p2ptrain.maths.topology import draw_partners  # noqa: E402
 
 SEEDS = range(40)
 SIZES = [1, 2, 3, 4, 5, 8, 9]

@@ -1,9 +1,10 @@
-"""Mixing weights and the in-place gossip mixing of lists of tensors (one tensor per model parameter).
+"""Mixing weights and the arithmetic of one gossip mix, on lists of tensors (one tensor per model parameter).
 
 Weights are Metropolis–Hastings: ``w_ij = 1 / (1 + max(d_i, d_j))`` for each edge and ``w_ii = 1 − Σ_j w_ij``.
 They are symmetric and doubly stochastic for any symmetric graph, so a round preserves the swarm mean; on a
 d-regular graph they reduce to the uniform ``1 / (d + 1)`` (1/2 for a matching, 1/3 for a cycle). Each peer can
-compute its own row from its degree and its partners' degrees, without knowing the whole graph.
+compute its own row from its degree and its partners' degrees, without knowing the whole graph. The live path
+takes its weights from here (`uniform_weight`); whole graphs for simulated rounds are in benchmarks/sim/graphs.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from p2ptrain.maths.topology import Neighbours, check_symmetric
 from p2ptrain.tensor_layout import check_alike
 
 
@@ -24,55 +24,23 @@ def metropolis_weight(own_degree: int, partner_degree: int) -> float:
     return 1.0 / (1 + max(own_degree, partner_degree))
 
 
-def mixing_weights(neighbours: Neighbours, peer: int) -> list[float]:
-    """Peer ``peer``'s weights for its neighbours, in the order of ``neighbours[peer]``."""
-    own_degree = len(neighbours[peer])
-    return [metropolis_weight(own_degree, len(neighbours[j])) for j in neighbours[peer]]
+def uniform_weight(degree: int) -> float:
+    """The weight of every edge when each peer mixes with at most `degree` partners: 1/(degree + 1), i.e. 1/2 for
+    pair averaging and 1/3 with two partners. A peer that found fewer partners keeps the rest on its own value, so
+    the mix stays doubly stochastic whoever completed how many exchanges."""
+    return metropolis_weight(degree, degree)
 
 
-def mixing_matrix(neighbours: Neighbours, n: int) -> torch.Tensor:
-    """The n×n float64 mixing matrix W of a symmetric graph: symmetric, doubly stochastic, non-negative."""
-    if len(neighbours) != n:
-        raise ValueError(f"expected neighbour lists for {n} peers, got {len(neighbours)}")
-    check_symmetric(neighbours)
-    matrix = torch.zeros(n, n, dtype=torch.float64)
-    for i in range(n):
-        for j, weight in zip(neighbours[i], mixing_weights(neighbours, i), strict=True):
-            matrix[i, j] = weight
-        matrix[i, i] = 1.0 - matrix[i].sum()
-    return matrix
+@torch.no_grad()
+def pull_toward_(target: Sequence[torch.Tensor], partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
+                 weight: float) -> None:
+    """In place: ``target += w · (partner − own)``, one edge of a mix seen from one end.
 
-
-def mix_(own: list[torch.Tensor], neighbours: Sequence[list[torch.Tensor]], weights: Sequence[float]) -> None:
-    """In place: ``own ← own − Σ_j w_j (own − neighbour_j)`` = ``(1 − Σ_j w_j)·own + Σ_j w_j·neighbour_j``.
-
-    Every input is validated before the first write, so a bad neighbour leaves ``own`` untouched.
-    Mixing with an empty list is the identity. The convex form makes a pair average bit-identical on both ends.
+    The other end adds ``w · (own − partner)``, so the pair's sum is preserved whoever started the exchange.
     """
-    if len(neighbours) != len(weights):
-        raise ValueError(f"got {len(neighbours)} neighbours but {len(weights)} weights")
-    for position, neighbour in enumerate(neighbours):
-        check_alike(own, neighbour, f"neighbour {position}")
-    own_weight = 1.0 - math.fsum(weights)
-    if not all(w >= 0.0 for w in weights) or own_weight < -1e-12:
-        raise ValueError(f"mixing weights must be non-negative and sum to <= 1, got {list(weights)}")
-    if not neighbours:
-        return
-    with torch.no_grad():
-        for index, tensor in enumerate(own):
-            tensor.mul_(own_weight)
-            for neighbour, weight in zip(neighbours, weights, strict=True):
-                tensor.add_(neighbour[index].to(tensor.dtype), alpha=weight)
-
-
-def pair_average_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    """Both lists become their elementwise average (1-peer gossip between two local copies)."""
-    check_alike(a, b, "pair partner")
-    with torch.no_grad():
-        for x, y in zip(a, b, strict=True):
-            average = x.mul(0.5).add_(y.to(x.dtype), alpha=0.5)
-            x.copy_(average)
-            y.copy_(average)
+    check_alike(own, partner, "partner")
+    for t, theirs, mine in zip(target, partner, own, strict=True):
+        t.add_(theirs - mine, alpha=weight)
 
 
 def exact_average(tensor_lists: Sequence[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -1,0 +1,1 @@
+"""The in-process simulator behind benchmarks/algorithms.py (and the tests of the maths it runs)."""
