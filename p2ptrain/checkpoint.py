@@ -30,7 +30,7 @@ class TrainingCheckpoint:
     round: int
     model: dict[str, torch.Tensor]  # parameter name -> tensor (the anchor of `round`)
     inner: dict[str, Any]  # InnerTrainer.state_dict()
-    outer: dict[str, Any]  # outer-optimizer state
+    sync_state: dict[str, Any]  # the outer sync's state: {"mode": sync.mode, "tensors": [its state tensors]}
     config: dict[str, Any]  # the resolved PeerConfig
     fingerprint: str  # model fingerprint (names, shapes, dtypes)
 
@@ -44,7 +44,8 @@ def save_checkpoint(directory: str | Path, checkpoint: TrainingCheckpoint) -> Pa
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in checkpoint.model.items()},
                   str(staging / "model.safetensors"))
-        torch.save({"inner": checkpoint.inner, "outer": checkpoint.outer}, staging / "train_state.pt")
+        # the sync state is stored under "outer", as format 1 has always stored it
+        torch.save({"inner": checkpoint.inner, "outer": checkpoint.sync_state}, staging / "train_state.pt")
         meta = {"format": FORMAT_VERSION, "round": checkpoint.round, "config": checkpoint.config,
                 "fingerprint": checkpoint.fingerprint}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))

@@ -30,13 +30,13 @@ from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
-from p2ptrain.models import build_model, model_fingerprint
+from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.dht import start_dht, visible_maddrs
 from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot, download_state
+from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
-from p2ptrain.sync.strategies import build_outer_sync
 from p2ptrain.tensor_layout import check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class TrainingPeer:
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.fingerprint = model_fingerprint(self.model)
+        logger.info(f"model {config.model.name}: {count_parameters(self.model):,} parameters on {self.device}")
         self.initial_params = [p.detach().float().cpu().clone() for p in self.params]  # θ_0: gossip's reference
         self.inner = InnerTrainer(self.model, config.inner, self.device)
         self.outer = OuterOptimizer(self.params, dataclasses.replace(
@@ -336,9 +337,9 @@ class TrainingPeer:
             self.inner.load_state_dict(checkpoint.inner)
         except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
-        if checkpoint.outer.get("mode") != self.config.sync.mode:
+        if checkpoint.sync_state.get("mode") != self.config.sync.mode:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} was written with sync.mode "
-                                  f"{checkpoint.outer.get('mode')!r}, not {self.config.sync.mode!r}")
+                                  f"{checkpoint.sync_state.get('mode')!r}, not {self.config.sync.mode!r}")
         self.outer.reset_anchor_()
         self.round = checkpoint.round
         self.joined_ever = False
@@ -347,7 +348,7 @@ class TrainingPeer:
     def _apply_sync_state(self, checkpoint: TrainingCheckpoint) -> None:
         expected = layout_of([n for n, _ in self.sync.state_tensors()],
                              [t.detach().cpu() for _, t in self.sync.state_tensors()])
-        tensors = checkpoint.outer.get("tensors")
+        tensors = checkpoint.sync_state.get("tensors")
         try:
             check_tensors(expected, tensors if isinstance(tensors, list) else [], what="checkpoint outer state")
         except StateMismatchError as e:

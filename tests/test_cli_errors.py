@@ -75,7 +75,8 @@ def save_tiny_checkpoint(directory: Path, vocab_size: int = 257) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     inner, outer = InnerTrainer(model, config.inner, torch.device("cpu")), OuterOptimizer(params, config.outer)
     named = {n: p.detach() for n, p in model.named_parameters()}
-    save_checkpoint(directory, TrainingCheckpoint(0, named, inner.state_dict(), outer.state_dict(), config.to_dict(),
+    sync_state = {"mode": config.sync.mode, "tensors": [t for _, t in outer.state_tensors()]}
+    save_checkpoint(directory, TrainingCheckpoint(0, named, inner.state_dict(), sync_state, config.to_dict(),
                                                   model_fingerprint(model)))
 
 
@@ -161,8 +162,8 @@ def test_help_exits_0(outcomes: dict[str, Outcome], command: str) -> None:
 
 
 def test_no_arguments_shows_usage_not_an_error(outcomes: dict[str, Outcome]) -> None:
-    """FAILS on the committed code: click 8.2+ raises NoArgsIsHelpError, which main() prints as
-    'error: Usage: ...' followed by the whole help text (many lines) on stderr."""
+    """click 8.2+ raises NoArgsIsHelpError, which must not come out as 'error: Usage: ...' followed by the whole
+    help text (many lines) on stderr."""
     outcome = outcomes["no arguments"]
     assert "Usage:" in outcome.stdout + outcome.stderr and "Traceback" not in outcome.stderr
     assert not outcome.error_lines, outcome.stderr

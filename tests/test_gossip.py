@@ -15,10 +15,10 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.maths.codecs import relative_encode
 from p2ptrain.net import exchange
-from p2ptrain.net.exchange import push_pull
+from p2ptrain.net.exchange import push_pull, serve_exchanges
 from p2ptrain.net.wire import encode_metadata, stream_parts
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.param_gossip import GossipMixer
+from p2ptrain.sync.param_gossip import ParamGossip
 
 pytestmark = [pytest.mark.network]
 
@@ -79,12 +79,12 @@ async def start_pair() -> tuple[P2P, P2P]:
     return a, b
 
 
-def make_mixer(p2p: P2P, **config: Any) -> GossipMixer:
+def make_mixer(p2p: P2P, **config: Any) -> ParamGossip:
     sync = SyncConfig(mode="gasloc", exchange_safety_factor=1.0, state_download_timeout_s=2.0, **config)
-    return GossipMixer(p2p, RUN, FINGERPRINT, "gasloc", reference(), sync, seed=0)
+    return ParamGossip(p2p, RUN, FINGERPRINT, "gasloc", reference(), sync, seed=0)
 
 
-def state_of(mixer: GossipMixer) -> list[torch.Tensor]:
+def state_of(mixer: ParamGossip) -> list[torch.Tensor]:
     return [t.clone() for t in mixer._correction] + [t.clone() for t in mixer._base]
 
 
@@ -134,7 +134,7 @@ def test_an_invalid_offer_is_refused_and_leaves_the_responder_unchanged(offer: O
         a, b = await start_pair()
         try:
             responder = make_mixer(b)
-            await responder.register()
+            await serve_exchanges(b, responder)
             responder.set_base_(reference())
             before = state_of(responder)
             payload = relative_encode(offer.tensors, reference(), "fp16")
@@ -157,7 +157,7 @@ def test_two_honest_peers_end_with_the_pair_average_and_preserve_the_sum() -> No
         a, b = await start_pair()
         try:
             initiator, responder = make_mixer(a), make_mixer(b)
-            await responder.register()
+            await serve_exchanges(b, responder)
             theirs = near(reference(), 0.05)
             responder.set_base_(theirs)
             ours = near(reference(), 0.05)
@@ -187,8 +187,8 @@ def test_a_busy_refusal_reaches_an_initiator_that_is_still_streaming_a_large_pay
     async def scenario() -> None:
         a, b = await start_pair()
         try:
-            responder = GossipMixer(b, RUN, FINGERPRINT, "gasloc", big, SyncConfig(mode="gasloc"), seed=0)
-            await responder.register()
+            responder = ParamGossip(b, RUN, FINGERPRINT, "gasloc", big, SyncConfig(mode="gasloc"), seed=0)
+            await serve_exchanges(b, responder)
             responder._responding = True  # in the middle of another exchange
             payload = relative_encode(near(big), big, "fp16")
             for _ in range(10):
@@ -210,7 +210,7 @@ def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
         a, b = await start_pair()
         try:
             initiator, responder = make_mixer(a), make_mixer(b)
-            await responder.register()
+            await serve_exchanges(b, responder)
             responder.set_base_(near(reference(), 0.05))
             completed = 0
             for _ in range(30):

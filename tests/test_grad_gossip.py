@@ -26,14 +26,14 @@ from swarm_utils import run_swarm, tiny_config
 from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.net import exchange
-from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, payload_nbytes, push_pull, read_payload
-from p2ptrain.net.wire import decode_metadata, encode_metadata, stream_parts
+from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, push_pull, read_payload, serve_exchanges
+from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
 from p2ptrain.sync import grad_gossip
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.grad_gossip import ROUND_OVER, GossipMix2, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.factored import FactoredSync, GossipMix2
+from p2ptrain.sync.grad_gossip import ROUND_OVER, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import ROUND_RETRY_S, WRONG_ROUND
-from p2ptrain.sync.strategies import FactoredSync
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
 SHAPES = [(64, 32), (32,), (5, 7)]
@@ -153,7 +153,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
     async def fake_push_pull(_p2p: Any, peer_id: PeerID, _namespace: str, header: dict[str, Any], payload: Any,
                              validate: Any, _max_bytes: int, _deadline_s: float) -> ExchangeOutcome:
         await asyncio.sleep(0)  # let the other peers run, as a real exchange would
-        opened = peers[peer_id.to_base58()].open(dict(header, nbytes=payload_nbytes(payload)))
+        opened = peers[peer_id.to_base58()].open(dict(header, nbytes=payload_bytes(payload)))
         if isinstance(opened, str):
             raise ExchangeRefused(opened)
         try:
@@ -162,7 +162,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
             apply_theirs()
         finally:
             opened.close()
-        return ExchangeOutcome(apply_ours, opened.header, payload_nbytes(payload), payload_nbytes(opened.payload),
+        return ExchangeOutcome(apply_ours, opened.header, payload_bytes(payload), payload_bytes(opened.payload),
                                0.01)
 
     monkeypatch.setattr(grad_gossip, "push_pull", fake_push_pull)
@@ -260,7 +260,7 @@ def test_three_transports_mix_two_rounds_preserving_the_sum_and_committing_error
             transports = [GradGossip(p, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=i)
                           for i, p in enumerate(p2ps)]
             for g in transports:
-                await g.register()
+                await serve_exchanges(g.p2p, g)
             await one_round(transports, 0)
             await one_round(transports, 1)  # now with non-zero error-feedback buffers
             offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "codec": "topk", "weight": 1 / 3,
@@ -286,7 +286,7 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
             responder = GradGossip(b, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)
             stranger = GradGossip(a, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=1)  # never in a round
             for g in (responder, stranger):
-                await g.register()
+                await serve_exchanges(g.p2p, g)
             delta = deltas(1)
             mixing = asyncio.create_task(responder.mix(delta, [stranger.own_id], 0, patience_s=2.0))
             # from a third peer: the responder knows who offers from libp2p, not from the offer's "sender"
@@ -309,7 +309,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
     payload = compress_all(get_codec("topk", density=1 / 8, chunk_size=CHUNK), deltas(2))
     offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "round": 0, "codec": "topk",
              "weight": 1 / 3, "sender": sender, "deadline_s": 0.5,
-             "nbytes": payload_nbytes(payload)}
+             "nbytes": payload_bytes(payload)}
     stub = exchange.GossipServicer.get_stub(p2p, peer_id, namespace=f"{RUN}.mix2")
     while True:
         commit = asyncio.Event()
@@ -360,7 +360,7 @@ class GossipServicer(exchange.GossipServicer):  # same class name: hivemind rout
         async for _message in requests:  # the offer's first message (never validated here)
             break
         codec, payload = self._answer()
-        nbytes = payload_nbytes(payload) + (100 if self.fault == "truncated" else 0)
+        nbytes = payload_bytes(payload) + (100 if self.fault == "truncated" else 0)
         parts = list(stream_parts(payload))
         header = encode_metadata({"status": "ok", "codec": codec, "nbytes": nbytes, "round": 0})
         yield averaging_pb2.DownloadData(tensor_part=parts[0], metadata=header)

@@ -137,7 +137,7 @@ def test_local_directory_without_config_is_a_user_error(tmp_path: Path) -> None:
 def test_local_model_with_a_smaller_vocab_than_the_tokenizer_is_a_user_error(
         saved_llama: tuple[Path, LlamaForCausalLM]) -> None:
     """A model whose embedding has fewer rows than the tokenizer has ids would crash deep in torch at the first
-    batch; build_model is given the tokenizer's vocab size and should refuse (FAILS on the committed code)."""
+    batch; build_model is given the tokenizer's vocab size and refuses."""
     directory, _ = saved_llama
     with pytest.raises(UserError):
         build_model(ModelConfig(name=str(directory)), VOCAB + 100, seed=0)

@@ -134,22 +134,24 @@ def test_restore_anchor_undoes_the_inner_phase() -> None:
     assert flat(list(params)) == sum(ANCHOR, [])
 
 
-def test_momentum_round_trips_through_state_dict() -> None:
+def test_momentum_round_trips_through_state_tensors() -> None:
     config = OuterConfig(lr=ETA, momentum=GAMMA)
     params_a = make_params(ANCHOR)
     outer_a = OuterOptimizer(params_a, config)
     for delta in DELTAS[:2]:
         outer_a.step_([torch.tensor(d) for d in delta])
-    state = outer_a.state_dict()
-    assert flat(state["momentum"]) == flat(outer_a.momentum_buffers())
+    state = outer_a.state_tensors()
+    assert [name for name, _ in state] == ["momentum:0", "momentum:1"]
+    assert flat([t for _, t in state]) == flat(outer_a.momentum_buffers())
 
     params_b = make_params([[9.0, 9.0, 9.0], [9.0]])
     outer_b = OuterOptimizer(params_b, config)
     with torch.no_grad():
         for pb, pa in zip(params_b, params_a, strict=True):
             pb.copy_(pa)
-    outer_b.load_state_dict(state)
-    assert flat(outer_b.anchor) == flat(list(params_a))  # loading resets the anchor to the current parameters
+    outer_b.reset_anchor_()  # as a resumed peer does after loading its parameters
+    outer_b.load_state_tensors_([t for _, t in state])
+    assert flat(outer_b.anchor) == flat(list(params_a))
 
     for outer, params in ((outer_a, params_a), (outer_b, params_b)):
         with torch.no_grad():
@@ -169,12 +171,12 @@ def test_momentum_round_trips_through_state_dict() -> None:
     ids=["too few", "too many", "wrong shape"],
 )
 def test_momentum_that_does_not_fit_is_refused_on_load(buffers: list[torch.Tensor]) -> None:
-    """FAILS on the committed code: `load_momentum_buffers_` zips with strict=False and checks no shape, so a bad
-    checkpoint or peer payload is half-loaded and crashes later, deep in torch, at the next outer step."""
+    """A bad checkpoint or peer payload must not be half-loaded (it would crash later, deep in torch, at the next
+    outer step)."""
     params = make_params(ANCHOR)
     outer = OuterOptimizer(params, OuterConfig())
     with pytest.raises((ValueError, StateMismatchError)):
-        outer.load_state_dict({"momentum": buffers})
+        outer.load_state_tensors_(buffers)
     assert flat(outer.momentum_buffers()) == [0.0] * 4  # nothing was loaded
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s, inner_steps_for_link
+from p2ptrain.maths.pacing import PRIOR_BYTES_PER_S, ThroughputEMA, exchange_deadline_s, inner_steps_for_link
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.param_gossip import PRIOR_BYTES_PER_S, GossipMixer
+from p2ptrain.sync.param_gossip import ParamGossip
 
 
 def test_inner_steps_hand_computed() -> None:
@@ -26,8 +26,8 @@ def test_slow_link_gets_fewer_inner_steps() -> None:
     for _ in range(20):
         fast.update_(payload_bytes, 0.5)  # 100 MB/s
         slow.update_(payload_bytes, 25.0)  # 2 MB/s
-    h_fast = inner_steps_for_link(round_time_s, step_time_s, fast.transfer_time_s(payload_bytes), 5, 500)
-    h_slow = inner_steps_for_link(round_time_s, step_time_s, slow.transfer_time_s(payload_bytes), 5, 500)
+    h_fast = inner_steps_for_link(round_time_s, step_time_s, payload_bytes / fast.bytes_per_s, 5, 500)
+    h_slow = inner_steps_for_link(round_time_s, step_time_s, payload_bytes / slow.bytes_per_s, 5, 500)
     assert h_fast == 300 - 3  # ceil(0.5 / 0.2) = 3
     assert h_slow == pytest.approx(300 - 125, abs=1)  # the EMA is within a hair of 25 s after 20 updates
     # both rounds then take about the same wall time: compute + own transfer
@@ -47,7 +47,7 @@ def test_throughput_ema_hand_computed() -> None:
     assert ema.bytes_per_s == pytest.approx(2e6)
     ema.update_(1_000_000, 1.0)  # then blends: s/B = 0.5e-6 + 0.5 (1e-6 − 0.5e-6) = 0.75e-6
     assert ema.bytes_per_s == pytest.approx(1 / 0.75e-6)
-    assert ema.transfer_time_s(4_000_000) == pytest.approx(3.0)
+    assert 4_000_000 / ema.bytes_per_s == pytest.approx(3.0)
     ema.update_(0, 1.0)  # empty exchanges carry no information
     ema.update_(10, 0.0)
     assert ema.num_measurements == 2
@@ -83,14 +83,14 @@ def test_exchange_deadline_hand_computed() -> None:
         exchange_deadline_s(1_000, 1e6, safety_factor=0.5, floor_s=5.0)
 
 
-def mixer_with_links(measured: dict[str, float], overlapped: bool = False) -> GossipMixer:
+def mixer_with_links(measured: dict[str, float], overlapped: bool = False) -> ParamGossip:
     """A mixer (no network) whose links to these peers measured these two-way throughputs (bytes/s)."""
     reference = [torch.zeros(250_000)]  # 1 MB of fp32: 500 kB one way in fp16
-    mixer = GossipMixer(None, "run", "fp", "gasloc", reference, SyncConfig(mode="gasloc"), seed=0,  # type: ignore[arg-type]
+    mixer = ParamGossip(None, "run", "fp", "gasloc", reference, SyncConfig(mode="gasloc"), seed=0,  # type: ignore[arg-type]
                         overlapped=overlapped)
     for peer, bytes_per_s in measured.items():
-        mixer.links[peer] = ThroughputEMA(bytes_per_s, smoothing=1.0)
-        mixer.links[peer].update_(int(bytes_per_s), 1.0)
+        mixer.links.by_partner[peer] = ThroughputEMA(bytes_per_s, smoothing=1.0)
+        mixer.links.by_partner[peer].update_(int(bytes_per_s), 1.0)
     return mixer
 
 
@@ -128,8 +128,8 @@ def test_one_slow_partner_does_not_make_a_peer_believe_its_own_link_slow() -> No
     """Else a fast peer whose first partner was slow keeps choosing slow partners and never learns otherwise."""
     first_partner_slow = mixer_with_links({"slow": 0.25e6})
     assert first_partner_slow.own_link_bytes_per_s() == PRIOR_BYTES_PER_S
-    assert first_partner_slow.measured_link_bytes_per_s() == pytest.approx(0.25e6)  # announced: never the prior
-    assert mixer_with_links({}).measured_link_bytes_per_s() == 0.0  # nothing measured: announce "unknown"
+    assert first_partner_slow.links.fastest_measured_bytes_per_s() == pytest.approx(0.25e6)  # announced: not the prior
+    assert mixer_with_links({}).links.fastest_measured_bytes_per_s() == 0.0  # nothing measured: announce "unknown"
     slow_first = mixer_with_links({"fast": 0.25e6})  # but a partner that announced 10 MB/s: we were the bottleneck
     slow_first.announced = {"fast": 10e6}
     assert slow_first.own_link_bytes_per_s() == pytest.approx(0.25e6)

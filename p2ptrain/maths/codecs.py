@@ -27,7 +27,7 @@ from p2ptrain.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
-_MAX_CHUNK_SIZE = 65536  # indices within a chunk are uint16
+MAX_CHUNK_SIZE = 65536  # elements per chunk of the int8 and topk codecs: indices within a chunk travel as uint16
 Payload: TypeAlias = runtime_pb2.Tensor  # one encoded tensor, as hivemind's P2P handlers and serializer carry it
 Payloads: TypeAlias = list[runtime_pb2.Tensor]
 Tensors: TypeAlias = Sequence[torch.Tensor]  # one tensor per model parameter, in the same order everywhere
@@ -141,8 +141,8 @@ class Int8Codec(CompressionBase):
     _MAGIC = b"P2I8"
 
     def __init__(self, chunk_size: int = 4096) -> None:
-        if not 1 <= chunk_size <= _MAX_CHUNK_SIZE:
-            raise ConfigError(f"int8 chunk_size must be in [1, {_MAX_CHUNK_SIZE}], got {chunk_size}")
+        if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(f"int8 chunk_size must be in [1, {MAX_CHUNK_SIZE}], got {chunk_size}")
         self.chunk_size = chunk_size
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
@@ -156,7 +156,7 @@ class Int8Codec(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer, numel = serialized_tensor.buffer, _numel(serialized_tensor)
         magic, chunk, declared = self._HEADER.unpack_from(_read(buffer, 0, np.uint8, self._HEADER.size).tobytes())
-        if magic != self._MAGIC or declared != numel or not 1 <= chunk <= _MAX_CHUNK_SIZE:
+        if magic != self._MAGIC or declared != numel or not 1 <= chunk <= MAX_CHUNK_SIZE:
             raise ValueError(f"not an int8 payload for shape {list(serialized_tensor.size)}")
         n_chunks = _chunk_layout(numel, chunk)[1]
         scales = _read_scales(buffer, self._HEADER.size, n_chunks)
@@ -191,8 +191,8 @@ class TopKCodec(CompressionBase):
     def __init__(self, density: float = 1 / 128, chunk_size: int = 4096) -> None:
         if not 0.0 < density <= 1.0:
             raise ConfigError(f"topk density must be in (0, 1], got {density}")
-        if not 1 <= chunk_size <= _MAX_CHUNK_SIZE:
-            raise ConfigError(f"topk chunk_size must be in [1, {_MAX_CHUNK_SIZE}], got {chunk_size}")
+        if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(f"topk chunk_size must be in [1, {MAX_CHUNK_SIZE}], got {chunk_size}")
         self.density, self.chunk_size = density, chunk_size
 
     def _k(self, chunk: int) -> int:
@@ -211,7 +211,7 @@ class TopKCodec(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer, numel = serialized_tensor.buffer, _numel(serialized_tensor)
         magic, chunk, k, declared = self._HEADER.unpack(_read(buffer, 0, np.uint8, self._HEADER.size).tobytes())
-        if magic != self._MAGIC or declared != numel or not 1 <= k <= chunk <= _MAX_CHUNK_SIZE:
+        if magic != self._MAGIC or declared != numel or not 1 <= k <= chunk <= MAX_CHUNK_SIZE:
             raise ValueError(f"not a topk payload for shape {list(serialized_tensor.size)}")
         n_chunks = _chunk_layout(numel, chunk)[1]
         if len(buffer) != self._HEADER.size + n_chunks * (4 + 3 * k):
@@ -282,11 +282,6 @@ def decode_all(name: str, msgs: Sequence[Payload], like: Tensors) -> list[torch.
     if len(msgs) != len(like):
         raise ValueError(f"got {len(msgs)} tensors, expected {len(like)}")
     return [decode(name, msg, expected_shape=ref.shape) for msg, ref in zip(msgs, like, strict=True)]
-
-
-def payload_bytes(msgs: Sequence[Payload]) -> int:
-    """Serialized size of the protobuf messages, in bytes."""
-    return sum(msg.ByteSize() for msg in msgs)
 
 
 # ---- error feedback and parameter differences --------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -70,8 +69,16 @@ class OuterOptimizer:
         for a, p in zip(self.anchor, self.params, strict=True):
             a.copy_(p.detach())
 
+    @torch.no_grad()
+    def set_params_(self, values: Sequence[torch.Tensor]) -> None:
+        """Write new parameters (a mixed or downloaded state) and make them the anchor of the next round."""
+        check_alike(self.params, values, "new parameters")
+        for p, v in zip(self.params, values, strict=True):
+            p.copy_(v.to(device=p.device, dtype=p.dtype))
+        self.reset_anchor_()
+
     def momentum_buffers(self) -> list[torch.Tensor]:
-        """The momentum buffer of every parameter (zeros before the first step), for state sharing."""
+        """The momentum buffer of every parameter (zeros before the first step)."""
         buffers = []
         for p in self.params:
             buffer = self.optimizer.state.get(p, {}).get("momentum_buffer")
@@ -85,9 +92,10 @@ class OuterOptimizer:
         for p, b in zip(self.params, buffers, strict=True):
             self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"momentum": [b.detach().cpu() for b in self.momentum_buffers()]}
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The outer momentum by name: what a joiner downloads and a checkpoint keeps."""
+        return [(f"momentum:{i}", b) for i, b in enumerate(self.momentum_buffers())]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_momentum_buffers_(state["momentum"])
-        self.reset_anchor_()
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Load tensors in the order of `state_tensors()`; a mismatch changes nothing."""
+        self.load_momentum_buffers_(tensors)

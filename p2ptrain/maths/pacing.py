@@ -7,6 +7,11 @@ a slow peer takes fewer inner steps so its round (compute + its own transfers) e
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+
+PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
+OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
+DEADLINE_FLOOR_S = 5.0  # connection set-up, round trips and a busy CPU: what does not scale with the payload
 
 
 class ThroughputEMA:
@@ -49,9 +54,52 @@ class ThroughputEMA:
         self._seconds_per_byte = max(self._seconds_per_byte, deadline_s / payload_bytes)
         self.num_measurements += 1
 
-    def transfer_time_s(self, payload_bytes: int) -> float:
-        """Expected seconds to move ``payload_bytes`` on this link."""
-        return payload_bytes * self._seconds_per_byte
+
+class LinkSpeeds:
+    """The one table of this peer's measured links: a ThroughputEMA per partner (the prior until measured).
+
+    Every exchange a peer starts (parameter gossip and gradient gossip alike) reads its deadline from here and
+    records what it measured here, so what one protocol learns about a link serves the other.
+    """
+
+    def __init__(self, prior_bytes_per_s: float = PRIOR_BYTES_PER_S) -> None:
+        self.prior_bytes_per_s = prior_bytes_per_s
+        self.by_partner: dict[str, ThroughputEMA] = {}
+
+    def to(self, partner: str) -> ThroughputEMA:
+        """The link to `partner`, created at the prior if it was never used."""
+        return self.by_partner.setdefault(partner, ThroughputEMA(self.prior_bytes_per_s))
+
+    def estimate_bytes_per_s(self, partner: str) -> float:
+        link = self.by_partner.get(partner)
+        return link.bytes_per_s if link is not None else self.prior_bytes_per_s
+
+    def deadline_s(self, partner: str, exchange_bytes: int, safety_factor: float) -> float:
+        """How long an exchange moving `exchange_bytes` (both directions) with `partner` may take."""
+        return exchange_deadline_s(exchange_bytes, self.estimate_bytes_per_s(partner), safety_factor,
+                                   DEADLINE_FLOOR_S)
+
+    def measured(self) -> dict[str, float]:
+        """Partner → bytes/s for the links measured at least once."""
+        return {peer: link.bytes_per_s for peer, link in self.by_partner.items() if link.num_measurements}
+
+    def own_bytes_per_s(self, announced: Mapping[str, float]) -> float:
+        """Our link's speed: the fastest exchange throughput measured (an exchange runs at the slower end's
+        speed, so the fastest partner bounds ours from below), and at least the prior until links to
+        OWN_LINK_MIN_PARTNERS partners are measured: a fast peer whose first partner was slow would otherwise
+        take itself for slow, keep choosing slow partners and never learn otherwise (seen on the netns testnet).
+        `announced` holds partners' own announced speeds."""
+        measured = self.measured()
+        # a partner that announced a much faster link than we got with it shows that we were the bottleneck
+        we_are_the_bottleneck = any(announced.get(peer, 0.0) > 1.5 * speed for peer, speed in measured.items())
+        if len(measured) < OWN_LINK_MIN_PARTNERS and not we_are_the_bottleneck:
+            return max([*measured.values(), self.prior_bytes_per_s])
+        return max(measured.values(), default=self.prior_bytes_per_s)
+
+    def fastest_measured_bytes_per_s(self) -> float:
+        """What we announce: the fastest exchange throughput measured, 0 before any (never the prior: a slow peer
+        announcing the prior would look fast to everyone)."""
+        return max(self.measured().values(), default=0.0)
 
 
 def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: float, h_min: int, h_max: int) -> int:

@@ -67,10 +67,16 @@ def parse_records(raw: object, ttl_s: float, now: float) -> list[PeerRecord]:
         if now - record.updated <= ttl_s:
             records.append(record)
     by_peer: dict[str, PeerRecord] = {}
-    for record in records:  # one record per peer id: the freshest
-        if record.peer_id not in by_peer or by_peer[record.peer_id].updated < record.updated:
-            by_peer[record.peer_id] = record
+    keep_freshest_(by_peer, records)
     return sorted(by_peer.values(), key=lambda r: r.peer_id)
+
+
+def keep_freshest_(known: dict[str, PeerRecord], records: list[PeerRecord]) -> None:
+    """In place: `known` (peer id → record) keeps, for every peer, the record with the latest heartbeat."""
+    for record in records:
+        current = known.get(record.peer_id)
+        if current is None or current.updated < record.updated:
+            known[record.peer_id] = record
 
 
 DHT_READ_TIMEOUT_S = 30.0
@@ -194,10 +200,7 @@ class SwarmWatcher:
         """Keep each peer's freshest record; forget expired ones."""
         now = get_dht_time()
         with self._lock:
-            for record in records:
-                known = self._known.get(record.peer_id)
-                if known is None or known.updated < record.updated:
-                    self._known[record.peer_id] = record
+            keep_freshest_(self._known, records)
             self._known = {p: r for p, r in self._known.items() if now - r.updated <= self.ttl_s}
             self._read_once = True
 
@@ -213,10 +216,6 @@ class SwarmWatcher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.refresh_s + 2.0)  # a daemon thread: a hung read must not hold up shutdown
-
-
-def record_fields(record: PeerRecord) -> dict[str, object]:
-    return dict(record.dict())
 
 
 @dataclasses.dataclass

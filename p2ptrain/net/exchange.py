@@ -17,14 +17,20 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming
 
-from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, stream_parts
+from p2ptrain.net.wire import (
+    WireError,
+    decode_metadata,
+    encode_metadata,
+    payload_bytes,
+    read_tensors,
+    stream_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,17 @@ class OpenExchange(Protocol):
 
 
 class ExchangeHandler(Protocol):
+    """One kind of exchange a peer answers (parameter gossip, gradient gossip), under its own namespace."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def max_payload_bytes(self) -> int: ...
+
+    @property
+    def chunk_timeout_s(self) -> float: ...
+
     def open(self, header: dict[str, Any]) -> "OpenExchange | str":
         """Accept an offer (returns the open exchange) or refuse it (returns the reason)."""
         ...
@@ -66,10 +83,6 @@ class ExchangeOutcome:
     seconds: float
 
 
-def payload_nbytes(payload: Sequence[runtime_pb2.Tensor]) -> int:
-    return sum(len(t.buffer) for t in payload)
-
-
 async def read_payload(
     messages: AsyncIterator[averaging_pb2.DownloadData],
     first: averaging_pb2.DownloadData,
@@ -77,31 +90,8 @@ async def read_payload(
     chunk_timeout_s: float,
 ) -> Payload:
     """Read exactly `nbytes` of tensor data (the first chunk is in `first`); more or less is a WireError."""
-    tensors: Payload = []
-    parts: list[runtime_pb2.Tensor] = []
-    received = 0
-    message = first
-    while True:
-        part = message.tensor_part
-        if part.ByteSize():
-            if part.dtype and parts:
-                tensors.append(combine_from_streaming(parts))
-                parts = []
-            parts.append(part)
-            received += len(part.buffer)
-        if received > nbytes:
-            raise WireError(f"peer sent {received} bytes, more than the {nbytes} it announced")
-        if received == nbytes:
-            break
-        try:
-            message = await asyncio.wait_for(messages.__anext__(), timeout=chunk_timeout_s)
-        except StopAsyncIteration:
-            raise WireError(f"stream ended after {received} of {nbytes} bytes") from None
-        except asyncio.TimeoutError:
-            raise WireError(f"peer sent nothing for {chunk_timeout_s:.1f} s") from None
-    if parts:
-        tensors.append(combine_from_streaming(parts))
-    return tensors
+    return await read_tensors(messages, lambda m: m.tensor_part, nbytes, chunk_timeout_s, first=first,
+                              exact_bytes=nbytes)
 
 
 def _messages(header: dict[str, Any], payload: Payload) -> list[averaging_pb2.DownloadData]:
@@ -183,7 +173,7 @@ class GossipServicer(ServicerBase):
             logger.info(f"refusing an exchange: {e}")
             yield _refusal(f"invalid payload: {e}")
             return
-        answer = dict(opened.header, status="ok", nbytes=payload_nbytes(opened.payload))
+        answer = dict(opened.header, status="ok", nbytes=payload_bytes(opened.payload))
         for message in _messages(answer, opened.payload):
             yield message
         try:
@@ -206,7 +196,7 @@ async def push_pull(
     """
     started = time.monotonic()
     decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    offer = dict(header, nbytes=payload_nbytes(payload))
+    offer = dict(header, nbytes=payload_bytes(payload))
 
     async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:
         for message in _messages(offer, payload):
@@ -221,7 +211,7 @@ async def push_pull(
     finally:
         if not decision.done():
             decision.set_result(False)
-    outcome.bytes_sent = offer["nbytes"]
+    outcome.bytes_sent = payload_bytes(payload)
     outcome.seconds = time.monotonic() - started
     return outcome
 
@@ -252,4 +242,10 @@ async def _initiate(
         raise WireError("partner closed the stream before confirming the mix") from None
     if decode_metadata(ack.metadata).get("applied") is not True:
         raise WireError("partner did not confirm the mix")
-    return ExchangeOutcome(apply, answer, 0, nbytes, 0.0)
+    return ExchangeOutcome(apply, answer, 0, payload_bytes(partner_payload), 0.0)
+
+
+async def serve_exchanges(p2p: P2P, handler: ExchangeHandler) -> None:
+    """Answer offers under `handler.namespace` on `p2p`: the one way a kind of exchange is registered."""
+    servicer = GossipServicer(handler, handler.max_payload_bytes, chunk_timeout_s=handler.chunk_timeout_s)
+    await servicer.add_p2p_handlers(p2p, namespace=handler.namespace)

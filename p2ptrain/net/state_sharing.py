@@ -18,7 +18,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.net.wire import WireError, collect_serialized, decode_metadata, encode_metadata, stream_parts
+from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ async def download_state(
             metadata_parts.append(message.metadata)
 
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-    serialized = await collect_serialized(stream, lambda m: m.tensor_part, max_bytes, chunk_timeout_s, keep_metadata)
+    serialized = await read_tensors(stream, lambda m: m.tensor_part, max_bytes, chunk_timeout_s,
+                                    on_message=keep_metadata)
     if len(metadata_parts) != 1:
         raise WireError(f"peer {peer_id} sent {len(metadata_parts)} metadata blocks instead of one")
     metadata = decode_metadata(metadata_parts[0])

@@ -6,12 +6,12 @@ stream that ends mid-tensor is an error, never a half tensor.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 CHUNK_BYTES = 2**20  # bytes of tensor data per stream message
@@ -32,33 +32,59 @@ def stream_parts(
         yield from split_for_streaming(tensor, chunk_bytes)
 
 
-async def collect_serialized(
+def payload_bytes(payload: Sequence[runtime_pb2.Tensor]) -> int:
+    """The tensor data a payload carries, in bytes (what a codec produced, its own headers included): the one
+    measure of what peers send, which offers announce, reassembly counts, and deadlines, link speeds and metrics
+    use. The protobuf envelope around each chunk is not counted."""
+    return sum(len(t.buffer) for t in payload)
+
+
+async def read_tensors(
     messages: AsyncIterator[M],
     get_part: Callable[[M], runtime_pb2.Tensor | None],
-    max_total_bytes: int,
+    max_bytes: int,
     chunk_timeout_s: float,
+    *,
+    first: M | None = None,
+    exact_bytes: int | None = None,
     on_message: Callable[[M], None] | None = None,
 ) -> list[runtime_pb2.Tensor]:
-    """Reassemble serialized tensors from a stream of messages; each message may carry one tensor chunk."""
+    """Reassemble serialized tensors from a peer's stream of messages, each carrying at most one tensor chunk.
+
+    The one loop that reads tensors from a peer. `first` is a message already taken from the stream. With
+    `exact_bytes` (what the peer announced, already checked against our limit) reading stops once that much tensor
+    data has arrived, since the stream goes on with other messages, and a stream that ends earlier is an error;
+    without it, reading goes to the end of the stream. More tensor data than `max_bytes` (or than announced), or
+    `chunk_timeout_s` without a message, is a WireError: nothing is allocated past the limit.
+    """
+    limit = max_bytes if exact_bytes is None else min(exact_bytes, max_bytes)
     tensors: list[runtime_pb2.Tensor] = []
     parts: list[runtime_pb2.Tensor] = []
-    total_bytes = 0
-    try:
-        async for message in aiter_with_timeout(messages, timeout=chunk_timeout_s):
+    received = 0
+    message = first
+    while True:
+        if message is not None:
             if on_message is not None:
                 on_message(message)
             part = get_part(message)
-            if part is None or not part.ByteSize():
-                continue
-            total_bytes += len(part.buffer)
-            if total_bytes > max_total_bytes:
-                raise WireError(f"peer sent more than the {max_total_bytes} bytes expected")
-            if part.dtype and parts:
-                tensors.append(combine_from_streaming(parts))
-                parts = []
-            parts.append(part)
-    except TimeoutError:
-        raise WireError(f"peer sent nothing for {chunk_timeout_s:.1f} s") from None
+            if part is not None and part.ByteSize():
+                received += len(part.buffer)
+                if received > limit:
+                    raise WireError(f"peer sent more than the {limit} bytes expected")
+                if part.dtype and parts:
+                    tensors.append(combine_from_streaming(parts))
+                    parts = []
+                parts.append(part)
+        if exact_bytes is not None and received == exact_bytes:
+            break
+        try:
+            message = await asyncio.wait_for(messages.__anext__(), timeout=chunk_timeout_s)
+        except StopAsyncIteration:
+            if exact_bytes is not None:
+                raise WireError(f"stream ended after {received} of {exact_bytes} bytes") from None
+            break
+        except asyncio.TimeoutError:
+            raise WireError(f"peer sent nothing for {chunk_timeout_s:.1f} s") from None
     if parts:
         tensors.append(combine_from_streaming(parts))
     return tensors

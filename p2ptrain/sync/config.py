@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.maths.codecs import MAX_CHUNK_SIZE
 
 SYNC_MODES = ("diloco", "gasloc", "factored")
 OVERLAP_MODES = ("none", "delayed", "eager")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk")
 MIX2_TRANSPORTS = ("allreduce", "gossip")
-MAX_TOPK_CHUNK_SIZE = 65536  # top-k indices within a chunk travel as uint16
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
@@ -81,8 +81,8 @@ class SyncConfig:
                               "(an all-reduce cannot sum sparse payloads)")
         if not 0 < self.topk_density <= 1:
             raise ConfigError(f"sync.topk_density must be in (0, 1], got {self.topk_density}")
-        if not 1 <= self.topk_chunk_size <= MAX_TOPK_CHUNK_SIZE:
-            raise ConfigError(f"sync.topk_chunk_size must be in [1, {MAX_TOPK_CHUNK_SIZE}], "
+        if not 1 <= self.topk_chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(f"sync.topk_chunk_size must be in [1, {MAX_CHUNK_SIZE}], "
                               f"got {self.topk_chunk_size}")
         if not 0 <= self.error_feedback_decay <= 1:
             raise ConfigError(f"sync.error_feedback_decay must be in [0, 1], got {self.error_feedback_decay}")

@@ -8,7 +8,7 @@ the round (those it starts plus those it accepts). The round's mixing matrix is 
 and nonnegative, so Σ_i m_i = Σ_i s_i.
 
 If at least one exchange completed, the peer applies m_i and commits e_i ← β·e_i + Δ_i − s_i; if none did, it
-applies its exact Δ_i and keeps e_i (nothing sent, nothing subtracted). Exchanges use gossip.py's push-pull
+applies its exact Δ_i and keeps e_i (nothing sent, nothing subtracted). Exchanges use net/exchange.py's push-pull
 protocol, so a refused, failed or invalid exchange changes nothing on either side. Closing a round is atomic:
 offers are refused from then on, accepted ones in flight get until their initiator's deadline, and a commit that
 arrives later raises instead of mixing (the partner then gets no ack and does not mix either).
@@ -32,22 +32,14 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2ptrain.maths.codecs import ErrorFeedback, decode_all, get_codec
-from p2ptrain.maths.mixing import consensus_distance
-from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
+from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.topology import draw_partners
-from p2ptrain.net.event_loop import BackgroundLoop
-from p2ptrain.net.exchange import (
-    Apply,
-    ExchangeRefused,
-    GossipServicer,
-    OpenExchange,
-    Payload,
-    payload_nbytes,
-    push_pull,
-)
+from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.interface import ExchangeRecord, RoundContext, RoundSync
-from p2ptrain.sync.param_gossip import DEADLINE_FLOOR_S, PRIOR_BYTES_PER_S, ROUND_RETRY_S, WRONG_ROUND
+from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.param_gossip import ROUND_RETRY_S, WRONG_ROUND
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +58,7 @@ class Mix2Round:
                  degree_cap: int):
         self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
         self.degree_cap = degree_cap
-        self.weight = 1.0 / (degree_cap + 1)
+        self.weight = uniform_weight(degree_cap)
         self.mixed = [s.clone() for s in sent]
         self.done: list[str] = []  # partners whose mix is applied, in the order it was
         self.outgoing: set[str] = set()  # our offers in flight
@@ -106,8 +98,7 @@ class Mix2Round:
         """A completed exchange: m ← m + w(s_partner − s). Raises RoundClosed after `close_` (nothing changes)."""
         if self.closed or partner in self.done:
             raise RoundClosed(f"round {self.round}'s Mix2 closed (or mixed with {partner}) before this commit")
-        for m, t, s in zip(self.mixed, theirs, self.sent, strict=True):
-            m.add_(t - s, alpha=self.weight)
+        pull_toward_(self.mixed, theirs, self.sent, self.weight)
         self.done.append(partner)
         self.release_(partner, outgoing)
 
@@ -151,7 +142,7 @@ class GradGossip:
     """Mix2 over gossip for one peer: `open` answers offers, `mix` runs a round's Mix2 (async, on the event loop)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
-                 seed: int):
+                 seed: int, links: LinkSpeeds | None = None):
         self.p2p, self.run_id, self.fingerprint, self.config = p2p, run_id, fingerprint, config
         self.own_id = p2p.peer_id.to_base58()
         self.degree_cap = config.mix2_group_size - 1
@@ -160,13 +151,10 @@ class GradGossip:
         self.feedback = ErrorFeedback(codec, like, config.error_feedback_decay)
         self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
         self.rng = random.Random(seed)
-        self.links: dict[str, ThroughputEMA] = {}
+        self.links = links if links is not None else LinkSpeeds()  # the peer's one table, shared with Mix1
         self.current: Mix2Round | None = None  # the latest round's Mix2 (closed once `mix` returned)
         self.namespace = f"{run_id}.{KIND}"
-
-    async def register(self) -> None:
-        servicer = GossipServicer(self, self.max_payload_bytes, chunk_timeout_s=self.config.state_download_timeout_s)
-        await servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+        self.chunk_timeout_s = config.state_download_timeout_s
 
     # ---- one round ------------------------------------------------------------------------------------------------
     async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
@@ -208,10 +196,10 @@ class GradGossip:
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         """One exchange we start (its slot is reserved); returns "ok", "failed" or the partner's refusal."""
-        nbytes = payload_nbytes(rnd.payload)
-        link = self.links.setdefault(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
-        deadline_s = min(self.config.allreduce_timeout_s, exchange_deadline_s(
-            2 * nbytes, link.bytes_per_s, self.config.exchange_safety_factor, DEADLINE_FLOOR_S))
+        nbytes = payload_bytes(rnd.payload)
+        link = self.links.to(partner)
+        deadline_s = min(self.config.allreduce_timeout_s,
+                         self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
         header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": KIND, "round": rnd.round,
                   "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s}
 
@@ -238,8 +226,8 @@ class GradGossip:
         finally:
             rnd.release_(partner, outgoing=True)
         link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
-        _record(stats, ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
-                                      outcome.seconds))
+        stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
+                                           outcome.seconds))
         return "ok"
 
     # ---- responder ------------------------------------------------------------------------------------------------
@@ -279,31 +267,3 @@ class GradGossip:
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         self.feedback.load_state_dict({"decay": self.feedback.decay, "residual": list(tensors)})
-
-
-def _record(stats: RoundSync, record: ExchangeRecord) -> None:
-    stats.partners.append(record.partner)
-    stats.bytes_sent += record.bytes_sent
-    stats.bytes_received += record.bytes_received
-    stats.exchange_s += record.seconds
-    stats.exchanges.append(record)
-
-
-class GossipMix2:
-    """`GradGossip` behind FactoredSync's blocking `Mix2` interface; waits for partners up to `matchmaking_s`."""
-
-    def __init__(self, gossip: GradGossip, loop: BackgroundLoop):
-        self.gossip, self.loop = gossip, loop
-
-    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round,
-                                             patience_s=self.gossip.config.matchmaking_s))
-
-    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return self.gossip.state_tensors()
-
-    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.gossip.load_state_tensors_(tensors)
-
-    def shutdown(self) -> None:
-        pass

@@ -46,6 +46,34 @@ class RoundSync:
     expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
 
+    def add_exchange_(self, record: ExchangeRecord) -> None:
+        """Count one completed exchange that we started."""
+        self.partners.append(record.partner)
+        self.group_size += 1
+        self.bytes_sent += record.bytes_sent
+        self.bytes_received += record.bytes_received
+        self.exchange_s += record.seconds
+        self.codec = record.codec
+        self.exchanges.append(record)
+
+    def add_incoming_(self, incoming: RoundSync) -> RoundSync:
+        """Count the exchanges others started with us beside the ones we started; returns self."""
+        self.group_size += incoming.group_size
+        self.consensus_distance += incoming.consensus_distance
+        return self
+
+    def add_mix2_(self, mix2: RoundSync) -> None:
+        """Add Factored's Mix2 (its traffic and exchanges) to the round's record of Mix1."""
+        if mix2.partners:
+            self.codec = f"{self.codec}+{mix2.codec}" if self.partners else mix2.codec
+        self.bytes_sent += mix2.bytes_sent
+        self.bytes_received += mix2.bytes_received
+        self.group_size = max(self.group_size, mix2.group_size)
+        self.partners += mix2.partners
+        self.exchanges += mix2.exchanges
+        self.failed += mix2.failed
+        self.refused += mix2.refused
+
 
 @dataclasses.dataclass
 class ExchangeRecord:
@@ -59,7 +87,7 @@ class ExchangeRecord:
 
 
 class Mix2(Protocol):
-    """Factored's blocking mix of outer gradients: an all-reduce (outer_sync.py) or gossip (grad_gossip.py)."""
+    """Factored's blocking mix of outer gradients: an all-reduce or gossip (factored.py)."""
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
         """The outer gradient to apply (Δ itself when nobody mixed with us) and what mixing cost."""
@@ -70,8 +98,6 @@ class Mix2(Protocol):
         ...
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 class OuterSync(Protocol):

@@ -20,20 +20,17 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.maths.codecs import choose_codec_for_link, payload_bytes, relative_decode, relative_encode
-from p2ptrain.maths.mixing import consensus_distance
-from p2ptrain.maths.pacing import ThroughputEMA, exchange_deadline_s
+from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
+from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
+from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.topology import draw_partners
-from p2ptrain.net.exchange import ExchangeRefused, GossipServicer, OpenExchange, Payload, push_pull
-from p2ptrain.net.wire import WireError
+from p2ptrain.net.exchange import ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 
 logger = logging.getLogger(__name__)
 
-PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
-OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
-DEADLINE_FLOOR_S = 5.0  # connection set-up, round trips and a busy CPU: what does not scale with the payload
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 # an exchange that blocks training for less than this fraction of the inner phase is worth waiting for, however it
 # compares with our own link: peers on equally fast links measure speeds 30 % apart from CPU load alone (netns
@@ -46,7 +43,7 @@ WRONG_ROUND = "not in this round"
 class _Exchange:
     """One accepted incoming exchange (the responder's side)."""
 
-    def __init__(self, mixer: GossipMixer, weight: float, public: list[torch.Tensor], header: dict[str, Any]):
+    def __init__(self, mixer: ParamGossip, weight: float, public: list[torch.Tensor], header: dict[str, Any]):
         self.mixer, self.weight, self.public = mixer, weight, public
         self.codec = str(header.get("codec", "fp16"))
         self.payload = relative_encode(public, mixer.reference, self.codec)
@@ -64,12 +61,17 @@ class _Exchange:
         self.mixer.release_responder()
 
 
-class GossipMixer:
-    """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters)."""
+class ParamGossip:
+    """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters).
+
+    `links` is the peer's one table of measured links (shared with its gradient gossip, if any)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
-                 config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False):
+                 config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
+                 links: LinkSpeeds | None = None):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
+        self.namespace = f"{run_id}.{kind}"
+        self.chunk_timeout_s = config.state_download_timeout_s
         self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
         self.overlapped = overlapped  # Mix1: our exchanges run during the inner phase (GASLoC's block training)
         self.reference = [t.detach().float().cpu().clone() for t in reference]
@@ -83,19 +85,11 @@ class GossipMixer:
         self._responding = False
         self._waiting_for_round = False
         self.give_up_at = 0.0  # `mix` stops waiting for partners to reach its round at this time.monotonic()
-        self.links: dict[str, ThroughputEMA] = {}
+        self.links = links if links is not None else LinkSpeeds()
         self.incoming = RoundSync(group_size=0)  # what exchanges others started with us did this round
         self.budget_s = float("inf")  # time an exchange may take without delaying training (adaptive codec)
         self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
         self.announced: dict[str, float] = {}  # peers' announced link speeds, as of our latest mix
-
-    @property
-    def namespace(self) -> str:
-        return f"{self.run_id}.{self.kind}"
-
-    async def register(self) -> None:
-        servicer = GossipServicer(self, self.max_payload_bytes, chunk_timeout_s=self.config.state_download_timeout_s)
-        await servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
 
     # ---- the public value ----------------------------------------------------------------------------------------
     def set_base_(self, base: Sequence[torch.Tensor]) -> None:
@@ -115,8 +109,7 @@ class GossipMixer:
 
     def add_correction_(self, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor]) -> None:
         with self._lock:
-            for c, theirs, mine in zip(self._correction, partner, ours, strict=True):
-                c.add_(theirs - mine, alpha=weight)
+            pull_toward_(self._correction, partner, ours, weight)
             self.incoming.group_size += 1
             self.incoming.consensus_distance.append(consensus_distance(ours, partner))
 
@@ -155,29 +148,15 @@ class GossipMixer:
     def choose_codec(self, partner: str) -> str:
         if self.config.param_codec != "adaptive":
             return self.config.param_codec
-        link = self.links.get(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
         budget_s = self.budget_s if self.budget_s < float("inf") else 60.0
         # the EMA is both directions' bytes over the exchange's time (they travel one after the other): on a
         # symmetric link one direction's payload fits the budget when twice its bytes fit at the EMA's rate
-        return choose_codec_for_link(self.raw_bytes, link.bytes_per_s / 2, budget_s, PARAM_CODECS_ADAPTIVE).name
+        one_way_bytes_per_s = self.links.estimate_bytes_per_s(partner) / 2
+        return choose_codec_for_link(self.raw_bytes, one_way_bytes_per_s, budget_s, PARAM_CODECS_ADAPTIVE).name
 
     # ---- links ----------------------------------------------------------------------------------------------------
     def own_link_bytes_per_s(self) -> float:
-        """Our link's speed: the fastest exchange throughput measured (an exchange runs at the slower end's
-        speed, so the fastest partner bounds ours from below), and at least the prior until links to
-        OWN_LINK_MIN_PARTNERS partners are measured: a fast peer whose first partner was slow would otherwise
-        take itself for slow, keep choosing slow partners and never learn otherwise (seen on the netns testnet)."""
-        measured = {peer: link.bytes_per_s for peer, link in self.links.items() if link.num_measurements}
-        # a partner that announced a much faster link than we got with it shows that we were the bottleneck
-        we_are_the_bottleneck = any(self.announced.get(peer, 0.0) > 1.5 * speed for peer, speed in measured.items())
-        if len(measured) < OWN_LINK_MIN_PARTNERS and not we_are_the_bottleneck:
-            return max([*measured.values(), PRIOR_BYTES_PER_S])
-        return max(measured.values(), default=PRIOR_BYTES_PER_S)
-
-    def measured_link_bytes_per_s(self) -> float:
-        """What we announce: the fastest exchange throughput measured, 0 before any (never the prior: a slow peer
-        announcing the prior would look fast to everyone)."""
-        return max((link.bytes_per_s for link in self.links.values() if link.num_measurements), default=0.0)
+        return self.links.own_bytes_per_s(self.announced)
 
     def expected_exchange_s(self, partner_bytes_per_s: float = 0.0) -> float:
         """Seconds one exchange of our usual payload should take with a partner that announced this speed
@@ -213,7 +192,7 @@ class GossipMixer:
                          f" (own link {self.own_link_bytes_per_s():.3g} B/s, links {links})")
             live_peers = eligible
         k = self.config.gossip_peers
-        weight = 1.0 / (k + 1)
+        weight = uniform_weight(k)
         mixed = [v.clone() for v in value]
         stats = RoundSync(group_size=1)
         tried: set[str] = set()
@@ -229,9 +208,8 @@ class GossipMixer:
             tried.add(candidates[0])
             result = await self._exchange_with(candidates[0], value, weight, round_, stats)
             if result is not None:
-                for m, theirs, mine in zip(mixed, result, value, strict=True):
-                    m.add_(theirs - mine, alpha=weight)
-        stats.link_bytes_per_s = self.measured_link_bytes_per_s()
+                pull_toward_(mixed, result, value, weight)
+        stats.link_bytes_per_s = self.links.fastest_measured_bytes_per_s()
         stats.expected_blocking_s = k * self.expected_exchange_s()
         fastest = max([self.own_link_bytes_per_s(), *(links or {}).values()])
         stats.swarm_blocking_s = k * 2 * self.last_payload_bytes / fastest
@@ -242,9 +220,8 @@ class GossipMixer:
         codec = self.choose_codec(partner)
         payload = relative_encode(value, self.reference, codec)
         nbytes = self.last_payload_bytes = payload_bytes(payload)
-        link = self.links.setdefault(partner, ThroughputEMA(PRIOR_BYTES_PER_S))
-        deadline_s = exchange_deadline_s(2 * nbytes, link.bytes_per_s, self.config.exchange_safety_factor,
-                                         DEADLINE_FLOOR_S)
+        link = self.links.to(partner)
+        deadline_s = self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor)
         header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": round_,
                   "codec": codec, "weight": weight}
         received: list[list[torch.Tensor]] = []
@@ -271,13 +248,7 @@ class GossipMixer:
             return None
         outcome.apply()
         link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
-        stats.partners.append(partner)
-        stats.group_size += 1
-        stats.bytes_sent += outcome.bytes_sent
-        stats.bytes_received += outcome.bytes_received
-        stats.exchange_s += outcome.seconds
-        stats.codec = codec
-        stats.exchanges.append(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
-                                              outcome.seconds))
+        stats.add_exchange_(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
+                                           outcome.seconds))
         stats.consensus_distance.append(consensus_distance(value, received[0]))
         return received[0]

@@ -1,0 +1,49 @@
+"""The outer-sync strategy a peer's config names, with its transports started and registered."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import hivemind
+import torch
+from hivemind.p2p import P2P
+
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.pacing import LinkSpeeds
+from p2ptrain.net.allreduce import AllReduceAverager
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.exchange import serve_exchanges
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.diloco import DilocoSync
+from p2ptrain.sync.factored import AllReduceMix2, FactoredSync, GossipMix2
+from p2ptrain.sync.gasloc import GaslocSync
+from p2ptrain.sync.grad_gossip import GradGossip
+from p2ptrain.sync.interface import OuterSync
+from p2ptrain.sync.param_gossip import ParamGossip
+
+REGISTER_TIMEOUT_S = 30.0
+
+
+def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
+                     run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int) -> OuterSync:
+    """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0)."""
+    def averager(prefix: str, group_size: int | None) -> AllReduceAverager:
+        return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
+                                 config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size)
+
+    if config.mode == "diloco":
+        return DilocoSync(outer, averager("diloco", None), config)
+    factored = config.mode == "factored"
+    links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
+    mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
+                        same_round_only=factored, overlapped=factored, links=links)
+    loop.run(serve_exchanges(p2p, mixer), timeout=REGISTER_TIMEOUT_S)
+    if config.mode == "gasloc":
+        return GaslocSync(outer, mixer, loop, config)
+    if config.mix2_transport == "gossip":
+        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links)
+        loop.run(serve_exchanges(p2p, gossip), timeout=REGISTER_TIMEOUT_S)
+        return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
+    mix2_averager = averager("mix2", config.mix2_group_size)
+    return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec), loop, config,
+                        closers=[mix2_averager.shutdown])

@@ -1,0 +1,107 @@
+"""Factored Gossip DiLoCo (ALGORITHMS.md §3): Mix1 gossips the round's parameters during the inner phase; Mix2
+mixes outer gradients every K rounds, by all-reduce in small groups or by compressed gossip with 1–2 peers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.net.allreduce import AllReduceAverager
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.diloco import round_sync_of
+from p2ptrain.sync.grad_gossip import GradGossip
+from p2ptrain.sync.interface import Mix2, RoundContext, RoundSync
+from p2ptrain.sync.param_gossip import ParamGossip
+
+MIX1_PATIENCE_S = 10.0  # Mix1 waits at most this long (or the inner phase) for a partner to reach its round
+
+
+class AllReduceMix2:
+    """Factored's Mix2 as an exact all-reduce of Δ among a group of the round's peers (hivemind)."""
+
+    def __init__(self, averager: AllReduceAverager, codec: str):
+        self.averager, self.codec = averager, codec
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
+        return result.delta, round_sync_of(result, self.codec)
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return []
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+
+class GossipMix2:
+    """`GradGossip` behind the blocking `Mix2` interface; waits for partners up to `matchmaking_s`."""
+
+    def __init__(self, gossip: GradGossip, loop: BackgroundLoop):
+        self.gossip, self.loop = gossip, loop
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round,
+                                             patience_s=self.gossip.config.matchmaking_s))
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.gossip.state_tensors()
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.gossip.load_state_tensors_(tensors)
+
+
+class FactoredSync:
+    """Factored Gossip DiLoCo: Mix1 gossips θ_r in the background during the inner phase (its correction is added
+    at the round's end); Mix2 mixes Δ every K rounds (`sync.mix2_every`); the outer step is Nesterov.
+
+    `closers` shut down the transports this strategy was built with (the all-reduce averager of Mix2)."""
+
+    def __init__(self, outer: OuterOptimizer, mixer: ParamGossip, mix2: Mix2, loop: BackgroundLoop,
+                 config: SyncConfig, closers: Sequence[Callable[[], None]] = ()):
+        self.outer, self.mixer, self.mix2, self.loop, self.config = outer, mixer, mix2, loop, config
+        self.closers = list(closers)
+        self.mix1: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None
+        self.frozen: list[torch.Tensor] = []
+
+    def start_round(self, context: RoundContext) -> None:
+        self.mixer.round = context.round
+        self.mixer.budget_s = context.inner_phase_s
+        self.frozen = [a.detach().float().cpu().clone() for a in self.outer.anchor]
+        self.mixer.set_base_(self.frozen)
+        self.mix1 = self.loop.submit(self.mixer.mix(self.frozen, context.live_peers, context.round,
+                                                    patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S),
+                                                    links=context.link_bytes_per_s))
+
+    def finish_round(self, context: RoundContext) -> RoundSync:
+        started = time.monotonic()
+        self.mixer.give_up_at = started  # the inner phase is over: stop waiting for late partners
+        mixed, stats = self.mix1.result() if self.mix1 is not None else (self.frozen, RoundSync())
+        correction = [m - f + c for m, f, c in zip(mixed, self.frozen, self.mixer.take_correction_(), strict=True)]
+        delta = self.outer.outer_gradient()
+        if context.round % self.config.mix2_every == 0:
+            delta, mix2 = self.mix2.mix(delta, context)
+            stats.add_mix2_(mix2)
+        self.outer.step_(delta)
+        self.outer.set_params_([p.detach().float().cpu() + c for p, c in zip(self.outer.params, correction,
+                                                                             strict=True)])
+        stats.exchange_s += time.monotonic() - started
+        return stats.add_incoming_(self.mixer.take_incoming_stats())
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.outer.state_tensors() + self.mix2.state_tensors()
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        count = len(self.outer.params)
+        self.outer.load_state_tensors_(tensors[:count])
+        self.mix2.load_state_tensors_(tensors[count:])
+
+    def shutdown(self) -> None:
+        if self.mix1 is not None:
+            self.mix1.cancel()
+        for close in self.closers:
+            close()
