@@ -1,0 +1,1 @@
+"""Testbeds (loopback, network namespaces), scenarios and reports; used by the CLI only."""
