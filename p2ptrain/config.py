@@ -1,8 +1,8 @@
 """The peer's resolved configuration: one frozen dataclass per stage, composed here, loaded from YAML or TOML.
 
 Each stage module owns its section (defaults and validation live beside the code that uses them); this module
-composes the sections, reads config files, applies command-line overrides, and rejects unknown keys and values of
-the wrong type with a one-line `ConfigError` that names the key.
+composes the sections, reads config files and applies command-line overrides; `dict_to_dataclass` rejects unknown
+keys and values of the wrong type with a one-line `ConfigError` that names the key.
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
 from p2ptrain.data import DataConfig
+from p2ptrain.dict_to_dataclass import build_dataclass
 from p2ptrain.errors import ConfigError, one_line
 from p2ptrain.maths.inner import InnerConfig
 from p2ptrain.maths.outer_optimizer import OuterConfig
@@ -29,8 +28,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +102,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def build_config(values: dict[str, Any] | None = None) -> PeerConfig:
     """Build a PeerConfig from nested dicts (file contents merged with overrides), validating every key."""
-    return _from_dict(PeerConfig, values or {}, "")
+    return build_dataclass(PeerConfig, values or {})
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PeerConfig:
@@ -116,12 +113,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return build_config(values)
 
 
-def replace_section(config: PeerConfig, section: str, **changes: Any) -> PeerConfig:
-    """A copy of `config` with fields of one section changed (re-validated)."""
-    new_section = dataclasses.replace(getattr(config, section), **changes)
-    return dataclasses.replace(config, **{section: new_section})
-
-
 def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
     *sections, key = dotted_key.split(".")
     node = values
@@ -130,60 +121,3 @@ def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"config key {dotted_key!r}: {section!r} is not a section")
     node[key] = value
-
-
-def _from_dict(cls: type[T], values: Any, where: str) -> T:
-    section_name = where or "the config"
-    if values is None:  # an empty section in YAML (`run:` with nothing under it)
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{section_name} must be a mapping, got {type(values).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown key {_join(where, unknown[0])!r} in {section_name} (known: {', '.join(fields)})")
-    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in values.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{section_name}: {e}") from None
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    """Check `value` against a field's type hint; ints are accepted for floats, lists for tuples."""
-    if dataclasses.is_dataclass(hint):
-        return _from_dict(hint, value, key)  # type: ignore[arg-type]
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(option, value, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"config key {key!r} has an unexpected value {value!r} (expected {hint})")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r} must be a list, got {value!r}")
-        item_hint = typing.get_args(hint)[0] if typing.get_args(hint) else Any
-        return tuple(_coerce(item_hint, item, key) for item in value)
-    if hint is Any:
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
-    if isinstance(hint, type) and not isinstance(value, hint):
-        raise ConfigError(f"config key {key!r} must be a {hint.__name__}, got {value!r}")
-    return value
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,12 @@ def tiny_config(run_id: str, **sections: dict[str, Any]) -> PeerConfig:
     for section, changes in sections.items():
         values.setdefault(section, {}).update(changes)
     return build_config(values)
+
+
+def replace_section(config: PeerConfig, section: str, **changes: Any) -> PeerConfig:
+    """A copy of `config` with fields of one section changed (re-validated)."""
+    new_section = dataclasses.replace(getattr(config, section), **changes)
+    return dataclasses.replace(config, **{section: new_section})
 
 
 class PeerThread:

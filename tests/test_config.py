@@ -119,6 +119,7 @@ def test_unknown_dotted_override_is_named() -> None:
         ({"run": {"run_id": 5}}, "run.run_id"),  # int for str
         ({"network": {"host_maddrs": "/ip4/127.0.0.1/tcp/0"}}, "network.host_maddrs"),  # string for tuple
         ({"network": {"host_maddrs": [5]}}, "network.host_maddrs"),  # wrong item type in a tuple
+        ({"sync": {"overlap_momentum": "0.5"}}, "sync.overlap_momentum"),  # string for float | None
         ({"inner": 5}, "inner"),  # a value where a section belongs
     ],
 )
@@ -130,6 +131,11 @@ def test_int_is_accepted_for_float_and_list_for_tuple() -> None:
     config = build_config({"outer": {"lr": 1}, "network": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]}})
     assert config.outer.lr == 1.0 and type(config.outer.lr) is float
     assert config.network.host_maddrs == ("/ip4/127.0.0.1/tcp/0",) and type(config.network.host_maddrs) is tuple
+
+
+def test_null_section_and_null_optional_take_defaults() -> None:
+    """`run:` with nothing under it in YAML is None: the section's defaults; None is a value of `float | None`."""
+    assert build_config({"run": None, "sync": {"overlap_momentum": None}}) == PeerConfig()
 
 
 @pytest.mark.parametrize(

@@ -127,9 +127,12 @@ def test_command_line_overrides_the_scenario(tmp_path: Path) -> None:
     ("churn: {min_alive: 2}\n", "churn.kills_per_min is required"),
     ("churn: {kills_per_min: 0}\n", "churn.kills_per_min must be in (0, 600]"),
     ("churn: {kills_per_min: 1, seed: 1.5}\n", "churn.seed: expected a whole number"),
+    ("churn: {kills_per_min: 1, min_alive: 2.0}\n", "churn.min_alive: expected a whole number"),
+    ("churn: {kills_per_min: 1, down_s: x}\n", "churn.down_s: expected a number"),
+    ("churn: {kills_per_min: 1, bogus: 2}\n", "unknown key 'churn.bogus'"),
     ("checks: {loss_fell: 1}\n", "checks.loss_fell: expected true or false"),
     ("checks: {max_stall_rounds: 0}\n", "checks.max_stall_rounds must be > 0"),
-    ("peer_config: [1]\n", "peer_config must be a mapping"),
+    ("peer_config: [1]\n", "peer_config: expected a mapping"),
     ("- just a list\n", "expected a mapping"),
     ("peers: [unclosed\n", "is not valid YAML"),
 ])
@@ -356,3 +359,11 @@ def test_random_is_not_touched_globally() -> None:
     state = random.getstate()
     churn_events(ChurnSpec(10, 1, 1, 0, 60, seed=3), 4, None)
     assert random.getstate() == state
+
+
+def test_null_still_turns_a_check_off_and_draws_churn_anew() -> None:
+    """Scenario files written before the validators were unified used null for "off" and for a fresh seed."""
+    scenario = parse_scenario({"duration_s": 60, "checks": {"loss_fell": None},
+                               "churn": {"kills_per_min": 1, "seed": None}})
+    assert not scenario.checks.loss_fell and scenario.checks.resumed_from_checkpoint
+    assert scenario.churn is not None and scenario.churn.seed is None

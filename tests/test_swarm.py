@@ -5,9 +5,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from swarm_utils import PeerThread, max_param_difference, run_swarm, start_peer, tiny_config
+from swarm_utils import PeerThread, max_param_difference, replace_section, run_swarm, start_peer, tiny_config
 
-from p2ptrain.config import replace_section
 from p2ptrain.status import print_status
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

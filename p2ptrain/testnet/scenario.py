@@ -31,11 +31,12 @@ from typing import Any
 
 import yaml
 
+from p2ptrain.dict_to_dataclass import build_dataclass, check_mapping, parsed_by
 from p2ptrain.errors import ConfigError, one_line
 
 PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name
 ACTIONS = (*PEER_ACTIONS, "set_rate", "partition", "heal", "add_peer")
-TRIGGERS = ("at_s", "after_round", "of")
+TRIGGERS = ("at_s", "after_round", "of")  # an event's keys besides its action: Event's fields of the same names
 DEFAULT_ROUNDS = 8
 DEFAULT_PEERS = 4
 _PEER_NAME_RE = re.compile(r"^peer(\d{1,3})$")
@@ -118,6 +119,56 @@ class Event:
         return f"{self.action} {self.peer}" + (f" {rate}" if self.action in ("set_rate", "add_peer") else "")
 
 
+def parse_events(raw: object, key: str = "events") -> tuple[Event, ...]:
+    """Events from a scenario's list of mappings like ``{at_s: 30, kill: peer1}``."""
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key} must be a list of mappings like {{at_s: 30, kill: peer1}}")
+    events = []
+    for i, entry in enumerate(raw):
+        try:
+            events.append(parse_event(entry))
+        except ConfigError as e:
+            raise ConfigError(f"{key}[{i}]: {e}") from None
+    return tuple(events)
+
+
+def parse_event(raw: object) -> Event:
+    """One event: its trigger keys (typed by Event's fields) and exactly one action."""
+    entry = check_mapping(raw, "", (*ACTIONS, *TRIGGERS))
+    actions = [key for key in entry if key in ACTIONS]
+    if len(actions) != 1:
+        raise ConfigError(f"give exactly one action ({', '.join(ACTIONS)}), got {actions or 'none'}")
+    if "of" in entry:
+        peer_index(entry["of"], "of")
+    triggers = {key: entry[key] for key in TRIGGERS if key in entry}
+    return build_dataclass(Event, {"action": actions[0], **triggers, **_action_fields(actions[0], entry[actions[0]])})
+
+
+def _action_fields(action: str, value: Any) -> dict[str, Any]:
+    """Event's fields from an action's value: the target peer, a rate, a group."""
+    if action in PEER_ACTIONS:
+        peer_index(value, action)
+        return {"peer": value}
+    if action == "set_rate":
+        spec = check_mapping(value, "set_rate", ("peer", "rate"))
+        if "peer" not in spec or "rate" not in spec:
+            raise ConfigError("set_rate: write set_rate: {peer: peer1, rate: 5mbit}")
+        peer_index(spec["peer"], "set_rate.peer")
+        return {"peer": spec["peer"], "rate_mbit": parse_rate(spec["rate"], "set_rate.rate")}
+    if action == "partition":
+        if not isinstance(value, list) or not value:
+            raise ConfigError("partition: list the peers to cut off, e.g. partition: [peer2, peer3]")
+        for i, name in enumerate(value):
+            peer_index(name, f"partition[{i}]")
+        return {"group": value}
+    if action == "heal":
+        if value not in ("partition", True):
+            raise ConfigError("heal: write heal: partition")
+        return {}
+    spec = check_mapping({} if value in (None, True) else value, "add_peer", ("rate",))  # named by plan_run
+    return {"peer": "peer?", "rate_mbit": parse_rate(spec.get("rate"), "add_peer.rate")}
+
+
 @dataclasses.dataclass(frozen=True)
 class ChurnSpec:
     """Random SIGKILLs of the initial peers (a Poisson process), each followed by a restart from checkpoint."""
@@ -127,7 +178,7 @@ class ChurnSpec:
     down_s: float = 20.0  # a killed peer is restarted this many seconds later
     start_s: float = 0.0  # no kill before this (let the swarm form)
     stop_s: float | None = None  # no kill after this; default: the scenario's duration_s
-    seed: int = 0
+    seed: int | None = 0  # of the kill times; null: a different draw every run
 
     def __post_init__(self) -> None:
         if not 0 < self.kills_per_min <= 600:
@@ -142,10 +193,10 @@ class ChurnSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ChecksSpec:
-    """What must hold at the end of the run; None turns a check off."""
+    """What must hold at the end of the run; false or null turns a check off."""
 
-    loss_fell: bool = True  # every surviving peer's validation loss ended below its first value
-    resumed_from_checkpoint: bool = True  # a restarted peer's first round is >= its checkpoint's round
+    loss_fell: bool | None = True  # every surviving peer's validation loss ended below its first value
+    resumed_from_checkpoint: bool | None = True  # a restarted peer's first round is >= its checkpoint's round
     max_stall_rounds: float | None = None  # no running peer went longer than this many median rounds without one
     max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
 
@@ -161,13 +212,23 @@ class Scenario:
 
     description: str = ""
     peers: int | None = None
-    bandwidth_mbit: tuple[float | None, ...] = ()
+    bandwidth_mbit: tuple[float | None, ...] = dataclasses.field(  # the file's key: bandwidth
+        default=(), metadata=parsed_by(parse_bandwidth, key="bandwidth"))
     rounds: int | None = None
     duration_s: float | None = None
     peer_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # merged over --config
-    events: tuple[Event, ...] = ()
+    events: tuple[Event, ...] = dataclasses.field(default=(), metadata=parsed_by(parse_events))
     churn: ChurnSpec | None = None
     checks: ChecksSpec = dataclasses.field(default_factory=ChecksSpec)
+
+    def __post_init__(self) -> None:
+        if self.peers is not None and not 1 <= self.peers <= 200:
+            raise ConfigError(f"peers must be between 1 and 200, got {self.peers}")
+        for name in ("rounds", "duration_s"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rounds is not None and self.duration_s is not None:
+            raise ConfigError("give rounds or duration_s, not both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,119 +251,14 @@ class RunPlan:
 
 # ---- parsing ----------------------------------------------------------------------------------------------------
 
-def _number(value: object, where: str, kind: type = float) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
-        raise ConfigError(f"{where}: expected {'a whole number' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
-
-
-def _mapping(value: object, where: str, known: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(str(key) for key in value if key not in known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
-    return value
-
-
-def _spec(cls: type, raw: object, where: str, section: str) -> Any:
-    """A ChurnSpec/ChecksSpec from a mapping: keys checked, numbers typed by the field's default."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = _mapping(raw, f"{where}: {section}", tuple(fields))
-    missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and name not in values]
-    if missing:
-        raise ConfigError(f"{where}: {section}.{missing[0]} is required")
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        if value is None or isinstance(fields[key].default, bool):
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{where}: {section}.{key}: expected true or false, got {value!r}")
-            kwargs[key] = value
-        else:
-            kind = int if key in ("min_alive", "seed") else float
-            kwargs[key] = _number(value, f"{where}: {section}.{key}", kind)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _parse_event(raw: object, where: str) -> Event:
-    entry = _mapping(raw, where, (*ACTIONS, *TRIGGERS))
-    actions = [key for key in entry if key in ACTIONS]
-    if len(actions) != 1:
-        raise ConfigError(f"{where}: give exactly one action ({', '.join(ACTIONS)}), got {actions or 'none'}")
-    action, value = actions[0], entry[actions[0]]
-    fields: dict[str, Any] = {"action": action}
-    if "at_s" in entry:
-        fields["at_s"] = _number(entry["at_s"], f"{where}.at_s")
-    if "after_round" in entry:
-        fields["after_round"] = _number(entry["after_round"], f"{where}.after_round", int)
-    if "of" in entry:
-        peer_index(entry["of"], f"{where}.of")
-        fields["of"] = entry["of"]
-    if action in PEER_ACTIONS:
-        peer_index(value, f"{where}.{action}")
-        fields["peer"] = value
-    elif action == "set_rate":
-        spec = _mapping(value, f"{where}.set_rate", ("peer", "rate"))
-        if "peer" not in spec or "rate" not in spec:
-            raise ConfigError(f"{where}.set_rate: write set_rate: {{peer: peer1, rate: 5mbit}}")
-        peer_index(spec["peer"], f"{where}.set_rate.peer")
-        fields.update(peer=spec["peer"], rate_mbit=parse_rate(spec["rate"], f"{where}.set_rate.rate"))
-    elif action == "partition":
-        if not isinstance(value, list) or not value:
-            raise ConfigError(f"{where}.partition: list the peers to cut off, e.g. partition: [peer2, peer3]")
-        fields["group"] = tuple(value)
-        for i, name in enumerate(value):
-            peer_index(name, f"{where}.partition[{i}]")
-    elif action == "heal":
-        if value not in ("partition", True):
-            raise ConfigError(f"{where}.heal: write heal: partition")
-    else:  # add_peer; the name is given by plan_run
-        spec = _mapping({} if value in (None, True) else value, f"{where}.add_peer", ("rate",))
-        fields.update(peer="peer?", rate_mbit=parse_rate(spec.get("rate"), f"{where}.add_peer.rate"))
-    try:
-        return Event(**fields)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-SCENARIO_KEYS = ("description", "peers", "bandwidth", "rounds", "duration_s", "peer_config", "events", "churn",
-                 "checks")
-
-
 def parse_scenario(raw: object, where: str = "scenario") -> Scenario:
-    """A Scenario from the loaded YAML document."""
-    values = _mapping({} if raw is None else raw, where, SCENARIO_KEYS)
-    fields: dict[str, Any] = {"description": str(values.get("description", ""))}
-    if values.get("peers") is not None:
-        fields["peers"] = _number(values["peers"], f"{where}: peers", int)
-        if not 1 <= fields["peers"] <= 200:
-            raise ConfigError(f"{where}: peers must be between 1 and 200, got {fields['peers']}")
-    if values.get("bandwidth") is not None:
-        fields["bandwidth_mbit"] = parse_bandwidth(values["bandwidth"], f"{where}: bandwidth")
-    for key, kind in (("rounds", int), ("duration_s", float)):
-        if values.get(key) is not None:
-            fields[key] = _number(values[key], f"{where}: {key}", kind)
-            if fields[key] < 1:
-                raise ConfigError(f"{where}: {key} must be >= 1, got {fields[key]}")
-    if fields.get("rounds") is not None and fields.get("duration_s") is not None:
-        raise ConfigError(f"{where}: give rounds or duration_s, not both")
-    if values.get("peer_config") is not None:
-        if not isinstance(values["peer_config"], dict):
-            raise ConfigError(f"{where}: peer_config must be a mapping of config sections, e.g. "
-                              f"{{model: {{name: tiny}}}}")
-        fields["peer_config"] = values["peer_config"]
-    events = values.get("events") or []
-    if not isinstance(events, list):
-        raise ConfigError(f"{where}: events must be a list of mappings like {{at_s: 30, kill: peer1}}")
-    fields["events"] = tuple(_parse_event(e, f"{where}: events[{i}]") for i, e in enumerate(events))
-    if values.get("churn") is not None:
-        fields["churn"] = _spec(ChurnSpec, values["churn"], where, "churn")
-    if values.get("checks") is not None:
-        fields["checks"] = _spec(ChecksSpec, values["checks"], where, "checks")
-    return Scenario(**fields)
+    """A Scenario from the loaded YAML document; every mistake is a one-line ConfigError starting with `where`."""
+    if isinstance(raw, dict):  # every key is optional: one left empty keeps its default
+        raw = {key: value for key, value in raw.items() if value is not None}
+    try:
+        return build_dataclass(Scenario, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def load_scenario(path: str | Path) -> Scenario:
