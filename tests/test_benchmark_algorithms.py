@@ -1,42 +1,35 @@
-"""benchmarks/algorithms.py: the wall-clock model by hand, and a --quick run (rows, sanity row, bytes, JSON)."""
+"""benchmarks/algorithms.py and benchmarks/sim/: the wall-clock model by hand, and a --quick run (rows, sanity row,
+bytes, JSON)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from p2ptrain.maths.mixing import consensus_distance
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import algorithms  # noqa: E402
+from benchmarks.sim.clock import Units, clock_stats, paced_steps, simulate_clock  # noqa: E402
+from benchmarks.sim.rows import ROWS  # noqa: E402
+from benchmarks.sim.simulation import build_bench  # noqa: E402
+from benchmarks.sim.tables import run  # noqa: E402
+from p2ptrain.maths.mixing import consensus_distance  # noqa: E402
+
 PROTO_OVERHEAD_BYTES = 32  # upper bound on one runtime_pb2.Tensor's fields besides its buffer
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmark_algorithms", REPO / "benchmarks" / "algorithms.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
-ROW = {row.name: row for row in bench.ROWS}
+ROW = {row.name: row for row in ROWS}
 PAIRS = [[1], [0], [3], [2]]
 CROSS = [[2], [3], [0], [1]]
 CYCLE = [[3, 1], [0, 2], [1, 3], [2, 0]]
 BANDWIDTH = [10.0, 10.0, 10.0, 1.0]  # bytes/s; peer 3 is the straggler
-UNITS = bench.Units(delta_bytes=10, param_bytes=5)
+UNITS = Units(delta_bytes=10, param_bytes=5)
 
 
 def _clock(name: str, graphs: tuple[list, list], budget_s: float = math.inf, rounds: int = 2):
-    return bench.simulate_clock(ROW[name], UNITS, [2, 2, 2, 2], 1.0, BANDWIDTH, graphs, budget_s, rounds)
+    return simulate_clock(ROW[name], UNITS, [2, 2, 2, 2], 1.0, BANDWIDTH, graphs, budget_s, rounds)
 
 
 def test_diloco_waits_for_the_slowest_member() -> None:
@@ -53,7 +46,7 @@ def test_gossip_pairs_wait_only_for_their_partner() -> None:
     clock = _clock("gasloc-1peer-g0.9", ([PAIRS, CROSS], []))
     assert clock.ends[0] == [2.5, 2.5, 7.0, 7.0]
     assert clock.ends[1] == [9.5, 14.0, 9.5, 14.0]
-    rounds, utilisation = bench.clock_stats(clock, budget_s=9.5)
+    rounds, utilisation = clock_stats(clock, budget_s=9.5)
     assert rounds == [2, 1, 2, 1]
     assert utilisation == pytest.approx(4.0 / 9.5)  # every peer computed 2 × 2 s within the budget
 
@@ -64,9 +57,9 @@ def test_factored_mix1_overlaps_and_mix2_blocks() -> None:
 
 
 def test_pacing_gives_the_straggler_fewer_steps() -> None:
-    steps = bench.paced_steps(ROW["gasloc-1peer-g0"], UNITS, 1.0, BANDWIDTH, 10)
+    steps = paced_steps(ROW["gasloc-1peer-g0"], UNITS, 1.0, BANDWIDTH, 10)
     assert steps == [10, 10, 10, 6]  # ceil(10 + 0.5) − ceil(5 / 1)
-    assert bench.paced_steps(ROW["diloco"], UNITS, 1.0, BANDWIDTH, 10) == [10] * 4
+    assert paced_steps(ROW["diloco"], UNITS, 1.0, BANDWIDTH, 10) == [10] * 4
 
 
 def _fp32_model_bytes(shapes: list[int]) -> int:
@@ -87,11 +80,11 @@ def _assert_ratio(measured: float, raw_bytes: float, copies: float, numels: list
 
 @pytest.mark.slow
 def test_quick_run(tmp_path: Path) -> None:
-    settings, _ = bench.parse_args(["--quick"])
-    report = bench.run(settings, tmp_path, command="pytest")
+    settings, _ = algorithms.parse_args(["--quick"])
+    report = run(settings, tmp_path, command="pytest")
     table1 = {r.name: r for r in report["rows"]["equal_tokens"]}
     table2 = {r.name: r for r in report["rows"]["equal_wallclock"]}
-    assert set(table1) == set(ROW) and set(table2) == {r.name for r in bench.ROWS if not r.sanity}
+    assert set(table1) == set(ROW) and set(table2) == {r.name for r in ROWS if not r.sanity}
     for row in [*table1.values(), *table2.values()]:
         assert math.isfinite(row.val_loss) and math.isfinite(row.mean_peer_val_loss), row.name
     assert table1["diloco"].val_loss < 5.4  # it trained: a uniform guess over 257 tokens is ln 257 = 5.55
@@ -102,7 +95,7 @@ def test_quick_run(tmp_path: Path) -> None:
     assert report["sanity"]["verdict"] == "PASS"
     assert diloco.max_consensus_distance == 0.0 and table1["gasloc-1peer-g0.9"].max_consensus_distance > 0.0
 
-    numels = [t.numel() for t in bench.build_bench(settings).theta0]
+    numels = [t.numel() for t in build_bench(settings).theta0]
     n = settings.peers
     _assert_ratio(diloco.bytes_per_round_vs_model, 4 * sum(numels), 2 * (n - 1) / n, numels)
     _assert_ratio(table1["diloco-fp16"].bytes_per_round_vs_model, 2 * sum(numels), 2 * (n - 1) / n, numels)
@@ -122,7 +115,7 @@ def test_quick_run(tmp_path: Path) -> None:
     assert all(0.0 < row.utilisation <= 1.0 for row in table2.values())
 
     written = json.loads((tmp_path / "algorithms.json").read_text())
-    assert [r["name"] for r in written["equal_tokens"]] == [r.name for r in bench.ROWS]
+    assert [r["name"] for r in written["equal_tokens"]] == [r.name for r in ROWS]
     assert len(written["equal_wallclock"]) == len(table2) and written["torch_threads"] == settings.threads
     assert written["command"] == "pytest" and written["wall_s"] > 0
     assert {t["verdict"] for t in written["targets"]} <= {"PASS", "MISS"} and len(written["targets"]) >= 5

@@ -1,7 +1,7 @@
 """What the simulation assumes: home links, compute per inner step, and how long an exchange or all-reduce takes.
 
 Transfer model (S = payload bytes each way; rates are goodput, as speed tests report it):
-  exchange   p2ptrain's push-pull (p2ptrain/gossip.py): the initiator streams its payload, the responder reads and
+  exchange   p2ptrain's push-pull (p2ptrain/net/exchange.py): the initiator streams its payload, the responder reads and
              validates all of it before it streams its own back, then a commit/ack round trip. So the two
              directions run one after the other: fixed_s + (S / b(i→p) + S / b(p→i)) / efficiency, with b(i→p) =
              min(upload of i, download of p), the bottleneck of the pair in that direction. With k partners at
@@ -12,6 +12,10 @@ Transfer model (S = payload bytes each way; rates are goodput, as speed tests re
   fixed_s (EXCHANGE_FIXED_S) and efficiency (LINK_EFFICIENCY) are fitted by `simulate_scale.py calibrate` from
   the exchanges of a netns testnet run (FITTED_FROM). The all-reduce was not measured: it rides the same libp2p
   streams, so it is given the same efficiency (assumed).
+  Both are built from two functions, `flow_s` (one direction through its bottleneck) and `allreduce_transfer_s`,
+  which are also the transfer times of the algorithm benchmark's clock (benchmarks/sim/clock.py): one formula for
+  both simulators. That clock composes them differently (each peer sends to its partners in turn while receiving
+  theirs, no latency, efficiency 1); its docstring says how.
 
 Links: upload log-normal with 10th percentile 5 and 90th percentile 100 Mbit/s (median sqrt(5·100) ≈ 22.4,
   σ = ln 20 / (2·1.2816) ≈ 1.17), clipped to [1, 1000] Mbit/s (slower volunteers assumed not to join);
@@ -44,6 +48,7 @@ LINK_FLOOR_MBIT, LINK_CAP_MBIT = 1.0, 1000.0
 TRAIN_BYTES_PER_PARAM = 16
 USABLE_GPU_MEMORY = 0.8
 PAYLOAD_BYTES_PER_PARAM = 2  # fp16
+MEGABITS_PER_BYTE = 8 / 1e6
 
 # Fitted by `python benchmarks/simulate_scale.py calibrate --workdir /tmp/cal/real` to the exchanges of one netns
 # testnet run (62 exchanges on link pairs 20-20, 20-5, 20-2 and 5-2 Mbit/s; the table, measured against predicted
@@ -68,6 +73,27 @@ class Gpu:
 GPUS = {g.name: g for g in (Gpu("rtx4090", 165.2e12, 24e9), Gpu("a100", 312e12, 80e9), Gpu("h100", 989e12, 80e9))}
 
 
+def flow_s(amount: float, sender_upload: float, receiver_download: float) -> float:
+    """Seconds to move ``amount`` one way: through the slower of the sender's upload and the receiver's download.
+
+    Any consistent units: megabits over Mbit/s here, bytes over bytes/s in the algorithm benchmark's clock
+    (benchmarks/sim/clock.py), which builds its transfers from this function and `allreduce_transfer_s`.
+    """
+    return amount / min(sender_upload, receiver_download)
+
+
+def butterfly_payloads(n: int) -> float:
+    """Payloads each peer sends in a butterfly all-reduce over n peers: (n−1)/n in the reduce-scatter, as much
+    again in the all-gather."""
+    return 2 * (n - 1) / n
+
+
+def allreduce_transfer_s(sent: float, slowest_link: float, latency_s: float, efficiency: float) -> float:
+    """An all-reduce in which every peer sends ``sent``: all wait for the slowest link of the group (any
+    consistent units, as in `flow_s`), plus matchmaking."""
+    return latency_s + sent / (slowest_link * efficiency)
+
+
 def exchange_transfer_s(
     upload_mbit: Sequence[float], download_mbit: Sequence[float], initiator: int, partners: Sequence[int],
     sent_bytes: float, received_bytes: float, fixed_s: float, efficiency: float,
@@ -75,13 +101,13 @@ def exchange_transfer_s(
     """One push-pull exchange: the initiator's bytes out, then each partner's back, through the bottleneck of
     each direction; with k partners at once the initiator's link is split k ways. See the module docstring."""
     k = len(partners)
+    sent_megabits, received_megabits = sent_bytes * MEGABITS_PER_BYTE, received_bytes * MEGABITS_PER_BYTE
 
-    def flow_s(partner: int) -> float:
-        out_mbit = min(upload_mbit[initiator] / k, download_mbit[partner])
-        back_mbit = min(upload_mbit[partner], download_mbit[initiator] / k)
-        return (sent_bytes * 8 / out_mbit + received_bytes * 8 / back_mbit) / 1e6
+    def both_ways_s(partner: int) -> float:
+        return (flow_s(sent_megabits, upload_mbit[initiator] / k, download_mbit[partner])
+                + flow_s(received_megabits, upload_mbit[partner], download_mbit[initiator] / k))
 
-    return fixed_s + max(flow_s(partner) for partner in partners) / efficiency
+    return fixed_s + max(both_ways_s(partner) for partner in partners) / efficiency
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,8 +142,8 @@ class Swarm:
 def allreduce_s(swarm: Swarm) -> float:
     """Butterfly all-reduce: 2·S·(n−1)/n through the slowest link of the swarm, plus matchmaking."""
     slowest_mbit = min(float(np.min(swarm.upload_mbit)), float(np.min(swarm.download_mbit)))
-    bits = 2 * swarm.payload_bytes * 8 * (swarm.n - 1) / swarm.n
-    return swarm.allreduce_latency_s + bits / (slowest_mbit * 1e6 * swarm.link_efficiency)
+    megabits = butterfly_payloads(swarm.n) * swarm.payload_bytes * MEGABITS_PER_BYTE
+    return allreduce_transfer_s(megabits, slowest_mbit, swarm.allreduce_latency_s, swarm.link_efficiency)
 
 
 def exchange_s(swarm: Swarm, initiator: int, partners: Sequence[int]) -> float:
