@@ -43,11 +43,6 @@ class GaslocState:
         self.momentum = momentum
         self.x_prev: Tensors = _clone(theta_initial)
 
-    def reset_(self, theta: Sequence[torch.Tensor]) -> None:
-        """Forget momentum (x_prev ← θ): used when a peer adopts another peer's parameters."""
-        check_alike(self.x_prev, theta, "parameters")
-        self.x_prev = _clone(theta)
-
     def momentum_step(self, x_new: Sequence[torch.Tensor]) -> Tensors:
         """Return θ_next = x_new + γ (x_new − x_prev) and remember x_new as x_prev."""
         check_alike(self.x_prev, x_new, "mixed iterate")
