@@ -298,13 +298,10 @@ class TrainingPeer:
     def _state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self._named_state())
 
-    @torch.no_grad()
     def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
         """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing)."""
         count = len(self.params)
-        for p, t in zip(self.params, snapshot.tensors[:count], strict=True):
-            p.copy_(t.to(p.device))
-        self.outer.reset_anchor_()
+        self.outer.set_params_(snapshot.tensors[:count])
         self.sync.load_state_tensors_(snapshot.tensors[count:])
         self.round = int(snapshot.metadata["round"])
 
@@ -331,16 +328,13 @@ class TrainingPeer:
         expected = layout_of(names, [p.detach().cpu() for p in self.params])
         try:
             check_tensors(expected, [checkpoint.model[n] for n in names], what="checkpoint")
-            with torch.no_grad():
-                for n, p in self.named_params:
-                    p.copy_(checkpoint.model[n].to(p.device))
+            self.outer.set_params_([checkpoint.model[n] for n in names])
             self.inner.load_state_dict(checkpoint.inner)
         except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
         if checkpoint.sync_state.get("mode") != self.config.sync.mode:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} was written with sync.mode "
                                   f"{checkpoint.sync_state.get('mode')!r}, not {self.config.sync.mode!r}")
-        self.outer.reset_anchor_()
         self.round = checkpoint.round
         self.joined_ever = False
         return checkpoint

@@ -85,17 +85,14 @@ class OuterOptimizer:
             buffers.append(buffer if buffer is not None else torch.zeros_like(p))
         return buffers
 
-    @torch.no_grad()
-    def load_momentum_buffers_(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Load one buffer per parameter; a count or shape that does not fit changes nothing (StateMismatchError)."""
-        check_alike(self.params, buffers, "outer momentum")
-        for p, b in zip(self.params, buffers, strict=True):
-            self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
-
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The outer momentum by name: what a joiner downloads and a checkpoint keeps."""
         return [(f"momentum:{i}", b) for i, b in enumerate(self.momentum_buffers())]
 
-    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Load tensors in the order of `state_tensors()`; a mismatch changes nothing."""
-        self.load_momentum_buffers_(tensors)
+    @torch.no_grad()
+    def load_state_tensors_(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Load one momentum buffer per parameter, in the order of `state_tensors()`; a count or shape that does
+        not fit changes nothing (StateMismatchError)."""
+        check_alike(self.params, buffers, "outer momentum")
+        for p, b in zip(self.params, buffers, strict=True):
+            self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
