@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from p2ptrain.errors import UserError
+from p2ptrain.net.dht import ADMISSION_MODES
 from p2ptrain.sync.config import SYNC_MODES
 
 EXIT_USER_ERROR = 2
@@ -30,6 +31,12 @@ def network_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--no-auto-nat", is_flag=True, help="Do not probe reachability through other peers."),
         click.option("--no-relay", is_flag=True, help="Do not use libp2p relays."),
         click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only and probe nothing (local tests)."),
+        click.option("--admission", type=click.Choice(ADMISSION_MODES), default=None,
+                     help="Who may take part: anyone (open, the default) or peers with an organiser's ticket."),
+        click.option("--organiser-key", type=click.Path(dir_okay=False), default=None,
+                     help="Signed runs: the organiser's public key file (.pub from `p2ptrain keygen`)."),
+        click.option("--admission-ticket", type=click.Path(dir_okay=False), default=None,
+                     help="Signed runs: this peer's ticket file (from `p2ptrain admit`)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -46,9 +53,11 @@ def network_overrides(kwargs: dict[str, Any]) -> dict[str, Any]:
         values = kwargs.pop(flag)
         if values:
             overrides[key] = list(values)
-    identity = kwargs.pop("identity_path")
-    if identity:
-        overrides["network.identity_path"] = identity
+    for flag, key in (("identity_path", "identity_path"), ("admission", "admission"),
+                      ("organiser_key", "organiser_key"), ("admission_ticket", "admission_ticket")):
+        value = kwargs.pop(flag)
+        if value:
+            overrides[f"network.{key}"] = value
     for flag, key in (("no_nat_port_map", "nat_port_map"), ("no_auto_nat", "auto_nat"), ("no_relay", "use_relay")):
         if kwargs.pop(flag):
             overrides[f"network.{key}"] = False
@@ -86,13 +95,17 @@ def cli(log_level: str) -> None:
 @cli.command()
 @network_options
 @click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
-def bootstrap(address_file: str | None, **kwargs: Any) -> None:
+@click.option("--run-id", default=None, help="Run whose peer records this node checks (default from config).")
+def bootstrap(address_file: str | None, run_id: str | None, **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node and print the address peers must pass as --initial-peers."""
     from p2ptrain.config import load_config
     from p2ptrain.net.bootstrap import BootstrapNode
 
-    network = load_config(None, network_overrides(kwargs)).network
-    node = BootstrapNode(network, address_file)
+    overrides = network_overrides(kwargs)
+    if run_id:
+        overrides["run.run_id"] = run_id
+    config = load_config(None, overrides)
+    node = BootstrapNode(config.network, config.run.run_id, address_file)
     stop = threading.Event()
     install_stop_handlers(stop.set)
     try:
@@ -121,14 +134,21 @@ def bootstrap(address_file: str | None, **kwargs: Any) -> None:
 @click.option("--shard-index", type=click.IntRange(min=0), help="Training-data shard (default: from the peer id).")
 @click.option("--torch-threads", type=click.IntRange(min=0), help="CPU threads for this peer (0: torch default).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+@click.option("--red-team", "red_team", hidden=True, help="Testnets only: play an attack, KIND[@ROUND] "
+                                                          "(p2ptrain/testnet/adversary.py).")
 @network_options
 def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
-         **kwargs: Any) -> None:
+         red_team: str | None, **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
     from p2ptrain.net.dht import parse_maddr
     from p2ptrain.peer import TrainingPeer
 
+    attack = None
+    if red_team is not None:
+        from p2ptrain.testnet.adversary import Attack, install_attack
+
+        attack = Attack.parse(red_team)
     peers = split_peers(initial_peers)
     for maddr in peers:
         parse_maddr(maddr)  # before the slow start-up: a typo is reported at once
@@ -145,6 +165,8 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
     config = load_config(config_path, overrides)
     logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
     training_peer = TrainingPeer(config, peers, resume=resume)
+    if attack is not None:
+        install_attack(training_peer, attack)
     install_stop_handlers(training_peer.stop)
     try:
         click.echo(f"Peer {training_peer.peer_id} in run {config.run.run_id!r}. Others can join with:")
@@ -174,6 +196,34 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) ->
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
     print_status(config, split_peers(initial_peers))
+
+
+@cli.command()
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="Private key file to write (mode 0600); the public key goes to OUT.pub.")
+def keygen(out_path: str) -> None:
+    """Organiser: make the key pair of a signed run (keep the key, give peers the .pub)."""
+    from p2ptrain.net.admission import generate_organiser_key
+
+    private_path, public_path = generate_organiser_key(out_path)
+    click.echo(f"organiser key: {private_path} (keep it private)\npublic key: {public_path} (every peer and "
+               f"bootstrap of the run: --admission signed --organiser-key {public_path})")
+
+
+@cli.command()
+@click.argument("peer_id")
+@click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False),
+              help="The organiser's private key file (from `p2ptrain keygen`).")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Ticket file to write.")
+@click.option("--run-id", default=None, help="Run the ticket admits to (default from config).")
+def admit(peer_id: str, key_path: str, out_path: str, run_id: str | None) -> None:
+    """Organiser: write the ticket that admits PEER_ID (as the volunteer's peer printed it) to a signed run."""
+    from p2ptrain.config import load_config
+    from p2ptrain.net.admission import admit_peer
+
+    run = load_config(None, {"run.run_id": run_id} if run_id else {}).run.run_id
+    admit_peer(key_path, run, peer_id, out_path)
+    click.echo(f"ticket for {peer_id} in run {run!r}: {out_path} (the peer passes --admission-ticket {out_path})")
 
 
 @cli.command()

@@ -22,6 +22,7 @@ from p2ptrain.maths.inner import InnerConfig
 from p2ptrain.maths.outer_optimizer import OuterConfig
 from p2ptrain.models import ModelConfig
 from p2ptrain.net.dht import NetworkConfig
+from p2ptrain.net.reputation import ReputationConfig
 from p2ptrain.sync.config import SyncConfig
 
 if sys.version_info >= (3, 11):
@@ -69,6 +70,7 @@ class PeerConfig:
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     network: NetworkConfig = dataclasses.field(default_factory=NetworkConfig)
+    reputation: ReputationConfig = dataclasses.field(default_factory=ReputationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

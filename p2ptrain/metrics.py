@@ -36,6 +36,7 @@ class RoundMetrics:
     failed_exchanges: int = 0
     refused_exchanges: int = 0
     exchanges: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # partner, codec, bytes, seconds each
+    banned_peers: list[str] = dataclasses.field(default_factory=list)  # peers this peer refuses at the round's end
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> str:

@@ -19,22 +19,24 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import TextShards, build_tokenizer, shard_for_peer
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
+from p2ptrain.joining import Joiner, split_by_quorum
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
+from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht, visible_maddrs
 from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
 from p2ptrain.net.event_loop import BackgroundLoop
-from p2ptrain.net.state_sharing import StateServer, StateSnapshot, download_state
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
 from p2ptrain.tensor_layout import check_tensors, layout_of
@@ -89,7 +91,7 @@ class TrainingPeer:
             self.peer_id, config.data.num_shards)
         self.data = TextShards(config.data, self.tokenizer, shard)
         self.batches = self.data.train_batches(seed=hash((config.run.seed, shard)) % 2**31)
-        self.val_batches = self.data.validation_batches()
+        self.val_batches: list[torch.Tensor] = self.data.validation_batches()
         self.metrics_log = MetricsLog(config.run.metrics_path or None)
         self.round_callbacks: list[Callable[[TrainingPeer, RoundMetrics], None]] = []  # called after each round
 
@@ -99,17 +101,28 @@ class TrainingPeer:
         self.dht = start_dht(cfg.network, initial_peers)
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop()
+        try:
+            self.admission = Admission.from_config(cfg.network, cfg.run.run_id, self.peer_id)
+        except UserError:
+            self.dht.shutdown()
+            raise
+        # one record of offences for every transport of this peer; it also refuses peers the run does not admit
+        self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
-        self.loop.run(StateServer(lambda: self._snapshot).add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
+        self.loop.run(StateServer(lambda: self._snapshot, self.reputation.refuses).add_p2p_handlers(
+            self.p2p, namespace=cfg.run.run_id))
+        self.joiner = Joiner(self)
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
-                                                self.fingerprint, self.initial_params, seed=hash(self.peer_id))
+                                                self.fingerprint, self.initial_params, seed=hash(self.peer_id),
+                                                reputation=self.reputation)
         record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
-                                   cfg.network.record_ttl_s)
+                                   cfg.network.record_ttl_s, admission=self.admission)
         self.announcer.start()
-        self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s)
+        self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s,
+                                    admission=self.admission)
         if not cfg.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
             self.watcher.start()
 
@@ -154,7 +167,7 @@ class TrainingPeer:
         """One round; None when stopped mid-round (the parameters are put back at the round's anchor)."""
         started = time.monotonic()
         view = self.swarm()
-        self.joined_this_round = self._catch_up_if_needed(view)
+        self.joined_this_round = self.joiner.catch_up_(view)
         round_ = self.round
         self._publish_round_start(view)
         self.sync.start_round(self._context(view, inner_steps=0))
@@ -178,7 +191,9 @@ class TrainingPeer:
         self.expected_blocking_s, self.swarm_blocking_s = result.expected_blocking_s, result.swarm_blocking_s
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
-        here_or_ahead = [r for r in sync_view.others if r.round >= round_ and r.phase != "joining"]
+        _, trusted, _ = split_by_quorum(sync_view.others, self.config.sync.join_max_round_lead,
+                                        self.reputation.is_banned)  # a liar's round must not unsettle us
+        here_or_ahead = [r for r in trusted if r.round >= round_]
         others_here = max(context.same_round_peers, len(here_or_ahead))
         self.synced = 2 * result.group_size > 1 + others_here
         self.round += 1
@@ -189,10 +204,11 @@ class TrainingPeer:
             time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
             partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
-            refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges])
+            refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges],
+            banned_peers=sorted(self.reputation.banned()))
         self.metrics_log.write(metrics)
         self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
-                              bandwidth_bps=8 * result.link_bytes_per_s)
+                              bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))
         return metrics
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
@@ -248,43 +264,8 @@ class TrainingPeer:
             return math.inf
         return time.monotonic() + max(0.0, max(etas) - get_dht_time())
 
-    # ---- joining and catching up ----------------------------------------------------------------------------
-    def _donors(self, view: SwarmView) -> list[PeerRecord]:
-        """Peers to download state from, best first; empty when this peer is in step with the swarm."""
-        ahead = view.ahead_of(self.round) if self.config.sync.aligned_rounds else []
-        fresh_process = self.round == 0 and not self.joined_ever and view.others
-        if ahead or fresh_process:
-            candidates = [r for r in view.others if r.round >= self.round and r.phase != "joining"]
-        elif not self.synced and self.config.sync.aligned_rounds:
-            candidates = [r for r in view.at_round(self.round) if r.synced and r.phase != "joining"]
-        else:
-            candidates = []
-        # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
-        # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
-        return sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
-
+    # ---- joining and catching up (joining.py decides whose state; the peer says what its state is) ---------------
     joined_ever = False
-
-    def _catch_up_if_needed(self, view: SwarmView) -> bool:
-        donors = self._donors(view)
-        for donor in donors:
-            try:
-                snapshot = self.loop.run(download_state(
-                    self.p2p, PeerID.from_base58(donor.peer_id), self.config.run.run_id, self._state_layout(),
-                    max_bytes=2 * self._state_nbytes() + 2**20,
-                    chunk_timeout_s=self.config.sync.state_download_timeout_s,
-                ), timeout=self.config.sync.state_download_timeout_s * 4)
-            except Exception as e:  # WireError, StateMismatchError, timeouts, P2P errors: all mean "next donor"
-                logger.warning(f"state download from {donor.peer_id} failed: {e!r}; trying the next peer")
-                continue
-            self._apply_snapshot(snapshot)
-            logger.info(f"joined round {self.round} with the state of {donor.peer_id}")
-            self.joined_ever, self.synced = True, True
-            return True
-        if donors:
-            logger.warning("no peer could share its state; training on from ours")
-        self.joined_ever = self.joined_ever or bool(view.others)
-        return False
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
         """What a joiner downloads and a checkpoint keeps: the anchor and the outer-sync state, by name."""

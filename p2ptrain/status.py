@@ -8,28 +8,32 @@ import click
 from hivemind.utils import get_dht_time
 
 from p2ptrain.config import PeerConfig
+from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht
 from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers
 
 
 def format_status_table(records: Sequence[PeerRecord], now: float) -> str:
-    header = f"{'peer':<54} {'round':>5} {'phase':<7} {'loss':>7} {'val':>7} {'tok/s':>8} {'seen':>6}"
+    """One line per peer; `bans`: how many peers it bans now (its reputation record of offences)."""
+    header = f"{'peer':<54} {'round':>5} {'phase':<7} {'loss':>7} {'val':>7} {'tok/s':>8} {'bans':>5} {'seen':>6}"
     lines = [header, "-" * len(header)]
     for r in records:
         loss = f"{r.train_loss:.3f}" if r.train_loss is not None else "-"
         val = f"{r.val_loss:.3f}" if r.val_loss is not None else "-"
         lines.append(f"{r.peer_id:<54} {r.round:>5} {r.phase:<7} {loss:>7} {val:>7} {r.tokens_per_s:>8.0f} "
-                     f"{now - r.updated:>5.1f}s")
+                     f"{r.banned:>5} {now - r.updated:>5.1f}s")
     lines.append(f"{len(records)} live peer(s)")
     return "\n".join(lines)
 
 
 def print_status(config: PeerConfig, initial_peers: Sequence[str]) -> list[PeerRecord]:
+    """Join as a client, print the table; in a signed run only peers with a valid ticket are listed."""
+    admission = Admission.from_config(config.network, config.run.run_id)  # a bad key file fails before joining
     dht = start_dht(config.network, initial_peers)
     try:
-        add_record_validators(dht, config.run.run_id)
-        records = fetch_peers(dht, config.run.run_id, config.network.record_ttl_s)
-        click.echo(f"run {config.run.run_id!r}:")
+        add_record_validators(dht, config.run.run_id, config.network.record_ttl_s, admission)
+        records = fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission)
+        click.echo(f"run {config.run.run_id!r}{' (signed)' if admission.signed else ''}:")
         click.echo(format_status_table(records, get_dht_time()))
         return records
     finally:

@@ -1,8 +1,10 @@
-"""Checks that a list of tensors has the layout we expect, before any of it is used (ground floor: shared by the
-maths wing, which compares tensor lists, and the network wing, which validates what peers send)."""
+"""Checks that a list of tensors has the layout we expect, before any of it is used, and the norms of tensor lists
+(ground floor: shared by the maths wing, which compares tensor lists, and the network wing, which validates what
+peers send)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,3 +39,18 @@ def check_tensors(expected: TensorLayout, tensors: Sequence[torch.Tensor], what:
                                      f"{tuple(shape)} {dtype}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise StateMismatchError(f"{what} tensor {name} holds NaN or infinite values")
+
+
+def norm(tensors: Sequence[torch.Tensor]) -> float:
+    """‖x‖ over all tensors taken together, accumulated in fp64; inf if any entry is not finite."""
+    if not tensors:
+        return 0.0
+    per_tensor = torch.stack([torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors])
+    value = float(torch.linalg.vector_norm(per_tensor))
+    return value if math.isfinite(value) else math.inf
+
+
+def distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """‖a − b‖ over all tensors taken together; inf if either holds a non-finite value."""
+    check_alike(a, b, "compared state")
+    return norm([x.float() - y.float() for x, y in zip(a, b, strict=True)])

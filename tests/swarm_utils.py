@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from hivemind.p2p import P2P
 
 from p2ptrain.config import PeerConfig, build_config
 from p2ptrain.metrics import RoundMetrics
@@ -100,7 +101,12 @@ def run_swarm(
 ) -> tuple[list[PeerThread], list[list[RoundMetrics]]]:
     """Start `peers` peers (the first founds the swarm), run them to `config.run.rounds`, shut them down."""
     first = start_peer(config)
-    members = [first] + [start_peer(config, first.maddrs) for _ in range(peers - 1)]
+    return run_peers([first] + [start_peer(config, first.maddrs) for _ in range(peers - 1)], timeout_s)
+
+
+def run_peers(members: list[TrainingPeer], timeout_s: float = 300
+              ) -> tuple[list[PeerThread], list[list[RoundMetrics]]]:
+    """Run started peers to their `run.rounds` in threads, then shut them all down (also on failure)."""
     threads = [PeerThread(p) for p in members]
     try:
         for thread in threads:
@@ -110,3 +116,16 @@ def run_swarm(
         for member in members:
             member.shutdown()
     return threads, histories
+
+
+async def start_p2ps(n: int) -> list[P2P]:
+    """`n` bare hivemind P2P nodes on loopback (the first bootstraps the others), no NAT probing, no relays."""
+    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False)
+    first = await P2P.create(**options)
+    return [first] + [await P2P.create(initial_peers=await first.get_visible_maddrs(), **options)
+                      for _ in range(n - 1)]
+
+
+async def shutdown(p2ps: list[P2P]) -> None:
+    for p2p in p2ps:
+        await p2p.shutdown()

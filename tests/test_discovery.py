@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
+from p2ptrain.joining import choose_donors
 from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table
@@ -117,10 +118,9 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
 
 def test_a_newcomer_downloads_state_from_the_most_advanced_peer_with_the_fastest_link() -> None:
     """State is the whole model and optimizer: among peers of the latest round, the fastest link serves it."""
-    newcomer = SimpleNamespace(round=0, joined_ever=False, synced=True,
-                               config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=False)))
     records = [PeerRecord(peer_id=name, round=round_, inner_step=0, phase="inner", round_eta=0.0, updated=NOW,
                           bandwidth_bps=bps) for name, round_, bps in
                (("a-slow", 5, 1e6), ("b-fast", 5, 50e6), ("c-behind", 4, 100e6), ("d-unknown", 5, 0.0))]
-    donors = TrainingPeer._donors(newcomer, SwarmView("me", records))  # type: ignore[arg-type]
-    assert [r.peer_id for r in donors] == ["b-fast", "a-slow", "d-unknown", "c-behind"]
+    choice = choose_donors(records, own_round=0, in_step=True, fresh=True, aligned=False, max_lead=2,
+                           is_banned=lambda _peer: False)
+    assert [r.peer_id for r in choice.donors] == ["b-fast", "a-slow", "d-unknown", "c-behind"]

@@ -159,8 +159,10 @@ def test_two_honest_peers_end_with_the_pair_average_and_preserve_the_sum() -> No
             initiator, responder = make_mixer(a), make_mixer(b)
             await serve_exchanges(b, responder)
             theirs = near(reference(), 0.05)
-            responder.set_base_(theirs)
             ours = near(reference(), 0.05)
+            for mixer, value in ((responder, theirs), (initiator, ours)):  # a round's step each, from θ_0: the
+                mixer.set_base_(reference())  # partner is then within the clipping radius (2 × our step)
+                mixer.set_base_(value)
             mixed, stats = await initiator.mix(ours, [b.peer_id.to_base58()], round_=0)
             assert stats.partners == [b.peer_id.to_base58()] and stats.failed == 0
             correction = responder.take_correction_()
@@ -213,8 +215,9 @@ def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
             await serve_exchanges(b, responder)
             responder.set_base_(near(reference(), 0.05))
             completed = 0
-            for _ in range(30):
-                _mixed, stats = await initiator.mix(near(reference(), 0.05), [b.peer_id.to_base58()], round_=0)
+            for round_ in range(30):
+                responder.round = round_  # a partner may open a bounded number of exchanges with us per round
+                _mixed, stats = await initiator.mix(near(reference(), 0.05), [b.peer_id.to_base58()], round_)
                 assert stats.failed == 0, "an exchange failed between two idle peers on loopback"
                 completed += len(stats.partners)
             assert completed == 30 and responder.take_incoming_stats().group_size == 30

@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
-from swarm_utils import run_swarm, tiny_config
+from swarm_utils import run_swarm, shutdown, start_p2ps, tiny_config
 
 from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
@@ -216,16 +216,6 @@ def test_error_feedback_buffers_are_outer_state_after_the_momentum() -> None:
 # ---- 2. real P2P on loopback ---------------------------------------------------------------------------------------
 
 
-async def start_p2ps(n: int) -> list[P2P]:
-    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False)
-    first = await P2P.create(**options)
-    return [first] + [await P2P.create(initial_peers=await first.get_visible_maddrs(), **options)
-                      for _ in range(n - 1)]
-
-
-async def shutdown(p2ps: list[P2P]) -> None:
-    for p2p in p2ps:
-        await p2p.shutdown()
 
 
 @pytest.mark.network

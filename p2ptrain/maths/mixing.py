@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from p2ptrain.tensor_layout import check_alike
+from p2ptrain.tensor_layout import check_alike, distance, norm
 
 
 def metropolis_weight(own_degree: int, partner_degree: int) -> float:
@@ -54,9 +54,7 @@ def exact_average(tensor_lists: Sequence[list[torch.Tensor]]) -> list[torch.Tens
 
 def consensus_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """``‖a − b‖ / ‖a‖`` over all tensors taken together (0 when both are zero, inf when only ``a`` is)."""
-    check_alike(a, b, "compared state")
-    diff_sq = math.fsum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
-    norm_sq = math.fsum(float(x.double().pow(2).sum()) for x in a)
-    if norm_sq == 0.0:
-        return 0.0 if diff_sq == 0.0 else math.inf
-    return math.sqrt(diff_sq / norm_sq)
+    gap, scale = distance(a, b), norm(a)
+    if scale == 0.0:
+        return 0.0 if gap == 0.0 else math.inf
+    return gap / scale

@@ -2,24 +2,51 @@
 
 Peers of the same round meet under one group key: the round number is written into the averager's group bits
 before each step, so a peer a round behind or ahead can never be averaged with this round's gradients.
+
+Hostile members (issue 9). hivemind 1.1.12's public API gives no hold on how a group reduces, so this module returns
+the plain weighted mean and the sync layer judges it (maths/robust_mean.py: finite, near our own Δ, else our own Δ):
+- weights: each part a member sends carries its own `weight` field (AveragingData.weight), read as sent and used as
+  is by the reducer (partition.py, TensorPartReducer.accumulate_part: Σ w·x / Σ w); only the sender's `step()`
+  asserts w ≥ 0. A member may claim any weight, even a negative, infinite or NaN one, and a different one per part.
+  `gather=` metadata is not that claim: it travels once, in matchmaking, and nothing ties it to the parts' weights,
+  so it can neither bound nor expose them.
+- a robust reduction per part (CenteredClip, trimmed mean) would have to live in the reducer, which
+  `_aggregate_with_group` builds privately, with no hook; subclassing it is what STYLE.md rules out.
+- `compression=` cannot stand in: it only encodes what *we* send. A receiver decodes every part with hivemind's
+  built-in codec named in the message (serialization.py, deserialize_torch_tensor), never with our object, so its
+  `extract` never sees another member's data (and it runs in the averager's forked process, out of our reach).
+- a member also reduces a span of the vector for the whole group and returns whatever it likes there, possibly a
+  different value to each member: a robust reduction at the honest reducers would still leave that span to it.
+What does help the check is `gather=`: with `robust`, each member announces ‖Δ‖ there and the result lists the
+claims (unverified; a malformed one is dropped). Their lower median tells a peer whose own Δ is short (a joiner, a
+paced peer: few inner steps) how long honest outer gradients are this round; a liar among honest members cannot lift
+it past their claims.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+
+from p2ptrain.net.lifetime import DiesWithStarter
+from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 in the group key
 CODECS: dict[str, type[CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2}
+
+
+class SwarmAverager(DiesWithStarter, hivemind.DecentralizedAverager):
+    """hivemind's averager, whose process ends with the peer's, however the peer ends (net/lifetime.py)."""
 
 
 @dataclasses.dataclass
@@ -31,10 +58,18 @@ class AveragingResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    claimed_norms: list[float] = dataclasses.field(default_factory=list)  # ‖Δ‖ the members announced (robust only)
 
 
 def round_group_bits(round_: int) -> str:
     return format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+
+
+def claimed_norms(gathered: Mapping[object, object]) -> list[float]:
+    """The members' ‖Δ‖ claims that parse as finite non-negative numbers (untrusted records: others are dropped)."""
+    claims = [meta.get("norm") for meta in gathered.values() if isinstance(meta, dict)]
+    return [float(c) for c in claims if isinstance(c, (int, float)) and not isinstance(c, bool)
+            and math.isfinite(c) and c >= 0]
 
 
 def allreduce_traffic_bytes(vector_bytes: int, group_size: int) -> int:
@@ -58,13 +93,15 @@ class PendingAverage:
 
 
 class AllReduceAverager:
-    """Averages Δ with the peers of the round that show up within `matchmaking_s`; alone, returns Δ."""
+    """Averages Δ with the peers of the round that show up within `matchmaking_s`; alone, returns Δ.
+    `robust`: announce our ‖Δ‖ and return the members' claims with the mean (for the sync layer's check)."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], matchmaking_s: float,
-                 allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None):
-        self.matchmaking_s = matchmaking_s
+                 allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
+                 robust: bool = True):
+        self.matchmaking_s, self.robust = matchmaking_s, robust
         self.vector_bytes = sum(t.numel() * BYTES_PER_VALUE[codec] for t in template)
-        self._averager = hivemind.DecentralizedAverager(
+        self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
             dht=dht,
             start=True,
@@ -94,8 +131,9 @@ class AllReduceAverager:
         with self._averager.get_tensors() as tensors:
             for buffer, d in zip(tensors, own, strict=True):
                 buffer.copy_(d)
+        gather: dict[str, float] = {"round": round_, "norm": norm(own)} if self.robust else {"round": round_}
         try:
-            control = self._averager.step(gather={"round": round_}, weight=max(weight, 1e-6), wait=False,
+            control = self._averager.step(gather=gather, weight=max(weight, 1e-6), wait=False,
                                           timeout=self.matchmaking_s * 2 + 1.0, allow_retries=True)
         except Exception as e:  # could not even start: our own Δ stands in
             logger.warning(f"all-reduce of round {round_} did not start ({e!r})")
@@ -107,9 +145,10 @@ class AllReduceAverager:
             return AveragingResult(own, group_size=1, seconds=time.monotonic() - started)
         with self._averager.get_tensors() as tensors:
             mean = [t.clone() for t in tensors]
-        group_size = len(gathered)  # type: ignore[arg-type]
-        traffic = allreduce_traffic_bytes(self.vector_bytes, group_size)
-        return AveragingResult(mean, group_size, traffic, traffic, time.monotonic() - started)
+        assert isinstance(gathered, Mapping)
+        traffic = allreduce_traffic_bytes(self.vector_bytes, len(gathered))
+        claims = claimed_norms(gathered) if self.robust else []
+        return AveragingResult(mean, len(gathered), traffic, traffic, time.monotonic() - started, claims)
 
     def shutdown(self) -> None:
         self._averager.shutdown()

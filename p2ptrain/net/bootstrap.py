@@ -6,21 +6,30 @@ import logging
 import threading
 from pathlib import Path
 
-import hivemind
-
-from p2ptrain.net.dht import NetworkConfig, start_dht, visible_maddrs
+from p2ptrain.net.admission import Admission
+from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
+from p2ptrain.net.discovery import add_record_validators
 
 logger = logging.getLogger(__name__)
 
 
 class BootstrapNode:
-    """Starts a DHT node that peers use to find each other; it trains nothing."""
+    """Starts a DHT node that peers use to find each other; it trains nothing.
 
-    def __init__(self, config: NetworkConfig, address_file: str | None = None):
+    It stores peer records like any node, so it checks them as the peers of `run_id` do (the same validators; in
+    a signed run the organiser's key, but no ticket of its own): a forged record is not kept here either."""
+
+    def __init__(self, config: NetworkConfig, run_id: str, address_file: str | None = None):
+        admission = Admission.from_config(config, run_id)  # a bad key file fails before the daemon starts
         if config.identity_path:
             Path(config.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        self.dht: hivemind.DHT = start_dht(config)
-        self.maddrs = visible_maddrs(self.dht)
+        self.dht: SwarmDHT = start_dht(config)
+        try:
+            add_record_validators(self.dht, run_id, config.record_ttl_s, admission)
+            self.maddrs = visible_maddrs(self.dht)
+        except BaseException:
+            self.dht.shutdown()
+            raise
         if address_file:
             write_address_file(address_file, self.maddrs)
 

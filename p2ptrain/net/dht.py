@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import shutil
+import signal
 from collections.abc import Sequence
 
 import hivemind
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.errors import ConfigError, UserError, one_line
+from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames, in the DHT process too)
+from p2ptrain.net.identity import fresh_identity_path, load_identity_key
+from p2ptrain.net.lifetime import DiesWithStarter, kill_children
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+ADMISSION_MODES = ("open", "signed")
+# How long joining through initial peers may take. p2pd dials them one after another and gives each that accepts a
+# connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers took 20 s to fail. This
+# leaves room for two of them ahead of a live one (and hivemind's 3 s ping), while a healthy join takes under 1 s.
+JOIN_TIMEOUT_S = 12.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +44,20 @@ class NetworkConfig:
     heartbeat_s: float = 1.0  # how often the peer record is refreshed
     record_ttl_s: float = 8.0  # a peer whose record is older than this is gone
     startup_timeout_s: float = 30.0  # time to start the daemon and reach the initial peers
+    # who may take part: open (anyone) | signed (peers holding a ticket from the organiser's key; net/admission.py)
+    admission: str = "open"
+    organiser_key: str = ""  # signed runs: the organiser's public key file (every peer checks tickets with it)
+    admission_ticket: str = ""  # signed runs: this peer's ticket file, from `p2ptrain admit`
 
     def __post_init__(self) -> None:
         for maddr in (*self.host_maddrs, *self.announce_maddrs):
             parse_maddr(maddr)
         if not self.host_maddrs:
             raise ConfigError("network.host_maddrs must list at least one address, e.g. /ip4/0.0.0.0/tcp/31337")
+        if self.admission not in ADMISSION_MODES:
+            raise ConfigError(f"network.admission must be one of {', '.join(ADMISSION_MODES)}, got {self.admission!r}")
+        if self.admission == "signed" and not self.organiser_key:
+            raise ConfigError("network.admission signed needs network.organiser_key (the organiser's public key file)")
         if not 0 < self.heartbeat_s < self.record_ttl_s:
             raise ConfigError(f"network.heartbeat_s must be > 0 and < network.record_ttl_s, got "
                               f"{self.heartbeat_s} and {self.record_ttl_s}")
@@ -59,19 +80,50 @@ def parse_maddr(text: str) -> Multiaddr:
             from None
 
 
-def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kwargs: object) -> hivemind.DHT:
-    """Start a DHT node (its own process and p2pd daemon); unreachable initial peers are a one-line UserError."""
+class SwarmDHT(DiesWithStarter, hivemind.DHT):
+    """hivemind's DHT node, plus the identity key it runs under: the key that signs this peer's records. Its process
+    (and p2pd) ends with the peer's, however the peer ends (net/lifetime.py)."""
+
+    signing_key: RSAPrivateKey
+
+
+def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kwargs: object) -> SwarmDHT:
+    """Start a DHT node (its own process and p2pd daemon); unreachable initial peers are a one-line UserError.
+
+    Without `config.identity_path` the node runs under a throwaway identity generated for it; either way the
+    identity key is kept as `signing_key` (net/identity.py: a record signed with it proves its peer id)."""
     peers = [parse_maddr(p) for p in initial_peers]
     for maddr in peers:
         if "p2p" not in maddr.protocols() and "/p2p/" not in str(maddr):
             raise UserError(f"initial peer {str(maddr)!r} lacks its /p2p/<peer id> part: copy the full address the "
                             f"bootstrap printed")
+    identity_path = config.identity_path or fresh_identity_path()
     try:
-        return hivemind.DHT(
-            initial_peers=[str(p) for p in peers],
+        dht = _launch(config, [str(p) for p in peers], identity_path, dht_kwargs)
+        try:
+            dht.signing_key = load_identity_key(identity_path)
+        except (OSError, ValueError) as e:
+            dht.shutdown()
+            raise UserError(f"cannot read the identity key {identity_path!r}: {one_line(e)}") from None
+    finally:
+        if not config.identity_path:  # a throwaway identity lives on in memory only
+            shutil.rmtree(os.path.dirname(identity_path), ignore_errors=True)
+    return dht
+
+
+def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
+            dht_kwargs: dict[str, object]) -> SwarmDHT:
+    """Start the node and wait until it is ready, within `JOIN_TIMEOUT_S` when it joins through initial peers; any
+    failure is a one-line UserError, and leaves neither the node's process nor its p2pd behind."""
+    ready_s = min(config.startup_timeout_s, JOIN_TIMEOUT_S) if initial_peers else config.startup_timeout_s
+    failure = f"cannot join the swarm through {', '.join(initial_peers)}" if initial_peers else \
+        f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}"
+    try:
+        dht = SwarmDHT(
+            initial_peers=initial_peers,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
-            identity_path=config.identity_path or None,
+            identity_path=identity_path,
             nat_port_map=config.nat_port_map,
             auto_nat=config.auto_nat,
             use_relay=config.use_relay,
@@ -79,13 +131,28 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
             client_mode=config.client_mode,
             startup_timeout=config.startup_timeout_s,
             start=True,
+            await_ready=False,
             **dht_kwargs,
         )
-    except (P2PDaemonError, TimeoutError, RuntimeError, ValueError, OSError) as e:
-        text = one_line(e)
-        if initial_peers:
-            raise UserError(f"cannot join the swarm through {', '.join(initial_peers)}: {text}") from None
-        raise UserError(f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}: {text}") from None
+    except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
+        raise UserError(f"{failure}: {one_line(e)}") from None
+    try:
+        dht.wait_until_ready(ready_s)
+    except Exception as e:  # whatever the node's process reports is a failure to start; a bare TimeoutError is ours
+        _kill(dht)
+        late = "no initial peer answered" if initial_peers else "the daemon did not start"
+        raise UserError(f"{failure}: {one_line(e) if str(e) else f'{late} within {ready_s:.0f} s'}") from None
+    return dht
+
+
+def _kill(dht: SwarmDHT) -> None:
+    """Kill a node's process and the p2pd daemons it started (stopped first: none can start in between)."""
+    if dht.pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(dht.pid, signal.SIGSTOP)
+            kill_children(dht.pid)
+    dht.kill()
+    dht.join()
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

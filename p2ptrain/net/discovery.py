@@ -1,4 +1,11 @@
-"""Who is training: signed, schema-checked peer records in the DHT, refreshed by a heartbeat, expiring when silent."""
+"""Who is training: signed, schema-checked peer records in the DHT, refreshed by a heartbeat, expiring when silent.
+
+Peers are untrusted. A record is signed with its peer's identity key (net/identity.py), so its `peer_id` must be
+its signer's: one signer speaks for one peer, with one record. Every node refuses, in its DHT validators (nothing
+forged is stored or accepted from a lookup) and again when it reads the records (`parse_records`), a record that is
+malformed, signed by another peer, from the future, stale, set to expire too late, or, in a signed run, without
+the organiser's ticket (net/admission.py).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,21 @@ import logging
 import threading
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
-from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
 
+from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
+from p2ptrain.net.dht import SwarmDHT
+from p2ptrain.net.identity import peer_id_of_signer
+
 logger = logging.getLogger(__name__)
+
+# how far two honest nodes' clocks may disagree (hivemind's DHT time is each machine's own clock): a record's
+# heartbeat may be this far in the future, and a node whose clock is behind may keep a record this long past its TTL
+MAX_CLOCK_SKEW_S = 30.0
 
 
 class PeerRecord(BaseModel):
@@ -31,41 +47,114 @@ class PeerRecord(BaseModel):
     fingerprint: StrictStr = ""  # model fingerprint: peers of another architecture are ignored
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat
+    banned: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # peers it bans now (reputation)
+    # signed runs: the organiser's signature of (run id, peer id), base64 (net/admission.py); "" in open runs
+    ticket: constr(max_length=MAX_TICKET_CHARS, regex=r"^[A-Za-z0-9+/=]*$", strict=True) = ""  # type: ignore[valid-type]
 
 
 class SwarmSchema(BaseModel):
-    peers: dict[BytesWithPublicKey, PeerRecord | None]  # type: ignore[valid-type]
+    peers: dict[BytesWithPublicKey, PeerRecord]  # type: ignore[valid-type]
 
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}_peers"
 
 
-def add_record_validators(dht: hivemind.DHT, run_id: str) -> RSASignatureValidator:
-    """Install the schema and signature validators for this run; returns ours (its public key is our subkey).
+def record_problem(record: PeerRecord, now: float, ttl_s: float, policy: AdmissionPolicy, signer: str | None = None,
+                   expiration_time: float | None = None) -> str | None:
+    """Why a parsed record is refused, or None: the one check of the DHT validator and of `parse_records`.
 
-    Each call makes a new RSA key: hivemind's default is one key per process, which would give every peer
-    hosted in one process the same subkey, so they would overwrite each other's records.
-    """
-    signature_validator = RSASignatureValidator(RSAPrivateKey())
-    dht.add_validators([SchemaValidator(SwarmSchema, prefix=run_id), signature_validator])
+    `signer`: the peer id whose identity key signed it, where known; `expiration_time`: the DHT's, where known."""
+    if signer is not None and record.peer_id != signer:
+        return f"it names peer {record.peer_id} but was signed by {signer}"
+    if record.updated > now + MAX_CLOCK_SKEW_S:
+        return f"its heartbeat is {record.updated - now:.0f} s in the future"
+    if now - record.updated > ttl_s + MAX_CLOCK_SKEW_S:
+        return f"its heartbeat is {now - record.updated:.0f} s old"
+    if expiration_time is not None and expiration_time > now + ttl_s + MAX_CLOCK_SKEW_S:
+        return f"it asks to be kept {expiration_time - now:.0f} s"
+    return policy.ticket_problem(record.peer_id, record.ticket)
+
+
+def is_live(record: PeerRecord, now: float, ttl_s: float) -> bool:
+    """Whether a record's peer still counts as present: its last heartbeat is at most `ttl_s` old."""
+    return now - record.updated <= ttl_s
+
+
+@dataclasses.dataclass
+class PeerRecordValidator(RecordValidatorBase):
+    """hivemind validator for one run's peer records (`record_problem`, with the signer taken from the subkey).
+
+    It runs below the signature validator, which checks the signature and strips it first, so it sees the plain
+    value. Plain data: hivemind pickles validators into its DHT process."""
+
+    run_id: str
+    ttl_s: float
+    policy: AdmissionPolicy
+
+    def __post_init__(self) -> None:
+        self.key_id = DHTID.generate(source=peers_key(self.run_id)).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_id:
+            return True  # not a peer record of this run
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            parsed = PeerRecord.parse_obj(MSGPackSerializer.loads(record.value))
+        except Exception:  # msgpack and pydantic raise many types; every one means a malformed record
+            logger.debug("refusing a malformed peer record", exc_info=True)
+            return False
+        signer = peer_id_of_signer(subkey) if isinstance(subkey, bytes) else None
+        if signer is None:
+            logger.debug(f"refusing a peer record of {parsed.peer_id}: its subkey names no signer")
+            return False
+        problem = record_problem(parsed, get_dht_time(), self.ttl_s, self.policy, signer, record.expiration_time)
+        if problem is not None:
+            logger.debug(f"refusing a peer record of {parsed.peer_id}: {problem}")
+        return problem is None
+
+    @property
+    def priority(self) -> int:
+        return 5  # below RSASignatureValidator's 10: validated after it, on the value it stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return other == self  # the same check twice is one; another (e.g. stricter) one is applied as well
+
+
+def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float,
+                          admission: Admission | None = None) -> RSASignatureValidator:
+    """Install this run's validators (signature, schema, `PeerRecordValidator`); returns the signature validator,
+    whose public key, that of the node's identity key (`dht.signing_key`), is the subkey of our record."""
+    policy = admission.policy if admission is not None else AdmissionPolicy(run_id)
+    signature_validator = RSASignatureValidator(dht.signing_key)
+    dht.add_validators([SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
+                        PeerRecordValidator(run_id, ttl_s, policy)])
     return signature_validator
 
 
-def parse_records(raw: object, ttl_s: float, now: float) -> list[PeerRecord]:
-    """Records from a DHT `get` result, silently dropping malformed and stale ones (a bad record is not fatal)."""
+def parse_records(raw: object, ttl_s: float, now: float, admission: Admission | None = None) -> list[PeerRecord]:
+    """The live records of a DHT `get` result, silently dropping refused ones (`record_problem`: a bad record is
+    not fatal); in a signed run, the peers of the records kept are noted as admitted."""
     value = getattr(raw, "value", None)
     if not isinstance(value, dict):
         return []
+    policy = admission.policy if admission is not None else AdmissionPolicy("")
     records = []
-    for entry in value.values():
+    for subkey, entry in value.items():
         try:
             record = PeerRecord.parse_obj(entry.value)
         except Exception:  # pydantic raises ValidationError, bad types raise TypeError
             logger.debug("ignoring a malformed peer record", exc_info=True)
             continue
-        if now - record.updated <= ttl_s:
+        # a subkey that names no signer came from a DHT without our validators (which refuse it): a test's stand-in
+        signer = peer_id_of_signer(subkey) if isinstance(subkey, bytes) else None
+        problem = record_problem(record, now, ttl_s, policy, signer, getattr(entry, "expiration_time", None))
+        if problem is not None:
+            logger.debug(f"ignoring the peer record of {record.peer_id}: {problem}")
+        elif is_live(record, now, ttl_s):
             records.append(record)
+            if admission is not None:
+                admission.admit_(record.peer_id)
     by_peer: dict[str, PeerRecord] = {}
     keep_freshest_(by_peer, records)
     return sorted(by_peer.values(), key=lambda r: r.peer_id)
@@ -85,10 +174,10 @@ DHT_READ_TIMEOUT_S = 30.0
 DHT_CALL_LOCK = threading.Lock()
 
 
-def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float,
-                timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
-    """The run's live peers, as of now; none (with a warning) when the DHT does not answer within `timeout_s`
-    (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
+def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float, timeout_s: float = DHT_READ_TIMEOUT_S,
+                admission: Admission | None = None) -> list[PeerRecord]:
+    """The run's live peers, as of now (`parse_records`); none (with a warning) when the DHT does not answer within
+    `timeout_s` (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
     with DHT_CALL_LOCK:
         future = dht.get(peers_key(run_id), latest=True, return_future=True)
     try:
@@ -97,7 +186,7 @@ def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float,
         future.cancel()
         logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on as if alone this round")
         return []
-    return parse_records(raw, ttl_s, get_dht_time())
+    return parse_records(raw, ttl_s, get_dht_time(), admission)
 
 
 class Announcer:
@@ -106,12 +195,16 @@ class Announcer:
     The training loop calls `update(...)` with new figures; the thread stores the latest record. A DHT store takes
     a round trip or more (0.3–0.5 s measured on the loaded netns testnet), so `update(publish=True)` only wakes the
     thread: training never waits for the DHT. When the peer stops, the record stops being refreshed and expires
-    after `record_ttl_s` for everyone else.
+    after `record_ttl_s` for everyone else. The record is signed with the node's identity key; in a signed run
+    it carries this peer's ticket (`admission.ticket`).
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, record: PeerRecord, heartbeat_s: float, ttl_s: float):
+    def __init__(self, dht: SwarmDHT, run_id: str, record: PeerRecord, heartbeat_s: float, ttl_s: float,
+                 admission: Admission | None = None):
         self.dht, self.run_id, self.heartbeat_s, self.ttl_s = dht, run_id, heartbeat_s, ttl_s
-        self._validator = add_record_validators(dht, run_id)
+        self._validator = add_record_validators(dht, run_id, ttl_s, admission)
+        if admission is not None and admission.ticket:
+            record = record.copy(update=dict(ticket=admission.ticket))
         self._record = record
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -121,6 +214,11 @@ class Announcer:
     def start(self) -> None:
         self.publish()
         self._thread.start()
+
+    @property
+    def subkey(self) -> bytes:
+        """Our record's DHT subkey: the public half of the identity key that signs it."""
+        return self._validator.local_public_key
 
     @property
     def record(self) -> PeerRecord:
@@ -142,7 +240,7 @@ class Announcer:
             value = self._record.dict()
         try:
             with DHT_CALL_LOCK:
-                future = self.dht.store(peers_key(self.run_id), subkey=self._validator.local_public_key,
+                future = self.dht.store(peers_key(self.run_id), subkey=self.subkey,
                                         value=value, expiration_time=now + self.ttl_s, return_future=True)
             return bool(future.result(timeout=DHT_READ_TIMEOUT_S))
         except Exception:  # the DHT process may be shutting down; the next heartbeat tries again
@@ -173,11 +271,14 @@ class SwarmWatcher:
 
     Reads are merged, not replaced: a record stands until its own expiry (`ttl_s` after its heartbeat), as it
     does in the DHT. One read that timed out or reached only some of the nodes (seen: 0 of 3 records after 4.8 s)
-    would otherwise leave the peer believing itself alone until the next read.
+    would otherwise leave the peer believing itself alone until the next read. With `admission`, reads keep its
+    list of admitted peers current (`Admission.allows`).
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float):
+    def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float,
+                 admission: Admission | None = None):
         self.dht, self.run_id, self.ttl_s, self.refresh_s = dht, run_id, ttl_s, refresh_s
+        self.admission = admission
         self._known: dict[str, PeerRecord] = {}
         self._read_once = False
         self._lock = threading.Lock()
@@ -190,10 +291,10 @@ class SwarmWatcher:
     def records(self, current: bool = False) -> list[PeerRecord]:
         """The freshest record of every peer whose record has not expired, sorted by peer id."""
         if current or not self._read_once:
-            self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s))
+            self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, admission=self.admission))
         now = get_dht_time()
         with self._lock:
-            live = [r for r in self._known.values() if now - r.updated <= self.ttl_s]
+            live = [r for r in self._known.values() if is_live(r, now, self.ttl_s)]
         return sorted(live, key=lambda r: r.peer_id)
 
     def merge_(self, records: list[PeerRecord]) -> None:
@@ -201,13 +302,13 @@ class SwarmWatcher:
         now = get_dht_time()
         with self._lock:
             keep_freshest_(self._known, records)
-            self._known = {p: r for p, r in self._known.items() if now - r.updated <= self.ttl_s}
+            self._known = {p: r for p, r in self._known.items() if is_live(r, now, self.ttl_s)}
             self._read_once = True
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s))
+                self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, admission=self.admission))
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
                 logger.debug("swarm records not read", exc_info=True)
             self._stop.wait(self.refresh_s)

@@ -9,10 +9,16 @@ Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metad
 4. the initiator applies its mix when the ack arrives.
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
 side. What is mixed and how is decided by the peer's side through `ExchangeHandler` (this module moves bytes).
+
+Initiators are untrusted (issue 9). Without reading an offer, the responder refuses banned peers and offers beyond
+its `ResponderLimits` (per peer, in all); it drops an exchange at deadlines that follow from the bytes at stake
+(not from the initiator's word) and frees its slot, and reports offences to the `Reputation` of the peer id
+libp2p authenticated.
 """
 
 # No `from __future__ import annotations`: hivemind's ServicerBase reads the rpc_* annotations at runtime.
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -23,9 +29,16 @@ from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase re
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps the frames hivemind reads from peers)
+from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.wire import (
+    MAX_MESSAGE_BYTES,
     WireError,
+    WireOversize,
+    WireTimeout,
+    WireTruncated,
     decode_metadata,
+    drain,
     encode_metadata,
     payload_bytes,
     read_tensors,
@@ -69,6 +82,9 @@ class ExchangeHandler(Protocol):
     @property
     def chunk_timeout_s(self) -> float: ...
 
+    @property
+    def reputation(self) -> Reputation: ...  # the peer's one record of offences, shared by all its transports
+
     def open(self, header: dict[str, Any]) -> "OpenExchange | str":
         """Accept an offer (returns the open exchange) or refuse it (returns the reason)."""
         ...
@@ -83,12 +99,26 @@ class ExchangeOutcome:
     seconds: float
 
 
-async def read_payload(
-    messages: AsyncIterator[averaging_pb2.DownloadData],
-    first: averaging_pb2.DownloadData,
-    nbytes: int,
-    chunk_timeout_s: float,
-) -> Payload:
+@dataclasses.dataclass(frozen=True)
+class ResponderLimits:
+    """What a responder grants initiators: every deadline follows from the bytes at stake and these two knobs."""
+
+    min_bytes_per_s: float = 64 * 1024  # the slowest initiator we serve (0.5 Mbit/s): slower ones are dropped
+    floor_s: float = 5.0  # added to every deadline: connection set-up, scheduling and GC pauses
+    per_peer: int = 2  # exchanges open at once with one peer id; a third is refused and is an offence
+    total: int = 32  # exchanges open at once in all; beyond, offers are refused as "busy"
+
+    def __post_init__(self) -> None:
+        if min(self.min_bytes_per_s, self.floor_s) <= 0 or min(self.per_peer, self.total) < 1:
+            raise ValueError("responder limits: min_bytes_per_s and floor_s must be > 0, per_peer and total >= 1")
+
+    def transfer_s(self, nbytes: int) -> float:
+        """The time `nbytes` may take to reach us, or to be taken from us."""
+        return self.floor_s + nbytes / self.min_bytes_per_s
+
+
+async def read_payload(messages: AsyncIterator[averaging_pb2.DownloadData], first: averaging_pb2.DownloadData,
+                       nbytes: int, chunk_timeout_s: float) -> Payload:
     """Read exactly `nbytes` of tensor data (the first chunk is in `first`); more or less is a WireError."""
     return await read_tensors(messages, lambda m: m.tensor_part, nbytes, chunk_timeout_s, first=first,
                               exact_bytes=nbytes)
@@ -102,88 +132,195 @@ def _messages(header: dict[str, Any], payload: Payload) -> list[averaging_pb2.Do
     return messages
 
 
-async def _drain(requests: AsyncIterator[averaging_pb2.DownloadData], timeout_s: float) -> None:
-    """Read (and drop) what the initiator still sends until it ends its side of the stream, for at most
-    `timeout_s`.
-
-    Why: when a handler returns, hivemind closes our end of the stream; if the initiator's data is still arriving
-    then (the rest of a payload we refused, or its end-of-stream after the commit), p2pd resets the stream and
-    our last message in flight (the refusal, or the ack) is lost: the initiator waits out its deadline, and after
-    an ack it does not apply the mix we already applied. Measured before this: about 1 exchange in 25 on loopback.
-    """
-    async def read_to_end() -> None:
-        async for _ in requests:
-            pass
-
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(read_to_end(), timeout_s)
-
-
 def _refusal(reason: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
 
-class GossipServicer(ServicerBase):
-    """Answers exchange offers for one run; `handler` decides what to send and how to mix."""
+class _Slots:
+    """Inbound exchanges open at once, per remote peer id and in all, and refused streams still draining."""
 
-    def __init__(self, handler: ExchangeHandler, max_payload_bytes: int, chunk_timeout_s: float):
-        self.handler = handler
-        self.max_payload_bytes = max_payload_bytes
-        self.chunk_timeout_s = chunk_timeout_s
+    def __init__(self, limits: ResponderLimits):
+        self.limits, self.held = limits, collections.Counter[str]()
+        self.refused_draining = 0  # refused streams we still read (and drop) from
+
+    def take(self, peer: str) -> str | None:
+        """Hold a slot for `peer`; or the reason it gets none."""
+        if self.held[peer] >= self.limits.per_peer:
+            return f"more than {self.limits.per_peer} exchanges at once"
+        if self.held.total() >= self.limits.total:
+            return "busy"
+        self.held[peer] += 1
+        return None
+
+    def give_back(self, peer: str) -> None:
+        self.held[peer] -= 1
+        if not self.held[peer]:
+            del self.held[peer]
+
+
+class _Inbound:
+    """One inbound exchange holding a slot: who offers it, its messages, its deadline, and what to release.
+
+    The deadline is a timer that cancels the task serving the exchange (hivemind serves each inbound stream in its
+    own task, and ends the stream when that task ends). It is the one bound that also holds while we are suspended
+    handing our payload to an initiator that stopped reading it: no timeout of ours runs then.
+    """
+
+    def __init__(self, servicer: "GossipServicer", peer: str, requests: AsyncIterator[averaging_pb2.DownloadData]):
+        self.servicer, self.peer, self.requests = servicer, peer, requests
+        self.started = time.monotonic()
+        self.opened: OpenExchange | None = None
+        self._task = asyncio.current_task()
+        self._timer: asyncio.TimerHandle | None = None
+        self._released = False
+
+    def arm(self, seconds: float, offence: str) -> None:
+        """Drop the exchange `seconds` from now, and penalise its sender for `offence`."""
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, offence)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def release(self) -> None:
+        """Free our slot and the handler's exchange, once: when the task ends or at the deadline, whichever comes
+        first (a task cancelled while suspended in our `yield` finalizes this generator only later)."""
+        if not self._released:
+            self._released = True
+            self.disarm()
+            self.servicer.slots.give_back(self.peer)
+            if self.opened is not None:
+                self.opened.close()
+
+    def _expire(self, offence: str) -> None:
+        detail = f"exchange dropped after {time.monotonic() - self.started:.1f} s"
+        logger.info(f"{detail}: {self.peer} ({offence})")
+        self.servicer.reputation.penalise(self.peer, offence, detail)
+        self.release()
+        if self._task is not None:
+            self._task.cancel()
+
+
+class GossipServicer(ServicerBase):
+    """Answers exchange offers for one run; `handler` decides what to send and how to mix, `reputation` (a private
+    one if None) records offences, `limits` bound what initiators get."""
+
+    def __init__(self, handler: ExchangeHandler, max_payload_bytes: int, chunk_timeout_s: float,
+                 reputation: Reputation | None = None, limits: ResponderLimits = ResponderLimits()):
+        self.handler, self.max_payload_bytes, self.chunk_timeout_s = handler, max_payload_bytes, chunk_timeout_s
+        self.reputation = reputation if reputation is not None else Reputation()
+        self.limits, self.slots = limits, _Slots(limits)
+        # how long an initiator may keep us waiting for a message: our largest one at the slowest rate we serve
+        self.message_timeout_s = min(chunk_timeout_s, limits.transfer_s(MAX_MESSAGE_BYTES))
 
     async def rpc_exchange(
         self, requests: AsyncIterator[averaging_pb2.DownloadData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        async for message in self._respond(requests, context.remote_id.to_base58()):
-            yield message
-        await _drain(requests, self.chunk_timeout_s)
-
-    async def _respond(
-        self, requests: AsyncIterator[averaging_pb2.DownloadData], remote_id: str
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        try:
-            first = await asyncio.wait_for(requests.__anext__(), timeout=self.chunk_timeout_s)
-            header = decode_metadata(first.metadata)
-            header["sender"] = remote_id  # who offers is what libp2p authenticated, never what the offer claims
-            nbytes = int(header.get("nbytes", -1))
-        except (StopAsyncIteration, asyncio.TimeoutError, WireError, TypeError, ValueError):
-            yield _refusal("malformed offer")
+        peer = context.remote_id.to_base58()  # what libp2p authenticated, never what the offer claims
+        refusal = self._admit(peer)
+        if refusal is not None:  # no slot: the offer is not read, the refusal is all we send
+            yield _refusal(refusal)
+            await self._drain_refused(requests)
             return
-        if not 0 <= nbytes <= self.max_payload_bytes:
-            yield _refusal(f"payload of {nbytes} bytes is outside 0..{self.max_payload_bytes}")
+        inbound = _Inbound(self, peer, requests)
+        try:
+            async for message in self._respond(inbound):
+                yield message
+            inbound.disarm()
+            await drain(requests, self.limits.floor_s)  # an honest initiator ends its stream once it has our answer
+        finally:
+            inbound.release()
+
+    async def _drain_refused(self, requests: AsyncIterator[averaging_pb2.DownloadData]) -> None:
+        """Let a refusal reach its initiator (see `drain`), for `limits.total` refused streams at once at most:
+        beyond, a refused stream ends at once (and its refusal may be lost)."""
+        if self.slots.refused_draining < self.limits.total:
+            self.slots.refused_draining += 1
+            try:
+                await drain(requests, self.limits.floor_s)
+            finally:
+                self.slots.refused_draining -= 1
+
+    def _admit(self, peer: str) -> str | None:
+        """Take a slot for an offer from `peer`, or say why not (a ban, no admission, too many open exchanges)."""
+        if self.reputation.refuses(peer):
+            return "banned or not admitted"
+        refusal = self.slots.take(peer)
+        if refusal is not None and refusal != "busy":
+            self.reputation.penalise(peer, "too_many_opens", refusal)
+        return refusal
+
+    def _offence(self, peer: str, error: ValueError) -> None:
+        """Penalise `peer` for what a failed read or validation of its offer or payload says about it."""
+        if isinstance(error, WireTruncated):
+            return  # an initiator that gives up at its own deadline ends its stream early
+        offence = ("slow_send" if isinstance(error, WireTimeout) else "oversize" if isinstance(error, WireOversize)
+                   else "malformed" if isinstance(error, WireError) else "invalid_payload")
+        self.reputation.penalise(peer, offence, str(error))
+
+    async def _respond(self, inbound: _Inbound) -> AsyncIterator[averaging_pb2.DownloadData]:
+        try:
+            first, header, nbytes = await self._read_offer(inbound)
+        except WireError as e:
+            self._offence(inbound.peer, e)
+            yield _refusal(f"malformed offer: {e}")
             return
         opened = self.handler.open(header)
         if isinstance(opened, str):
             yield _refusal(opened)
             return
+        inbound.opened = opened
+        async for message in self._answer(inbound, first, header, nbytes, opened):
+            yield message
+
+    async def _read_offer(self, inbound: _Inbound) -> tuple[averaging_pb2.DownloadData, dict[str, Any], int]:
+        """The offer's first message, its header (with the sender libp2p authenticated) and announced bytes."""
         try:
-            async for message in self._answer(requests, first, header, nbytes, opened):
-                yield message
-        finally:
-            opened.close()
+            first = await asyncio.wait_for(inbound.requests.__anext__(), timeout=self.message_timeout_s)
+        except StopAsyncIteration:
+            raise WireTruncated("stream ended before an offer") from None
+        except asyncio.TimeoutError:
+            raise WireTimeout(f"no offer within {self.message_timeout_s:.1f} s") from None
+        header = decode_metadata(first.metadata)
+        header["sender"] = inbound.peer
+        nbytes = header.get("nbytes")
+        if type(nbytes) is not int:
+            raise WireError(f"offer announces {nbytes!r} bytes")
+        if not 0 <= nbytes <= self.max_payload_bytes:
+            raise WireOversize(f"payload of {nbytes} bytes is outside 0..{self.max_payload_bytes}")
+        return first, header, nbytes
 
     async def _answer(
-        self, requests: AsyncIterator[averaging_pb2.DownloadData], first: averaging_pb2.DownloadData,
-        header: dict[str, Any], nbytes: int, opened: OpenExchange,
+        self, inbound: _Inbound, first: averaging_pb2.DownloadData, header: dict[str, Any], nbytes: int,
+        opened: OpenExchange,
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        inbound.arm(self.limits.transfer_s(nbytes) - (time.monotonic() - inbound.started), "slow_send")
         try:
-            partner_payload = await read_payload(requests, first, nbytes, self.chunk_timeout_s)
+            partner_payload = await read_payload(inbound.requests, first, nbytes, self.message_timeout_s)
             apply = opened.validate(header, partner_payload)
         except (WireError, ValueError) as e:
-            logger.info(f"refusing an exchange: {e}")
+            inbound.disarm()
+            logger.info(f"refusing an exchange with {inbound.peer}: {e}")
+            self._offence(inbound.peer, e)
             yield _refusal(f"invalid payload: {e}")
             return
         answer = dict(opened.header, status="ok", nbytes=payload_bytes(opened.payload))
+        # the initiator takes our payload, checks it and commits: as long as our payload takes to arrive
+        inbound.arm(self.limits.transfer_s(answer["nbytes"]), "uncommitted")
         for message in _messages(answer, opened.payload):
             yield message
-        try:
-            commit = await asyncio.wait_for(requests.__anext__(), timeout=self.chunk_timeout_s)
-            committed = decode_metadata(commit.metadata).get("commit") is True
-        except (StopAsyncIteration, asyncio.TimeoutError, WireError):
+        try:  # waited for until the exchange's deadline
+            committed = decode_metadata((await inbound.requests.__anext__()).metadata).get("commit") is True
+        except (StopAsyncIteration, WireError):
             committed = False
         if committed:
+            inbound.disarm()
             apply()
             yield averaging_pb2.DownloadData(metadata=encode_metadata({"applied": True}))
+        else:
+            self.reputation.penalise(inbound.peer, "uncommitted", "took our payload and ended without a commit")
 
 
 async def push_pull(
@@ -222,7 +359,16 @@ async def _initiate(
     chunk_timeout_s: float,
 ) -> ExchangeOutcome:
     stub = GossipServicer.get_stub(p2p, peer_id, namespace=namespace)
-    responses = await stub.rpc_exchange(requests)
+    # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
+    # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
+    async with contextlib.aclosing(await stub.rpc_exchange(requests)) as responses:
+        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s)
+
+
+async def _exchange(
+    responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
+    validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
+) -> ExchangeOutcome:
     try:
         first = await responses.__anext__()
     except StopAsyncIteration:
@@ -247,5 +393,6 @@ async def _initiate(
 
 async def serve_exchanges(p2p: P2P, handler: ExchangeHandler) -> None:
     """Answer offers under `handler.namespace` on `p2p`: the one way a kind of exchange is registered."""
-    servicer = GossipServicer(handler, handler.max_payload_bytes, chunk_timeout_s=handler.chunk_timeout_s)
+    servicer = GossipServicer(handler, handler.max_payload_bytes, chunk_timeout_s=handler.chunk_timeout_s,
+                              reputation=handler.reputation)
     await servicer.add_p2p_handlers(p2p, namespace=handler.namespace)

@@ -2,26 +2,42 @@
 
 The snapshot is taken at the start of a round (the anchor θ_r, the outer-optimizer state, the round number), so
 a newcomer that applies it can take part in that very round's averaging. A download is checked against the
-newcomer's own layout (names, shapes, dtypes, finite values) before anything is applied: never half-applied.
+newcomer's own layout (names, shapes, dtypes, finite values) and expected metadata (run, model, a plausible round)
+before anything is applied: never half-applied.
+
+A downloaded state is then corroborated by other peers (joining.py) through `rpc_state_sketch`: a peer answers
+with a sketch of its own snapshot's parameters under a seed the asker drew after the download (SKETCH_SIZE
+Rademacher projections, float64) and their norm, so a donor cannot shape a lie to match what honest peers will
+answer. Banned peers are served neither snapshots nor sketches.
 """
 
 # No `from __future__ import annotations` here: hivemind's ServicerBase reads the rpc_* annotations at runtime
 # and recognises streams only by `typing.AsyncIterator`.
+import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
-from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator only)
+from typing import Any, AsyncIterator, TypeGuard  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator only)
 
+import numpy as np
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
+from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames)
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
+
+SKETCHED_PREFIX = "param:"  # the snapshot tensors a sketch covers: the model parameters (not the outer state)
+# projections per sketch: ‖sketch(a) − sketch(b)‖ / √SKETCH_SIZE estimates ‖a − b‖ within ×0.47..×1.61 (99.9 %)
+SKETCH_SIZE = 16
+SKETCH_BLOCK = 2**16  # elements projected at a time: SKETCH_SIZE × this × 8 bytes of signs (4 MiB) at most
+MAX_SEED = 2**64  # seeds are 64-bit (PCG64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,30 +58,155 @@ class StateSnapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    @property
+    def round(self) -> int:
+        return int(self.metadata["round"])
+
+    def sketch(self, seed: int) -> "Sketch":
+        """The sketch of this snapshot's parameters under `seed` (what `rpc_state_sketch` answers)."""
+        params = [t for n, t in zip(self.names, self.tensors, strict=True) if n.startswith(SKETCHED_PREFIX)]
+        return Sketch(self.round, parameter_sketch(params, seed), parameter_norm(params))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sketch:
+    """A state's sketch under one seed: the round of the snapshot, its projections, its exact norm."""
+
+    round: int
+    values: list[float]
+    norm: float
+
+    def distance(self, other: "Sketch") -> float:
+        """‖a − b‖ / min(‖a‖, ‖b‖), estimated from the projections; a scaled-up state cannot look near by
+        inflating its own norm."""
+        difference = math.dist(self.values, other.values) / math.sqrt(SKETCH_SIZE)
+        smaller = min(self.norm, other.norm)
+        if difference == 0:
+            return 0.0
+        return difference / smaller if smaller > 0 else math.inf
+
+
+def parameter_sketch(tensors: Sequence[torch.Tensor], seed: int) -> list[float]:
+    """SKETCH_SIZE Rademacher projections ⟨s_k, x⟩ of the tensors flattened end to end, summed in float64.
+
+    The signs are the raw bits of a PCG64 stream seeded with `seed` (numpy keeps bit generators' streams fixed
+    across versions and platforms), consumed SKETCH_BLOCK elements at a time: memory stays bounded, and two
+    peers holding tensors of one layout draw the same signs. E‖sketch(x)‖² = SKETCH_SIZE · ‖x‖², so
+    ‖sketch(a) − sketch(b)‖ / √SKETCH_SIZE estimates ‖a − b‖ (a χ with SKETCH_SIZE degrees of freedom).
+    """
+    bits = np.random.PCG64(seed)
+    total = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), SKETCH_BLOCK):
+            block = flat[start:start + SKETCH_BLOCK].to("cpu", torch.float64)
+            total += _signs(bits, block.numel()) @ block
+    return total.tolist()
+
+
+def parameter_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """‖x‖ of the tensors flattened end to end, in float64."""
+    return math.sqrt(sum(float(t.detach().to(torch.float64).pow(2).sum()) for t in tensors))
+
+
+def _signs(bits: np.random.PCG64, count: int) -> torch.Tensor:
+    """A [SKETCH_SIZE, count] matrix of ±1 from the next SKETCH_SIZE × count bits of the stream (the rest of the
+    last 64-bit word is dropped)."""
+    words = bits.random_raw(-(-SKETCH_SIZE * count // 64)).astype("<u8")
+    unpacked = np.unpackbits(words.view(np.uint8), bitorder="little")[: SKETCH_SIZE * count]
+    return torch.from_numpy(unpacked.reshape(SKETCH_SIZE, count)).to(torch.float64).mul_(2).sub_(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotExpectation:
+    """What a snapshot's metadata must say before its tensors are looked at: our run, our model, a round in
+    [min_round, max_round] (the donor's announced round or the next, and never past what the swarm supports)."""
+
+    run_id: str
+    fingerprint: str
+    min_round: int
+    max_round: int
+
+
+class SnapshotRefused(ValueError):
+    """A snapshot's metadata is of the wrong types (`offence` "malformed") or says what we did not expect."""
+
+    def __init__(self, message: str, offence: str | None = None):
+        super().__init__(message)
+        self.offence = offence  # a Reputation offence to report, or None for a mismatch an honest peer can cause
+
+
+def check_snapshot_metadata(metadata: dict[str, Any], expected: SnapshotExpectation) -> None:
+    """Raise SnapshotRefused unless the metadata's round is an int in the expected range and its run id and
+    fingerprint are strings equal to ours (JSON from an untrusted peer: no coercion, `true` is no int)."""
+    round_ = metadata.get("round")
+    for key in ("run_id", "fingerprint"):
+        if not isinstance(metadata.get(key), str):
+            raise SnapshotRefused(f"snapshot metadata {key} is {metadata.get(key)!r}, not a string", "malformed")
+    if not _is_int(round_):
+        raise SnapshotRefused(f"snapshot metadata round is {round_!r}, not an integer", "malformed")
+    if metadata["run_id"] != expected.run_id or metadata["fingerprint"] != expected.fingerprint:
+        raise SnapshotRefused(f"snapshot is of run {metadata['run_id']!r}, model {metadata['fingerprint']!r}")
+    if not expected.min_round <= round_ <= expected.max_round:
+        raise SnapshotRefused(f"snapshot is of round {round_}, expected {expected.min_round}..{expected.max_round}")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 class StateServer(ServicerBase):
-    """Serves the latest snapshot to any peer that asks (`rpc_download_state`)."""
+    """Serves the latest snapshot (`rpc_download_state`) and sketches of it (`rpc_state_sketch`) to any peer
+    that `refuses` does not name (banned or not admitted; libp2p-authenticated peer ids, base58)."""
 
-    def __init__(self, get_snapshot: Callable[[], StateSnapshot | None]):
+    def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
+                 refuses: Callable[[str], bool] = lambda _peer: False):
         self.get_snapshot = get_snapshot
+        self.refuses = refuses
+        self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
 
     async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+        self, _request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         snapshot = self.get_snapshot()
-        if snapshot is None:
-            return  # nothing to share yet: the caller tries another peer
+        if snapshot is None or self.refuses(context.remote_id.to_base58()):
+            return  # nothing to share (yet, or with this peer): the caller tries another peer
         metadata: bytes | None = encode_metadata(snapshot.metadata)
         serialized = [serialize_torch_tensor(t, runtime_pb2.CompressionType.NONE) for t in snapshot.tensors]
         for part in stream_parts(serialized):
             yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
             metadata = None
 
+    async def rpc_state_sketch(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Request metadata {"seed": int in [0, 2**64)}; answer {"round": int, "sketch": [SKETCH_SIZE floats],
+        "norm": float} or {"status": "refused", "reason": str}."""
+        snapshot = self.get_snapshot()
+        try:
+            seed = decode_metadata(request.metadata).get("seed")
+        except WireError:
+            seed = None
+        if snapshot is None or self.refuses(context.remote_id.to_base58()):
+            return _sketch_refusal("no snapshot to sketch")
+        if not _is_int(seed) or not 0 <= seed < MAX_SEED:
+            return _sketch_refusal("the seed must be an integer in [0, 2**64)")
+        async with self._sketching:
+            sketch = await asyncio.get_running_loop().run_in_executor(None, snapshot.sketch, seed)
+        answer = {"round": sketch.round, "sketch": sketch.values, "norm": sketch.norm}
+        return averaging_pb2.DownloadData(metadata=encode_metadata(answer))
+
+
+def _sketch_refusal(reason: str) -> averaging_pb2.DownloadData:
+    return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
+
 
 async def download_state(
-    p2p: P2P, peer_id: PeerID, namespace: str, expected: TensorLayout, max_bytes: int, chunk_timeout_s: float
+    p2p: P2P, peer_id: PeerID, namespace: str, expected: TensorLayout, max_bytes: int, chunk_timeout_s: float,
+    expected_metadata: SnapshotExpectation,
 ) -> StateSnapshot:
-    """Download and fully validate a peer's snapshot; raises WireError / StateMismatchError on anything wrong."""
+    """Download and fully validate a peer's snapshot; raises WireError / StateMismatchError / SnapshotRefused on
+    anything wrong (the metadata is checked before any tensor is decoded)."""
     stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
     metadata_parts: list[bytes] = []
 
@@ -79,6 +220,7 @@ async def download_state(
     if len(metadata_parts) != 1:
         raise WireError(f"peer {peer_id} sent {len(metadata_parts)} metadata blocks instead of one")
     metadata = decode_metadata(metadata_parts[0])
+    check_snapshot_metadata(metadata, expected_metadata)
     try:
         tensors = [deserialize_torch_tensor(t) for t in serialized]
     except Exception as e:  # corrupt buffers surface as assorted numpy/torch errors
@@ -88,3 +230,23 @@ async def download_state(
     check_tensors(expected, tensors, what=f"state from {peer_id}")
     names = tuple(name for name, _, _ in expected)
     return StateSnapshot(metadata, names, tuple(tensors))
+
+
+async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, timeout_s: float) -> Sketch:
+    """Ask `peer_id` for the sketch of its snapshot under `seed`; raises WireError on a refusal or a malformed
+    answer, and P2P errors or TimeoutError when it does not answer."""
+    stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
+    request = averaging_pb2.DownloadData(metadata=encode_metadata({"seed": seed}))
+    answer = decode_metadata((await stub.rpc_state_sketch(request, timeout=timeout_s)).metadata)
+    round_, values, norm = answer.get("round"), answer.get("sketch"), answer.get("norm")
+    if answer.get("status") == "refused":
+        raise WireError(f"peer {peer_id} refused a sketch: {str(answer.get('reason'))[:200]}")
+    if not _is_int(round_) or round_ < 0 or not isinstance(values, list) or len(values) != SKETCH_SIZE:
+        raise WireError(f"peer {peer_id} sent a malformed sketch answer")
+    if not all(_is_number(v) for v in values) or not _is_number(norm) or norm < 0:
+        raise WireError(f"peer {peer_id} sent a sketch with non-numbers or a negative norm")
+    return Sketch(round_, [float(v) for v in values], float(norm))
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

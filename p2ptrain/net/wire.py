@@ -7,6 +7,7 @@ stream that ends mid-tensor is an error, never a half tensor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -16,12 +17,25 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 CHUNK_BYTES = 2**20  # bytes of tensor data per stream message
 MAX_METADATA_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_METADATA_BYTES  # our largest stream message (its protobuf envelope aside)
 
 M = TypeVar("M")
 
 
 class WireError(ValueError):
     """A peer's stream was malformed, oversize, truncated or late."""
+
+
+class WireTimeout(WireError):
+    """A peer sent nothing within the deadline: it stalled, or its link is slower than we serve."""
+
+
+class WireOversize(WireError):
+    """A peer sent, or announced, more bytes than it may."""
+
+
+class WireTruncated(WireError):
+    """A peer's stream ended before the bytes it announced (honest initiators do this when they give up)."""
 
 
 def stream_parts(
@@ -70,7 +84,7 @@ async def read_tensors(
             if part is not None and part.ByteSize():
                 received += len(part.buffer)
                 if received > limit:
-                    raise WireError(f"peer sent more than the {limit} bytes expected")
+                    raise WireOversize(f"peer sent more than the {limit} bytes expected")
                 if part.dtype and parts:
                     tensors.append(combine_from_streaming(parts))
                     parts = []
@@ -81,13 +95,28 @@ async def read_tensors(
             message = await asyncio.wait_for(messages.__anext__(), timeout=chunk_timeout_s)
         except StopAsyncIteration:
             if exact_bytes is not None:
-                raise WireError(f"stream ended after {received} of {exact_bytes} bytes") from None
+                raise WireTruncated(f"stream ended after {received} of {exact_bytes} bytes") from None
             break
         except asyncio.TimeoutError:
-            raise WireError(f"peer sent nothing for {chunk_timeout_s:.1f} s") from None
+            raise WireTimeout(f"peer sent nothing for {chunk_timeout_s:.1f} s") from None
     if parts:
         tensors.append(combine_from_streaming(parts))
     return tensors
+
+
+async def drain(messages: AsyncIterator[Any], timeout_s: float) -> None:
+    """Read (and drop) what a peer still sends until it ends its side of the stream, for at most `timeout_s`.
+
+    Why: when a handler returns, hivemind closes our end of the stream; if the peer's data still arrives then
+    (the rest of a payload we refused, its end-of-stream after the commit), p2pd resets the stream and our last
+    message in flight (the refusal, the ack) is lost: measured before this, about 1 exchange in 25 on loopback.
+    """
+    async def read_to_end() -> None:
+        async for _ in messages:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read_to_end(), timeout_s)
 
 
 def encode_metadata(metadata: dict[str, Any]) -> bytes:
@@ -97,7 +126,7 @@ def encode_metadata(metadata: dict[str, Any]) -> bytes:
 def decode_metadata(raw: bytes) -> dict[str, Any]:
     """Metadata is JSON (never pickle: peers are untrusted) and small."""
     if len(raw) > MAX_METADATA_BYTES:
-        raise WireError(f"metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
+        raise WireOversize(f"metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
     try:
         value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

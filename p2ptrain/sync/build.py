@@ -13,8 +13,9 @@ from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AllReduceAverager
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import serve_exchanges
+from p2ptrain.net.reputation import Reputation
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.diloco import DilocoSync
+from p2ptrain.sync.diloco import DilocoSync, mean_check
 from p2ptrain.sync.factored import AllReduceMix2, FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
@@ -25,25 +26,28 @@ REGISTER_TIMEOUT_S = 30.0
 
 
 def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
-                     run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int) -> OuterSync:
-    """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0)."""
+                     run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int,
+                     reputation: Reputation) -> OuterSync:
+    """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
+    transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans."""
     def averager(prefix: str, group_size: int | None) -> AllReduceAverager:
         return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
-                                 config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size)
+                                 config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
+                                 robust=config.robust)
 
     if config.mode == "diloco":
         return DilocoSync(outer, averager("diloco", None), config)
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
-                        same_round_only=factored, overlapped=factored, links=links)
+                        same_round_only=factored, overlapped=factored, links=links, reputation=reputation)
     loop.run(serve_exchanges(p2p, mixer), timeout=REGISTER_TIMEOUT_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)
     if config.mix2_transport == "gossip":
-        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links)
+        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation)
         loop.run(serve_exchanges(p2p, gossip), timeout=REGISTER_TIMEOUT_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)
-    return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec), loop, config,
+    return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec, mean_check(config)), loop, config,
                         closers=[mix2_averager.shutdown])

@@ -39,6 +39,11 @@ class SyncConfig:
     param_codec: str = "fp16"  # parameters travel as codec(θ − θ_0): fp16 | none | int8 | adaptive
     exchange_safety_factor: float = 4.0  # deadline = factor × payload bytes / measured link throughput
     max_partner_distance: float = 10.0  # refuse a partner farther than this × ‖ours‖ (garbage, not disagreement)
+    # defences against hostile peers (maths/robust.py): clip what a partner moves us by to clip_multiplier × the
+    # typical honest distance, and check an all-reduce's mean against our own Δ. false: the plain mean, only to
+    # measure what the defences cost (benchmarks/robustness.py)
+    robust: bool = True
+    clip_multiplier: float = 2.0
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
     mix2_group_size: int = 3  # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3)
@@ -49,6 +54,10 @@ class SyncConfig:
     # all modes
     adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
     state_download_timeout_s: float = 60.0  # per-chunk deadline when a joiner downloads state
+    # joining (joining.py): whose state a newcomer, or a peer that fell behind, may adopt (peers are untrusted)
+    join_max_round_lead: int = 2  # rounds a donor may be ahead of the swarm's median round; further: suspect
+    join_loss_tolerance: float = 0.1  # refuse a state whose val loss exceeds the swarm's by this fraction (+0.05)
+    join_gossip_max_distance: float = 0.5  # gossip modes: refuse a state farther than this × ‖θ‖ from most peers'
 
     def __post_init__(self) -> None:
         choices = (("mode", SYNC_MODES), ("overlap", OVERLAP_MODES), ("param_codec", PARAM_CODECS),
@@ -67,11 +76,14 @@ class SyncConfig:
         if min(self.matchmaking_s, self.allreduce_timeout_s, self.state_download_timeout_s) <= 0:
             raise ConfigError("sync.matchmaking_s, sync.allreduce_timeout_s and sync.state_download_timeout_s "
                               "must be > 0 seconds")
+        if self.clip_multiplier <= 0:
+            raise ConfigError(f"sync.clip_multiplier must be > 0, got {self.clip_multiplier}")
         if self.exchange_safety_factor < 1 or self.max_partner_distance <= 0:
             raise ConfigError("sync.exchange_safety_factor must be >= 1 and sync.max_partner_distance > 0")
         if self.mix2_every < 1 or self.mix2_group_size < 2:
             raise ConfigError("sync.mix2_every must be >= 1 round and sync.mix2_group_size >= 2 peers")
         self._check_gossip_mix2()
+        self._check_join()
 
     def _check_gossip_mix2(self) -> None:
         if self.mix2_transport == "gossip" and self.mode != "factored":
@@ -86,6 +98,12 @@ class SyncConfig:
                               f"got {self.topk_chunk_size}")
         if not 0 <= self.error_feedback_decay <= 1:
             raise ConfigError(f"sync.error_feedback_decay must be in [0, 1], got {self.error_feedback_decay}")
+
+    def _check_join(self) -> None:
+        if self.join_max_round_lead < 0:
+            raise ConfigError(f"sync.join_max_round_lead must be >= 0 rounds, got {self.join_max_round_lead}")
+        if self.join_loss_tolerance < 0 or self.join_gossip_max_distance <= 0:
+            raise ConfigError("sync.join_loss_tolerance must be >= 0 and sync.join_gossip_max_distance > 0 (relative)")
 
     def outer_momentum(self, configured: float) -> float:
         """The γ the outer optimizer runs with: `outer.momentum`, except with overlap, where momentum on a stale

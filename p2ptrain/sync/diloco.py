@@ -1,23 +1,52 @@
 """DiLoCo: an exact all-reduce of the outer gradient Δ among the peers of the round, then the Nesterov step;
-optionally one round late (DiLoCoX's one-step delay, `sync.overlap`)."""
+optionally one round late (DiLoCoX's one-step delay, `sync.overlap`).
+
+With `sync.robust` (maths/robust_mean.py) the group's mean is applied only if it is finite and near our own Δ;
+otherwise our own Δ stands in, as after a failed all-reduce (the round counts one failed exchange)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.outer_rules import DelayedOuterGradient
+from p2ptrain.maths.robust_mean import MeanCheck
 from p2ptrain.net.allreduce import AllReduceAverager, AveragingResult, PendingAverage
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import RoundContext, RoundSync
 
+logger = logging.getLogger(__name__)
 
-def round_sync_of(result: AveragingResult, codec: str) -> RoundSync:
-    """What an all-reduce did and cost, as the round's record."""
+
+def mean_check(config: SyncConfig) -> MeanCheck:
+    """The check of all-reduce means that `sync.robust` and `sync.clip_multiplier` ask for."""
+    return MeanCheck(config.clip_multiplier, enabled=config.robust)
+
+
+def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanCheck,
+            round_: int) -> tuple[AveragingResult, bool]:
+    """The all-reduce's result, or our own Δ (a group of one) in its place when `check` refuses the mean."""
+    if result.group_size <= 1:  # nobody mixed with us: the result is our own Δ
+        return result, False
+    own_cpu = [o.detach().float().cpu() for o in own]
+    verdict = check.judge_(result.delta, own_cpu, result.claimed_norms)
+    if verdict.accepted:
+        return dataclasses.replace(result, delta=verdict.applied(result.delta, own_cpu)), False
+    logger.warning(f"round {round_}: refused the mean of {result.group_size} peers' outer gradients "
+                   f"({verdict.reason}: ‖mean − own Δ‖ = {verdict.deviation:.3g}, radius {verdict.radius:.3g}); "
+                   f"applying this peer's own")
+    return dataclasses.replace(result, delta=[o.clone() for o in own_cpu], group_size=1), True
+
+
+def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) -> RoundSync:
+    """What an all-reduce did and cost, as the round's record (a refused mean counts as a failed exchange)."""
     return RoundSync(group_size=result.group_size, bytes_sent=result.bytes_sent,
-                     bytes_received=result.bytes_received, exchange_s=result.seconds, codec=codec)
+                     bytes_received=result.bytes_received, exchange_s=result.seconds, codec=codec,
+                     failed=int(refused))
 
 
 class DilocoSync:
@@ -26,7 +55,10 @@ class DilocoSync:
     def __init__(self, outer: OuterOptimizer, averager: AllReduceAverager, config: SyncConfig):
         self.outer, self.averager, self.config = outer, averager, config
         self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
+        self.check = mean_check(config)
         self.pending: PendingAverage | None = None
+        self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
+        self.pending_round = -1
 
     def start_round(self, context: RoundContext) -> None:
         pass
@@ -35,15 +67,17 @@ class DilocoSync:
         delta = self.outer.outer_gradient()
         if self.delayed is None:
             result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
+            result, refused = checked(result, delta, self.check, context.round)
             self.outer.step_(result.delta)
-            return round_sync_of(result, self.config.grad_codec)
+            return round_sync_of(result, self.config.grad_codec, refused)
         return self._finish_overlapped(delta, context)
 
     def _finish_overlapped(self, delta: list[torch.Tensor], context: RoundContext) -> RoundSync:
         """Collect the average of the previous round's Δ, launch this round's, apply the delayed/eager gradient."""
-        previous = self.pending.result() if self.pending is not None else None
+        previous, refused = self._collect_previous()
         self.pending = self.averager.launch(delta, context.round, float(context.inner_steps),
                                             context.same_round_peers)
+        self.pending_own, self.pending_round = delta, context.round
         own_weight = 1.0 / previous.group_size if previous is not None else 1.0
         assert self.delayed is not None
         applied = self.delayed.outer_gradient_(delta, previous.delta if previous else None, own_weight)
@@ -51,7 +85,13 @@ class DilocoSync:
             self.outer.restore_anchor_()
         else:
             self.outer.step_(applied)
-        return round_sync_of(previous, self.config.grad_codec) if previous else RoundSync()
+        return round_sync_of(previous, self.config.grad_codec, refused) if previous else RoundSync()
+
+    def _collect_previous(self) -> tuple[AveragingResult | None, bool]:
+        """The checked average of the previous round's Δ (None in the first round)."""
+        if self.pending is None:
+            return None, False
+        return checked(self.pending.result(), self.pending_own, self.check, self.pending_round)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors()

@@ -4,32 +4,39 @@ mixes outer gradients every K rounds, by all-reduce in small groups or by compre
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.robust import all_finite
+from p2ptrain.maths.robust_mean import MeanCheck
 from p2ptrain.net.allreduce import AllReduceAverager
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.diloco import round_sync_of
+from p2ptrain.sync.diloco import checked, round_sync_of
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import Mix2, RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
+
+logger = logging.getLogger(__name__)
 
 MIX1_PATIENCE_S = 10.0  # Mix1 waits at most this long (or the inner phase) for a partner to reach its round
 
 
 class AllReduceMix2:
-    """Factored's Mix2 as an exact all-reduce of Δ among a group of the round's peers (hivemind)."""
+    """Factored's Mix2 as an exact all-reduce of Δ among a group of the round's peers (hivemind); the group's mean
+    is checked against our own Δ as DiLoCo's is (`check`: `sync.diloco.mean_check` of the peer's config)."""
 
-    def __init__(self, averager: AllReduceAverager, codec: str):
-        self.averager, self.codec = averager, codec
+    def __init__(self, averager: AllReduceAverager, codec: str, check: MeanCheck):
+        self.averager, self.codec, self.check = averager, codec, check
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
         result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
-        return result.delta, round_sync_of(result, self.codec)
+        result, refused = checked(result, delta, self.check, context.round)
+        return result.delta, round_sync_of(result, self.codec, refused)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return []
@@ -83,10 +90,14 @@ class FactoredSync:
         mixed, stats = self.mix1.result() if self.mix1 is not None else (self.frozen, RoundSync())
         correction = [m - f + c for m, f, c in zip(mixed, self.frozen, self.mixer.take_correction_(), strict=True)]
         delta = self.outer.outer_gradient()
-        if context.round % self.config.mix2_every == 0:
-            delta, mix2 = self.mix2.mix(delta, context)
-            stats.add_mix2_(mix2)
-        self.outer.step_(delta)
+        if not all_finite(delta):  # a diverged inner phase: neither send nor apply it, keep Mix1's correction
+            logger.warning(f"round {context.round}: the outer gradient is not finite; dropping it (no Mix2, no step)")
+            self.outer.restore_anchor_()
+        else:
+            if context.round % self.config.mix2_every == 0:
+                delta, mix2 = self.mix2.mix(delta, context)
+                stats.add_mix2_(mix2)
+            self.outer.step_(delta)
         self.outer.set_params_([p.detach().float().cpu() + c for p, c in zip(self.outer.params, correction,
                                                                              strict=True)])
         stats.exchange_s += time.monotonic() - started

@@ -16,6 +16,12 @@ arrives later raises instead of mixing (the partner then gets no ack and does no
 The error-feedback buffers are outer state (`state_tensors`): checkpoints keep them, and a joiner starts from its
 donor's (so the donor's unsent remainder is held twice for a while: a one-off bias of at most ‖e‖/N per joiner).
 Everything here runs on the peer's event loop; `Mix2Round`'s methods never await, so each of them is atomic.
+
+Partners are untrusted (issue 9): a partner's s must decode, be finite and lie within `max_partner_distance` × ‖s_i‖
+of ours (else the exchange fails and, on our side as initiator, the partner is penalised); with `sync.robust` it is
+then clipped to τ from s_i (maths/robust.py, τ's yardstick ‖s_i‖), so an exchange moves m_i by at most w·τ, and a
+partner clipped hard is penalised. A partner opens at most one exchange with us per round, committed or not. The s
+we send is formed by `outgoing`. Clipping gives up the exact Σ_i m_i = Σ_i s_i for pairs farther apart than τ.
 """
 
 from __future__ import annotations
@@ -31,20 +37,27 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.maths.codecs import ErrorFeedback, decode_all, get_codec
+from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
+from p2ptrain.maths.robust import AdaptiveClip
 from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import ROUND_RETRY_S, WRONG_ROUND
+from p2ptrain.sync.param_gossip import ROUND_RETRY_S, TOO_MANY_OFFERS, WRONG_ROUND
+from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
 
 KIND = "mix2"
 ROUND_OVER = "round over"  # the responder's Mix2 of that round has closed (or it is already past that round)
+ALREADY_PARTNERS = "already partners"  # mixed, mixing, or the partner's own offer to us is the one that counts
+# refusals after which an offer is made again (every ROUND_RETRY_S, up to the round's patience): the partner has not
+# reached our round, or its offer to us crossed ours and may itself have been refused as not in our round yet
+ASK_AGAIN = (WRONG_ROUND, ALREADY_PARTNERS)
 
 
 class RoundClosed(RuntimeError):
@@ -55,12 +68,14 @@ class Mix2Round:
     """One peer's Mix2 of one round: its s and payload, the running mix m, and who it is mixing with."""
 
     def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
-                 degree_cap: int):
+                 degree_cap: int, own_scale: float | None = None):
         self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
         self.degree_cap = degree_cap
         self.weight = uniform_weight(degree_cap)
+        self.own_scale = own_scale if own_scale is not None else norm(sent)  # τ's yardstick: ‖s_i‖
         self.mixed = [s.clone() for s in sent]
         self.done: list[str] = []  # partners whose mix is applied, in the order it was
+        self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
         self.outgoing: set[str] = set()  # our offers in flight
         self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
         self.closing = self.closed = False
@@ -80,16 +95,20 @@ class Mix2Round:
 
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
         """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
-        to each other at once, the offer of the lower peer id is the one accepted."""
+        to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
+        whose first one we accepted (and it did not commit) is one too many."""
         if round_ > self.round:
             return WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
         if round_ < self.round or self.closing:
             return ROUND_OVER
         if sender == self.own_id or sender in self.done or sender in self.incoming or (
                 sender in self.outgoing and not sender < self.own_id):
-            return "already partners"
+            return ALREADY_PARTNERS
+        if sender in self.opened:
+            return TOO_MANY_OFFERS
         if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
             return "busy"
+        self.opened.add(sender)
         self.incoming[sender] = gives_up_at
         self.idle.clear()
         return None
@@ -132,6 +151,7 @@ class _Incoming:
 
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         theirs = self.gossip.decode_partner(self.rnd, partner_header, partner_payload)
+        theirs = self.gossip.clip_partner(self.rnd, self.sender, theirs)
         return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
 
     def close(self) -> None:
@@ -142,7 +162,7 @@ class GradGossip:
     """Mix2 over gossip for one peer: `open` answers offers, `mix` runs a round's Mix2 (async, on the event loop)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
-                 seed: int, links: LinkSpeeds | None = None):
+                 seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None):
         self.p2p, self.run_id, self.fingerprint, self.config = p2p, run_id, fingerprint, config
         self.own_id = p2p.peer_id.to_base58()
         self.degree_cap = config.mix2_group_size - 1
@@ -155,6 +175,8 @@ class GradGossip:
         self.current: Mix2Round | None = None  # the latest round's Mix2 (closed once `mix` returned)
         self.namespace = f"{run_id}.{KIND}"
         self.chunk_timeout_s = config.state_download_timeout_s
+        self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
+        self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
 
     # ---- one round ------------------------------------------------------------------------------------------------
     async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
@@ -163,11 +185,12 @@ class GradGossip:
 
         Peers not yet in our round are asked again every ROUND_RETRY_S for up to `patience_s` seconds."""
         try:  # the codec's top-k over the whole model runs off the event loop, which keeps answering others
-            payload, sent = await asyncio.get_running_loop().run_in_executor(None, self.feedback.prepare, delta)
+            payload, sent, scale = await asyncio.get_running_loop().run_in_executor(None, self._prepare, delta)
         except ValueError as e:  # non-finite Δ: nothing can be sent
             logger.warning(f"round {round_}: not mixing this outer gradient ({e})")
             return list(delta), RoundSync(codec=self.feedback.codec.name)
-        rnd = self.current = Mix2Round(round_, self.own_id, sent, payload, self.feedback.codec.name, self.degree_cap)
+        rnd = self.current = Mix2Round(round_, self.own_id, sent, payload, self.feedback.codec.name, self.degree_cap,
+                                       scale)
         stats = RoundSync(codec=rnd.codec)
         await self._initiate_all(rnd, list(live_peers), patience_s, stats)
         with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
@@ -179,15 +202,23 @@ class GradGossip:
         self.feedback.commit_(sent)
         return mixed, stats
 
+    def _prepare(self, delta: Sequence[torch.Tensor]) -> tuple[Payload, list[torch.Tensor], float]:
+        """(the payload we send, our s, ‖s‖); raises ValueError for a non-finite Δ."""
+        payload, sent = self.feedback.prepare(delta)
+        shown = self.outgoing(sent)
+        if shown is not sent:  # an override formed something else: send that
+            payload = compress_all(self.feedback.codec, shown)
+        return payload, sent, norm(sent)
+
     async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
                             stats: RoundSync) -> None:
         """Offer our payload to random live peers until our D slots are taken or nobody is left to ask."""
         give_up_at = time.monotonic() + patience_s
-        candidates = live_peers
+        candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
         while candidates and rnd.free_slots() > 0:
             later = []
             for partner in draw_partners(candidates, len(candidates), self.rng, exclude=set()):
-                if rnd.reserve_outgoing_(partner) and await self._exchange_with(rnd, partner, stats) == WRONG_ROUND:
+                if rnd.reserve_outgoing_(partner) and await self._exchange_with(rnd, partner, stats) in ASK_AGAIN:
                     later.append(partner)
             if not later or time.monotonic() >= give_up_at:
                 return
@@ -204,9 +235,14 @@ class GradGossip:
                   "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s}
 
         def validate(answer: dict[str, Any], payload: Payload) -> Apply:
-            if answer.get("round") != rnd.round:
-                raise ValueError(f"partner answered for round {answer.get('round')}, not {rnd.round}")
-            theirs = self.decode_partner(rnd, answer, payload)
+            try:
+                if answer.get("round") != rnd.round:
+                    raise ValueError(f"partner answered for round {answer.get('round')}, not {rnd.round}")
+                theirs = self.decode_partner(rnd, answer, payload)
+            except ValueError as e:
+                self.reputation.penalise(partner, "invalid_payload", str(e))
+                raise
+            theirs = self.clip_partner(rnd, partner, theirs)
             return lambda: rnd.apply_(partner, theirs, outgoing=True)
 
         try:
@@ -215,7 +251,7 @@ class GradGossip:
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s Mix2: {e}")
-            stats.refused += int(str(e) != WRONG_ROUND)
+            stats.refused += int(str(e) not in ASK_AGAIN)
             return str(e)
         except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
             logger.info(f"Mix2 exchange with {partner} failed: {e!r}")
@@ -250,6 +286,8 @@ class GradGossip:
             return "bad mixing weight"
         gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
         refusal = rnd.accept_(sender, round_, gives_up_at)
+        if refusal == TOO_MANY_OFFERS:
+            self.reputation.penalise(sender, "too_many_opens", f"a second exchange opened in round {round_}")
         return refusal if refusal is not None else _Incoming(self, rnd, sender)
 
     def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
@@ -260,6 +298,22 @@ class GradGossip:
             raise ValueError(f"partner's outer gradient is {distance:.3g}× ours away "
                              f"(bound {self.config.max_partner_distance})")
         return theirs
+
+    # ---- robust mixing ---------------------------------------------------------------------------------------------
+    def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we send for our s: the single point where the s every partner receives is formed (once a round).
+        The identity; a red-team test subclasses it to play a hostile peer."""
+        return sent
+
+    def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised."""
+        if self.clip is None:
+            return theirs
+        clipped, gap, hard = self.clip.clip(partner, theirs, rnd.sent, rnd.own_scale)
+        if hard and rnd.own_scale > 0:
+            self.reputation.penalise(partner, "clipped", f"outer gradient {gap:.3g} from ours, ‖ours‖ "
+                                                         f"{rnd.own_scale:.3g}")
+        return clipped
 
     # ---- outer state ----------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:

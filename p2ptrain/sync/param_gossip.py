@@ -2,19 +2,27 @@
 
 Every peer has a *public value* = base + c: `base` is set by the round loop (the anchor θ_r during the inner
 phase, the proposal y while it mixes at the round's end) and `c` accumulates the corrections of exchanges other
-peers started with it. An exchange with weight w between values a and b moves a by w(b − a) and b by w(a − b), so
-the sum over the swarm is preserved whoever started it. Values travel as codec(value − θ_0), a reference every
-peer holds (the run's seeded initial parameters), as 16-bit differences by default.
+peers started with it (folded into the base when the loop takes it). An exchange with weight w between values a
+and b moves a by w(b − a) and b by w(a − b), so the sum over the swarm is preserved whoever started it; w is the
+smaller of the two ends' own weights (the responder answers the one it uses). Values travel as codec(value − θ_0),
+a reference every peer holds (the run's seeded initial parameters), as 16-bit differences by default.
+
+Partners are untrusted (issue 9). What a partner sends must decode, be finite and lie within
+`max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is
+then clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ; τ's
+yardstick is how far our own step moved our base, mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1.
+A partner opens a bounded number of exchanges with us per round (`OfferLimit`). `outgoing` forms what we send.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,11 +31,14 @@ from hivemind.p2p import P2P, PeerID
 from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
+from p2ptrain.maths.robust import AdaptiveClip, OfferLimit, all_finite
 from p2ptrain.maths.topology import draw_partners
-from p2ptrain.net.exchange import ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.tensor_layout import distance, norm
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +49,33 @@ PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
 ROUND_RETRY_S = 0.25  # Mix1: wait before asking again a partner that has not reached our round yet
 WRONG_ROUND = "not in this round"
+TOO_MANY_OFFERS = "too many offers"
+# Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
+# room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks
+# again every ROUND_RETRY_S while we have not reached its round: it uses half of the rate)
+OPENS_PER_ROUND = 2
+OFFERS_PER_S = 2 / ROUND_RETRY_S
+OFFER_BURST = 32
+# The floor of τ's yardstick, × our value's norm: before our first step (a joiner, a GASLoC responder in its first
+# inner phase) partners are clipped to 2e-3 of our norm, and fp16 round-off between equal values (≤ 2⁻¹¹ of
+# ‖θ − θ_0‖) always passes
+MIN_OWN_SCALE = 1e-3
 
 
 class _Exchange:
     """One accepted incoming exchange (the responder's side)."""
 
-    def __init__(self, mixer: ParamGossip, weight: float, public: list[torch.Tensor], header: dict[str, Any]):
-        self.mixer, self.weight, self.public = mixer, weight, public
+    def __init__(self, mixer: ParamGossip, sender: str, weight: float, public: list[torch.Tensor],
+                 header: dict[str, Any]):
+        self.mixer, self.sender, self.weight, self.public = mixer, sender, weight, public
         self.codec = str(header.get("codec", "fp16"))
-        self.payload = relative_encode(public, mixer.reference, self.codec)
-        self.header = {"codec": self.codec, "round": mixer.round}
+        self.payload = relative_encode(mixer.outgoing(public), mixer.reference, self.codec)
+        self.header = {"codec": self.codec, "round": mixer.round, "weight": weight}
 
-    def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Any:
+    def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         partner = self.mixer.decode_partner(partner_header, partner_payload, own=self.public)
-
-        def apply() -> None:
-            self.mixer.add_correction_(self.weight, partner, self.public)
-
-        return apply
+        partner = self.mixer.clip_partner(self.sender, partner, own=self.public)
+        return lambda: self.mixer.add_correction_(self.weight, partner, self.public)
 
     def close(self) -> None:
         self.mixer.release_responder()
@@ -64,11 +84,12 @@ class _Exchange:
 class ParamGossip:
     """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters).
 
-    `links` is the peer's one table of measured links (shared with its gradient gossip, if any)."""
+    `links` is the peer's one table of measured links (shared with its gradient gossip, if any); `reputation` the
+    peer's one record of offences (the exchange servicer refuses the peers it bans)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
                  config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
-                 links: LinkSpeeds | None = None):
+                 links: LinkSpeeds | None = None, reputation: Reputation | None = None):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.namespace = f"{run_id}.{kind}"
         self.chunk_timeout_s = config.state_download_timeout_s
@@ -81,6 +102,9 @@ class ParamGossip:
         self.round = 0
         self._lock = threading.Lock()
         self._base = [t.clone() for t in self.reference]
+        self._base_moved: float | None = None  # how far the latest `set_base_` moved the base (None: first one)
+        self._base_set = False
+        self._mix_shift: list[torch.Tensor] | None = None  # Σ (mixed − value) of our mixes since the last base
         self._correction = [torch.zeros_like(t) for t in self.reference]
         self._responding = False
         self._waiting_for_round = False
@@ -90,16 +114,31 @@ class ParamGossip:
         self.budget_s = float("inf")  # time an exchange may take without delaying training (adaptive codec)
         self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
         self.announced: dict[str, float] = {}  # peers' announced link speeds, as of our latest mix
+        self.reputation = reputation if reputation is not None else Reputation()
+        self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
+        self.own_scale: float | None = None  # the base's latest move as of our latest mix (see `yardstick`)
+        self.offer_limit = OfferLimit(OPENS_PER_ROUND, OFFERS_PER_S, OFFER_BURST)
 
     # ---- the public value ----------------------------------------------------------------------------------------
     def set_base_(self, base: Sequence[torch.Tensor]) -> None:
+        """Set the base of our public value (called by the round loop only). Remembers how far our own step moved
+        it: the move less what mixing did since the last base (corrections taken, `mix`'s pulls), which a partner
+        could otherwise inflate round after round to widen our clipping radius."""
+        new = [t.detach().float().cpu().clone() for t in base]
         with self._lock:
-            self._base = [t.detach().float().cpu().clone() for t in base]
+            old, shift = self._base, self._mix_shift
+        moved = _distance_from(new, old, shift) if self._base_set else math.inf
+        with self._lock:
+            self._base, self._base_set, self._mix_shift = new, True, None
+            self._base_moved = moved if math.isfinite(moved) else None
 
     def take_correction_(self) -> list[torch.Tensor]:
-        """Return and reset c (what others' exchanges moved our value by since the last call)."""
+        """Return and reset c (what others' exchanges moved our value by since the last call). c is folded into
+        the base: our public value stays the same until the round loop sets a new base."""
         with self._lock:
             correction, self._correction = self._correction, [torch.zeros_like(t) for t in self.reference]
+            for b, c in zip(self._base, correction, strict=True):
+                b.add_(c)
             return correction
 
     def take_incoming_stats(self) -> RoundSync:
@@ -115,22 +154,39 @@ class ParamGossip:
 
     # ---- responder -----------------------------------------------------------------------------------------------
     def open(self, header: dict[str, Any]) -> OpenExchange | str:
-        """Accept an offer from a peer of this run and model, one at a time; refuse anything else at once."""
+        """Accept an offer from a peer of this run and model, one at a time and within its share of offers; refuse
+        anything else at once. We mix with the smaller of the offer's weight and our own, and answer which."""
         if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
             return "another run or model"
         if header.get("kind") != self.kind or header.get("codec") not in ("none", "fp16", "int8"):
             return "unsupported exchange"
-        weight = header.get("weight")
-        if not isinstance(weight, float) or not 0 < weight <= 0.5:
+        offered = header.get("weight")
+        if not isinstance(offered, float) or not 0 < offered <= 0.5:
             return "bad mixing weight"
+        sender = str(header.get("sender", ""))
+        if not self.offer_limit.offer(sender):
+            return self._too_many(sender, "offers arrive faster than any partner needs")
         with self._lock:
             if self.same_round_only and header.get("round") != self.round:
                 return WRONG_ROUND
             if self._responding:
                 return "busy"
-            self._responding = True
-            public = [b + c for b, c in zip(self._base, self._correction, strict=True)]
-        return _Exchange(self, weight, public, header)
+            round_, within_share = self.round, self.offer_limit.accept(sender, self.round)
+            self._responding = within_share
+            public = [b + c for b, c in zip(self._base, self._correction, strict=True)] if within_share else []
+        if not within_share:
+            return self._too_many(sender, f"more than {OPENS_PER_ROUND} exchanges opened in round {round_}")
+        weight = min(offered, uniform_weight(self.config.gossip_peers))
+        try:
+            return _Exchange(self, sender, weight, public, header)
+        except ValueError as e:  # our own value is not finite (or what `outgoing` formed does not encode)
+            logger.warning(f"not answering {sender}: our value cannot be sent ({e})")
+            self.release_responder()
+            return "no value to offer"
+
+    def _too_many(self, sender: str, detail: str) -> str:
+        self.reputation.penalise(sender, "too_many_opens", detail)
+        return TOO_MANY_OFFERS
 
     def release_responder(self) -> None:
         with self._lock:
@@ -139,10 +195,40 @@ class ParamGossip:
     def decode_partner(self, header: dict[str, Any], payload: Payload, own: list[torch.Tensor]) -> list[torch.Tensor]:
         """The partner's value, or ValueError if it does not decode, does not fit, or is implausibly far."""
         partner = relative_decode(payload, self.reference, str(header.get("codec", "fp16")))
-        distance = consensus_distance(own, partner)
-        if not distance <= self.config.max_partner_distance:
-            raise ValueError(f"partner is {distance:.3g}× our norm away (bound {self.config.max_partner_distance})")
+        far = consensus_distance(own, partner)
+        if not far <= self.config.max_partner_distance:
+            raise ValueError(f"partner is {far:.3g}× our norm away (bound {self.config.max_partner_distance})")
         return partner
+
+    # ---- robust mixing ---------------------------------------------------------------------------------------------
+    def outgoing(self, value: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we send for our value `value`: the single point where every value we send is formed, as initiator
+        and as responder. The identity; a red-team test subclasses it to play a hostile peer."""
+        return value
+
+    def yardstick(self) -> float | None:
+        """How far our value moved at its latest step: as of our latest mix, or before any, the base's latest move
+        (None until the base has moved once: the first round after we started or joined)."""
+        with self._lock:
+            return self.own_scale if self.own_scale is not None else self._base_moved
+
+    def clip_radius(self, own: Sequence[torch.Tensor]) -> float:
+        """τ: the farthest a partner's value may be from `own` before it is clipped (inf with `robust: false`)."""
+        if self.clip is None:
+            return math.inf
+        return self.clip.radius(max(self.yardstick() or 0.0, MIN_OWN_SCALE * norm(own)))
+
+    def clip_partner(self, partner_id: str, theirs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we mix in place of `theirs`: own + clip(theirs − own, τ); a partner clipped hard is penalised
+        (once τ has a yardstick: before our first step honest partners may well be far)."""
+        if self.clip is None:
+            return theirs
+        known = self.yardstick()
+        scale = max(known or 0.0, MIN_OWN_SCALE * norm(own))
+        clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale)
+        if hard and known is not None:
+            self.reputation.penalise(partner_id, "clipped", f"{gap:.3g} away, radius {self.clip.radius(scale):.3g}")
+        return clipped
 
     # ---- initiator -----------------------------------------------------------------------------------------------
     def choose_codec(self, partner: str) -> str:
@@ -179,20 +265,21 @@ class ParamGossip:
     async def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int,
                   patience_s: float = 0.0, links: dict[str, float] | None = None,
                   ) -> tuple[list[torch.Tensor], RoundSync]:
-        """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value).
+        """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value), each
+        partner's value clipped (`clip_partner`) and w the weight both ends agreed on.
 
-        Peers that are busy or refuse are skipped; those not yet in our round (Mix1) are asked again every
-        ROUND_RETRY_S for up to `patience_s` seconds. With `links` (peers' announced link speeds), peers too slow
-        to wait for are left to start exchanges with us (`partners_worth_waiting_for`).
+        Peers that are busy or refuse are skipped, banned ones never asked; those not yet in our round (Mix1) are
+        asked again every ROUND_RETRY_S for up to `patience_s` seconds. With `links` (peers' announced link speeds),
+        peers too slow to wait for are left to start exchanges with us (`partners_worth_waiting_for`). A value that
+        is not finite is not mixed (nor sent): it comes back unchanged, with a warning.
         """
-        if links is not None:
-            self.announced = links
-            eligible = self.partners_worth_waiting_for(live_peers, links)
-            logger.debug(f"round {round_}: {len(eligible)} of {len(live_peers)} live peers are fast enough to wait for"
-                         f" (own link {self.own_link_bytes_per_s():.3g} B/s, links {links})")
-            live_peers = eligible
+        if not all_finite(value):
+            logger.warning(f"round {round_}: our value is not finite; not mixing it this round")
+            return [v.clone() for v in value], RoundSync(group_size=1)
+        with self._lock:
+            self.own_scale = self._base_moved
+        live_peers = self._eligible(live_peers, links, round_)
         k = self.config.gossip_peers
-        weight = uniform_weight(k)
         mixed = [v.clone() for v in value]
         stats = RoundSync(group_size=1)
         tried: set[str] = set()
@@ -206,34 +293,56 @@ class ParamGossip:
                 await asyncio.sleep(ROUND_RETRY_S)
                 continue
             tried.add(candidates[0])
-            result = await self._exchange_with(candidates[0], value, weight, round_, stats)
+            result = await self._exchange_with(candidates[0], value, uniform_weight(k), round_, stats)
             if result is not None:
-                pull_toward_(mixed, result, value, weight)
+                pull_toward_(mixed, result[0], value, result[1])
+        if stats.partners:
+            self._remember_shift_(mixed, value)
         stats.link_bytes_per_s = self.links.fastest_measured_bytes_per_s()
         stats.expected_blocking_s = k * self.expected_exchange_s()
         fastest = max([self.own_link_bytes_per_s(), *(links or {}).values()])
         stats.swarm_blocking_s = k * 2 * self.last_payload_bytes / fastest
         return mixed, stats
 
+    def _remember_shift_(self, mixed: list[torch.Tensor], value: list[torch.Tensor]) -> None:
+        with self._lock:
+            if self._mix_shift is None:
+                self._mix_shift = [m - v for m, v in zip(mixed, value, strict=True)]
+            else:
+                for s, m, v in zip(self._mix_shift, mixed, value, strict=True):
+                    s.add_(m - v)
+
+    def _eligible(self, live_peers: list[str], links: dict[str, float] | None, round_: int) -> list[str]:
+        """The live peers we may start exchanges with: not banned, and fast enough to wait for (with `links`)."""
+        live_peers = [p for p in live_peers if not self.reputation.is_banned(p)]
+        if links is None:
+            return live_peers
+        self.announced = links
+        eligible = self.partners_worth_waiting_for(live_peers, links)
+        logger.debug(f"round {round_}: {len(eligible)} of {len(live_peers)} live peers are fast enough to wait for"
+                     f" (own link {self.own_link_bytes_per_s():.3g} B/s, links {links})")
+        return eligible
+
     async def _exchange_with(self, partner: str, value: list[torch.Tensor], weight: float, round_: int,
-                             stats: RoundSync) -> list[torch.Tensor] | None:
+                             stats: RoundSync) -> tuple[list[torch.Tensor], float] | None:
+        """One exchange we start: (what to mix in place of the partner's value, the weight both ends use)."""
         codec = self.choose_codec(partner)
-        payload = relative_encode(value, self.reference, codec)
+        try:
+            payload = relative_encode(self.outgoing(value), self.reference, codec)
+        except ValueError as e:  # what `outgoing` formed is not finite
+            logger.warning(f"not offering to {partner}: our value cannot be sent ({e})")
+            return None
         nbytes = self.last_payload_bytes = payload_bytes(payload)
         link = self.links.to(partner)
         deadline_s = self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor)
         header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": round_,
                   "codec": codec, "weight": weight}
-        received: list[list[torch.Tensor]] = []
-
-        def validate(answer: dict[str, Any], partner_payload: Payload) -> Any:
-            theirs = self.decode_partner(answer, partner_payload, own=value)
-            return lambda: received.append(theirs)
-
+        received: list[tuple[list[torch.Tensor], float]] = []
         started = time.monotonic()
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, payload,
-                                      validate, self.max_payload_bytes, deadline_s)
+                                      self._validator(partner, value, weight, received), self.max_payload_bytes,
+                                      deadline_s)
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused: {e}")
             if str(e) == WRONG_ROUND:
@@ -250,5 +359,35 @@ class ParamGossip:
         link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
         stats.add_exchange_(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
-        stats.consensus_distance.append(consensus_distance(value, received[0]))
+        stats.consensus_distance.append(consensus_distance(value, received[0][0]))
         return received[0]
+
+    def _validator(self, partner: str, value: list[torch.Tensor], weight: float,
+                   received: list[tuple[list[torch.Tensor], float]]) -> Callable[[dict[str, Any], Payload], Apply]:
+        """Checks the partner's answer (penalising one that does not validate); its apply keeps what to mix."""
+        def validate(answer: dict[str, Any], partner_payload: Payload) -> Apply:
+            try:
+                used = agreed_weight(weight, answer.get("weight", weight))
+                theirs = self.decode_partner(answer, partner_payload, own=value)
+            except ValueError as e:
+                self.reputation.penalise(partner, "invalid_payload", str(e))
+                raise
+            theirs = self.clip_partner(partner, theirs, own=value)
+            return lambda: received.append((theirs, used))
+
+        return validate
+
+
+def _distance_from(new: list[torch.Tensor], old: list[torch.Tensor], shift: list[torch.Tensor] | None) -> float:
+    """‖new − (old + shift)‖, one tensor at a time (no copy of the whole model)."""
+    if shift is None:
+        return distance(new, old)
+    total = math.fsum(distance([n], [o + s]) ** 2 for n, o, s in zip(new, old, shift, strict=True))
+    return math.sqrt(total)
+
+
+def agreed_weight(offered: float, answered: Any) -> float:
+    """The weight an initiator mixes with: the smaller of its own and the one the responder says it used."""
+    if not isinstance(answered, float) or not 0 < answered <= 0.5:
+        raise ValueError(f"partner answered the mixing weight {answered!r}")
+    return min(offered, answered)

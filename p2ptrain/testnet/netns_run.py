@@ -138,6 +138,8 @@ class Fleet:
                         "--metrics", str(self.workdir / f"{peer}.jsonl"), "--checkpoint-dir",
                         str(self.checkpoint_dir(peer)), "--host-maddrs",
                         f"/ip4/{self.testbed.address(peer)}/tcp/{PORT}", *self.peer_argv)
+        if peer in self.plan.adversaries:
+            argv += ["--red-team", self.plan.adversaries[peer]]
         proc = self._popen(peer, argv + (["--resume"] if checkpoint_round is not None else []))
         life = Life(peer, proc.pid, time.time(), resumed_from_round=checkpoint_round)
         self.lives.append(life)

@@ -70,8 +70,13 @@ class RunRecord:
         return [row for row in self.rows.get(life.peer, []) if life.started <= row["time"] <= end]
 
     def survivors(self) -> list[str]:
+        """Honest peers running at the end (adversaries are judged by what they did to these)."""
         return [peer for peer in self.rows if self.lives_of(peer) and self.lives_of(peer)[-1].end_reason in
-                SURVIVING_ENDS]
+                SURVIVING_ENDS and peer not in self.adversaries]
+
+    @property
+    def adversaries(self) -> dict[str, str]:
+        return dict(self.plan.get("adversaries") or {})
 
 
 @dataclasses.dataclass
@@ -94,7 +99,22 @@ def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
         results.append(check_stalls(record, checks.max_stall_rounds))
     if checks.max_consensus_distance is not None:
         results.append(check_consensus(record, checks.max_consensus_distance))
+    if checks.attackers_banned and record.adversaries:
+        results.append(check_attackers_banned(record))
     return results
+
+
+def check_attackers_banned(record: RunRecord) -> CheckResult:
+    """Every honest survivor listed every adversary among the peers it banned, in some round's metrics."""
+    attacker_ids = {peer: {row["peer_id"] for row in record.rows.get(peer, [])} for peer in record.adversaries}
+    missed = []
+    for peer in record.survivors():
+        banned = {p for row in record.rows[peer] for p in row.get("banned_peers", [])}
+        missed += [f"{peer} never banned {name}" for name, ids in attacker_ids.items() if not ids & banned]
+    silent = [name for name, ids in attacker_ids.items() if not ids]
+    detail = "; ".join(missed + [f"{name} logged no round (its peer id is unknown)" for name in silent])
+    return CheckResult("attackers_banned", not missed and not silent,
+                       detail or f"{len(record.survivors())} honest peers banned {', '.join(record.adversaries)}")
 
 
 def check_finished(record: RunRecord) -> CheckResult:

@@ -14,7 +14,8 @@ duration_s (full examples in testnet/scenarios/)::
       - {at_s: 90, partition: [peer2, peer3]}    # cut off from the rest (and the bootstrap); heal: partition
       - {at_s: 130, add_peer: {rate: 20mbit}}    # a new peer, named peer<N> after the others
     churn: {kills_per_min: 2, min_alive: 2, down_s: 20, start_s: 30, stop_s: 240, seed: 0}
-    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05}
+    adversary: {kind: aimed, peers: [peer3], from_round: 2}   # red team (testnet/adversary.py); or count: N
+    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05, attackers_banned: true}
 
 ``at_s`` counts from the moment the peers are started; ``after_round: N`` fires once peer ``of`` (default: any
 peer) has logged round N. Every mistake is a one-line ConfigError naming the file and the key.
@@ -33,6 +34,7 @@ import yaml
 
 from p2ptrain.dict_to_dataclass import build_dataclass, check_mapping, parsed_by
 from p2ptrain.errors import ConfigError, one_line
+from p2ptrain.testnet.adversary import ATTACKS
 
 PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name
 ACTIONS = (*PEER_ACTIONS, "set_rate", "partition", "heal", "add_peer")
@@ -192,6 +194,24 @@ class ChurnSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdversarySpec:
+    """Red-team peers: which attack (testnet/adversary.py), played by which peers, from which of their rounds."""
+
+    kind: str
+    peers: tuple[str, ...] = ()  # the hostile peers by name; default: the last `count` initial peers
+    count: int = 1
+    from_round: int = 0  # each plays honest before this round of its own
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTACKS:
+            raise ConfigError(f"adversary.kind must be one of {', '.join(ATTACKS)}, got {self.kind!r}")
+        for i, name in enumerate(self.peers):
+            peer_index(name, f"adversary.peers[{i}]")
+        if self.count < 1 or self.from_round < 0:
+            raise ConfigError("adversary.count must be >= 1 and adversary.from_round >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class ChecksSpec:
     """What must hold at the end of the run; false or null turns a check off."""
 
@@ -199,6 +219,7 @@ class ChecksSpec:
     resumed_from_checkpoint: bool | None = True  # a restarted peer's first round is >= its checkpoint's round
     max_stall_rounds: float | None = None  # no running peer went longer than this many median rounds without one
     max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
+    attackers_banned: bool | None = None  # every honest survivor banned every adversary at some point
 
     def __post_init__(self) -> None:
         for name in ("max_stall_rounds", "max_consensus_distance"):
@@ -219,6 +240,7 @@ class Scenario:
     peer_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # merged over --config
     events: tuple[Event, ...] = dataclasses.field(default=(), metadata=parsed_by(parse_events))
     churn: ChurnSpec | None = None
+    adversary: AdversarySpec | None = None
     checks: ChecksSpec = dataclasses.field(default_factory=ChecksSpec)
 
     def __post_init__(self) -> None:
@@ -243,6 +265,7 @@ class RunPlan:
     churn_events: tuple[Event, ...]
     checks: ChecksSpec
     peer_config: Mapping[str, Any]
+    adversaries: Mapping[str, str] = dataclasses.field(default_factory=dict)  # peer → its --red-team KIND@ROUND
 
     @property
     def initial_peers(self) -> list[str]:
@@ -296,8 +319,20 @@ def plan_run(scenario: Scenario, num_peers: int | None = None, bandwidth: str | 
                 raise ConfigError(f"events[{i}] ({event.describe()}): no peer {name!r} in this run "
                                   f"(peers: {', '.join(sorted(known, key=lambda n: peer_index(n, 'peer')))})")
     churn = churn_events(scenario.churn, count, duration_s) if scenario.churn else ()
+    adversaries = plan_adversaries(scenario.adversary, count) if scenario.adversary else {}
     return RunPlan(peer_rates, tuple(added), rounds, duration_s, events, churn, scenario.checks,
-                       dict(scenario.peer_config))
+                   dict(scenario.peer_config), adversaries)
+
+
+def plan_adversaries(spec: AdversarySpec, num_peers: int) -> dict[str, str]:
+    """The hostile peers and their `--red-team` argument; at least one peer of the run stays honest."""
+    names = list(spec.peers) or [f"peer{i}" for i in range(max(0, num_peers - spec.count), num_peers)]
+    unknown = [n for n in names if peer_index(n, "adversary.peers") >= num_peers]
+    if unknown:
+        raise ConfigError(f"adversary.peers: no {', '.join(unknown)} among the {num_peers} initial peers")
+    if len(set(names)) >= num_peers:
+        raise ConfigError(f"adversary: {len(set(names))} hostile peers of {num_peers} leaves nobody honest")
+    return {name: f"{spec.kind}@{spec.from_round}" for name in names}
 
 
 def _name_added_peers(events: tuple[Event, ...], num_peers: int) -> tuple[tuple[Event, ...], list[str]]:

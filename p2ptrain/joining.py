@@ -1,0 +1,308 @@
+"""Joining and catching up with untrusted peers: which round, whose state, and checking that state before use.
+
+Any peer can announce any round and serve any finite, well-shaped state (issue 9: a peer announcing round 100000
+with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joins or falls behind:
+1. reads the round by quorum: the lower median of the rounds live peers announce. A peer more than
+   `sync.join_max_round_lead` rounds ahead of it is suspect and never a donor; within that window the most
+   advanced round is joined as before (honest peers a round apart must converge);
+2. downloads a donor's snapshot, its metadata checked before anything else (state_sharing);
+3. corroborates it: draws a secret seed *after* the download and asks up to WITNESSES other peers for the
+   sketch of their own state under it (so the donor cannot shape its lie to pass), then compares distances:
+   DiLoCo peers of one round hold the same state up to float rounding, so the synced peers of the snapshot's
+   round must lie within ALIGNED_MAX_DISTANCE; otherwise (gossip modes, other rounds) within
+   `sync.join_gossip_max_distance`; refused when most answers are far (the donor's own voice breaks a tie).
+   The candidate's validation loss on our held-out batches must not be worse than our own state's, nor than
+   the median other peers announce (not the donor), by more than `sync.join_loss_tolerance`;
+4. applies the first state that passes; a donor whose state fails is penalised ("wrong_state": banned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import secrets
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import PeerID
+
+from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.net.state_sharing import (
+    Sketch,
+    SnapshotExpectation,
+    SnapshotRefused,
+    StateSnapshot,
+    download_state,
+    request_sketch,
+)
+
+if TYPE_CHECKING:
+    from p2ptrain.peer import TrainingPeer
+
+logger = logging.getLogger(__name__)
+
+WITNESSES = 3  # peers asked to corroborate a downloaded state
+# DiLoCo peers of one round differ by float rounding only (hivemind's all-reduce hands each peer avg − own): 5e-9
+# to 8e-9 relative on the tiny model, against 0.1–0.2 between rounds; a lie must come this close to pass
+ALIGNED_MAX_DISTANCE = 1e-3
+LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
+
+
+@dataclasses.dataclass(frozen=True)
+class DonorChoice:
+    """Who may be a donor this round, by quorum: `trusted` (live, not banned, not joining, within the lead),
+    `suspects` (further ahead), and the `donors` to try, best first."""
+
+    quorum: int | None
+    trusted: list[PeerRecord]
+    suspects: list[PeerRecord]
+    donors: list[PeerRecord]
+
+
+@dataclasses.dataclass(frozen=True)
+class Witnessed:
+    """One peer's sketch of its own state, with what its record says of it."""
+
+    peer_id: str
+    synced: bool
+    sketch: Sketch
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    accepted: bool
+    detail: str  # for the log line: why refused, or what confirmed it
+    confirmed_by: int = 0
+    blame: bool = True  # refused on evidence no single other peer can forge: the donor is penalised
+
+
+def quorum_round(records: Sequence[PeerRecord]) -> int | None:
+    """The lower median of the rounds the records announce (None without records): liars announcing a later
+    round move it only if they are more than half the peers, and two peers' rounds resolve to the lower one."""
+    rounds = sorted(r.round for r in records)
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+
+def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
+                    is_banned: Callable[[str], bool]) -> tuple[int | None, list[PeerRecord], list[PeerRecord]]:
+    """(quorum round, trusted, suspects) among other live peers that are not joining and not banned."""
+    live = [r for r in others if r.phase != "joining" and not is_banned(r.peer_id)]
+    quorum = quorum_round(live)
+    if quorum is None:
+        return None, [], []
+    return (quorum, [r for r in live if r.round <= quorum + max_lead],
+            [r for r in live if r.round > quorum + max_lead])
+
+
+def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
+                  max_lead: int, is_banned: Callable[[str], bool]) -> DonorChoice:
+    """Peers to download state from, best first; none when we are in step with the swarm.
+
+    Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
+    (`in_step` false: a synced peer of our round is a donor). Every mode: a `fresh` process (round 0, never
+    joined) takes a trusted peer's state.
+    """
+    quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
+    ahead = [r for r in trusted if r.round > own_round] if aligned else []
+    if ahead or (fresh and trusted):
+        candidates = [r for r in trusted if r.round >= own_round]
+    elif not in_step and aligned:
+        candidates = [r for r in trusted if r.round == own_round and r.synced]
+    else:
+        candidates = []
+    # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
+    # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
+    donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
+    return DonorChoice(quorum, trusted, suspects, donors)
+
+
+def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, int]:
+    """The rounds a donor's snapshot may be of: the one it announced, or the next (it moved on meanwhile), never
+    past the lead."""
+    return donor_round, min(donor_round + 1, quorum + max_lead)
+
+
+def choose_witnesses(trusted: Sequence[PeerRecord], donor: str, round_: int, count: int,
+                     rng: random.Random) -> list[PeerRecord]:
+    """Up to `count` trusted peers other than the donor, those of `round_` first, then synced, then the nearest
+    rounds; random among equals (a fixed order would let a set of colluders pick ids that always come first)."""
+    pool = [r for r in trusted if r.peer_id != donor]
+    rng.shuffle(pool)
+    pool.sort(key=lambda r: (r.round != round_, not r.synced, abs(r.round - round_)))
+    return pool[:count]
+
+
+def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool, tight_max: float,
+                   loose_max: float) -> Verdict:
+    """Refuse when more answers lie far from the candidate than near it, the donor counting as one voice for its
+    own state: two honest answers outvote a lying donor, one lying witness cannot outvote an honest donor, and
+    an even vote (or none) passes on to the loss check. Which answers, and how far is far: with `tight` (aligned
+    rounds, a synced donor) the synced answers of the candidate's round, beyond `tight_max`, when there are any;
+    otherwise all the answers, beyond `loose_max`."""
+    same_round = [a for a in answers if tight and a.sketch.round == candidate.round and a.synced]
+    group, bound = (same_round, tight_max) if same_round else (list(answers), loose_max)
+    where = f" of round {candidate.round}" if same_round else ""
+    if not group:
+        return Verdict(True, "no other peer answered")
+    distances = sorted(candidate.distance(a.sketch) for a in group)
+    close = sum(d <= bound for d in distances)
+    far = len(group) - close
+    if far > close + 1:
+        return Verdict(False, f"its parameters are {distances[len(distances) // 2]:.3g} (relative) from "
+                              f"{far} of {_peers(len(group))}{where}")
+    if far:
+        return Verdict(True, f"{close} of {_peers(len(group))}{where} agree, {far} disagree: an even vote", close)
+    return Verdict(True, f"confirmed by {_peers(close)}{where} within {distances[-1]:.2g}", close)
+
+
+def _peers(count: int) -> str:
+    return f"{count} peer" if count == 1 else f"{count} peers"
+
+
+def median_claim(announced: Sequence[float | None]) -> float | None:
+    """The median of the validation losses peers announce (None when none is known)."""
+    values = [v for v in announced if v is not None and math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float) -> Verdict:
+    """Refuse a state whose validation loss is worse than our own state's, or than the median other peers claim,
+    by more than `tolerance` (relative) + LOSS_SLACK. Only the first is blamed on the donor: it is our own
+    measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned."""
+    for reference, whose, blame in ((own, "ours", True), (claimed, "the swarm's", False)):
+        limit = math.inf if reference is None else reference * (1 + tolerance) + LOSS_SLACK
+        if not loss <= limit:  # NaN fails too
+            return Verdict(False, f"its validation loss {loss:.3f} is above {limit:.3f} ({whose} {reference:.3f})",
+                           blame=blame)
+    swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"
+    return Verdict(True, f"validation loss {loss:.3f}, ours {own:.3f}{swarm}")
+
+
+@contextlib.contextmanager
+def parameters_set_to(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Write `values` into `params` for the duration of the block, then put the originals back."""
+    backup = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p, v in zip(params, values, strict=True):
+                p.copy_(v.to(device=p.device, dtype=p.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup, strict=True):
+                p.copy_(b)
+
+
+class Joiner:
+    """The catching-up step of a peer's round loop: choose donors, download, corroborate, then apply or penalise."""
+
+    def __init__(self, peer: TrainingPeer):
+        self.peer = peer
+        self.config = peer.config.sync
+        self.rng = random.Random(secrets.randbits(64))
+        self._suspects_logged: set[str] = set()
+
+    def choose(self, view: SwarmView) -> DonorChoice:
+        peer = self.peer
+        fresh = peer.round == 0 and not peer.joined_ever
+        choice = choose_donors(view.others, peer.round, peer.synced, fresh, self.config.aligned_rounds,
+                               self.config.join_max_round_lead, peer.reputation.is_banned)
+        for suspect in choice.suspects:
+            if suspect.peer_id not in self._suspects_logged:
+                self._suspects_logged.add(suspect.peer_id)
+                logger.warning(f"peer {suspect.peer_id} announces round {suspect.round}, more than "
+                               f"{self.config.join_max_round_lead} ahead of the swarm's {choice.quorum}: "
+                               f"suspect, not a donor")
+        return choice
+
+    def catch_up_(self, view: SwarmView) -> bool:
+        """Adopt the first donor's state that passes the checks; True if one was applied."""
+        peer = self.peer
+        choice = self.choose(view)
+        own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
+        for donor in choice.donors:
+            snapshot = self._download(donor, choice)
+            if snapshot is None:
+                continue
+            verdict = self._corroborate(snapshot, donor, choice, own_loss)
+            if not verdict.accepted:
+                logger.warning(f"refused the state of {donor.peer_id}: {verdict.detail}")
+                if verdict.blame:
+                    peer.reputation.penalise(donor.peer_id, "wrong_state", verdict.detail)
+                continue
+            peer._apply_snapshot(snapshot)
+            logger.info(f"joined round {peer.round} with the state of {donor.peer_id} ({verdict.detail})")
+            peer.joined_ever, peer.synced = True, True
+            return True
+        if choice.donors:
+            logger.warning("no peer could share a state that passed the checks; training on from ours")
+        peer.joined_ever = peer.joined_ever or bool(view.others)
+        return False
+
+    def _download(self, donor: PeerRecord, choice: DonorChoice) -> StateSnapshot | None:
+        peer, timeout_s = self.peer, self.config.state_download_timeout_s
+        assert choice.quorum is not None  # there are donors
+        low, high = snapshot_rounds(donor.round, choice.quorum, self.config.join_max_round_lead)
+        try:
+            return peer.loop.run(download_state(
+                peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer._state_layout(),
+                max_bytes=2 * peer._state_nbytes() + 2**20, chunk_timeout_s=timeout_s,
+                expected_metadata=SnapshotExpectation(peer.config.run.run_id, peer.fingerprint, low, high),
+            ), timeout=timeout_s * 4)
+        except SnapshotRefused as e:
+            logger.warning(f"refused the state of {donor.peer_id}: {e}")
+            if e.offence is not None:
+                peer.reputation.penalise(donor.peer_id, e.offence, str(e))
+        except Exception as e:  # WireError, StateMismatchError, timeouts, P2P errors: all mean "next donor"
+            logger.warning(f"state download from {donor.peer_id} failed: {e!r}; trying the next peer")
+        return None
+
+    def _corroborate(self, snapshot: StateSnapshot, donor: PeerRecord, choice: DonorChoice,
+                     own_loss: float | None) -> Verdict:
+        """The sketch check against other peers, then the validation-loss check (the costlier one) on our batches."""
+        seed = secrets.randbits(64)  # drawn after the download: the donor could not know it
+        others = [r for r in choice.trusted if r.peer_id != donor.peer_id
+                  and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
+        witnesses = choose_witnesses(others, donor.peer_id, snapshot.round, WITNESSES, self.rng)
+        tight = self.config.aligned_rounds and self.config.overlap != "eager" and donor.synced
+        sketches = judge_sketches(snapshot.sketch(seed), self._ask(witnesses, seed), tight, ALIGNED_MAX_DISTANCE,
+                                  self.config.join_gossip_max_distance)
+        if not sketches.accepted:
+            return sketches
+        with parameters_set_to(self.peer.params, snapshot.tensors[:len(self.peer.params)]):
+            loss = self.peer.inner.evaluate(self.peer.val_batches)
+        if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
+            own_loss = self.peer.inner.evaluate(self.peer.val_batches)
+        claimed = median_claim([r.val_loss for r in others])  # what the donor claims of itself proves nothing
+        judged = judge_loss(loss, own_loss, claimed, self.config.join_loss_tolerance)
+        return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}") if judged.accepted else judged
+
+    def _ask(self, witnesses: Sequence[PeerRecord], seed: int) -> list[Witnessed]:
+        """The witnesses' sketches under `seed`, asked at once; those that fail or refuse are left out."""
+        peer, timeout_s = self.peer, self.config.state_download_timeout_s
+
+        async def ask(record: PeerRecord) -> Sketch:
+            return await request_sketch(peer.p2p, PeerID.from_base58(record.peer_id), peer.config.run.run_id,
+                                        seed, timeout_s)
+
+        async def ask_all() -> list[Sketch | BaseException]:
+            return await asyncio.gather(*(ask(w) for w in witnesses), return_exceptions=True)
+
+        try:  # each request has its own deadline; this one only guards against a stuck event loop
+            results = peer.loop.run(ask_all(), timeout=timeout_s + 5) if witnesses else []
+        except TimeoutError:
+            logger.warning(f"no peer answered a sketch request within {timeout_s + 5:g} s")
+            return []
+        answers = []
+        for record, result in zip(witnesses, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.debug(f"no sketch from {record.peer_id}: {result!r}")
+            else:
+                answers.append(Witnessed(record.peer_id, record.synced, result))
+        return answers

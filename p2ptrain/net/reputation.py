@@ -1,0 +1,131 @@
+"""What a peer has done to us: offences raise a decaying score; past a threshold the peer is banned for a while.
+
+Modelled on gossipsub v1.1's peer scoring, reduced to what an open training swarm needs: every offence has a
+weight (a malformed or oversize payload costs more than a timeout, which an honest peer on a slow link also
+commits); the score halves every `half_life_s`, so honest peers that fail now and then never reach the
+threshold; a peer that does is refused for `ban_s`, doubled at each repeat up to `max_ban_s` (a repeat offender
+pays more), and the ban is logged once. Keyed by libp2p peer id: what libp2p authenticated, never what a message
+claims. Thread-safe: the event loop and the round loop both report offences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from p2ptrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# offence → weight. A ban takes `ReputationConfig.ban_score` (default 4): four malformed payloads or hard clips, two
+# oversize streams or one lying state snapshot, but eight timeouts within a half-life.
+OFFENCES: dict[str, float] = {
+    "timeout": 0.5,  # an exchange that ran past its deadline (honest slow links do this too)
+    "slow_send": 1.0,  # a stream that stalled mid-payload while holding one of our slots
+    "uncommitted": 0.5,  # an exchange it opened, read our value from, and never committed
+    "too_many_opens": 1.0,  # more offers or streams at once (or per round) than a peer may make
+    "malformed": 1.0,  # a message we could not parse, or metadata of the wrong types
+    "invalid_payload": 1.0,  # tensors that do not decode, do not fit, or are not finite
+    "clipped": 1.0,  # a value more than HARD_CLIP_FACTOR (4) × the clipping radius away: not disagreement
+    "oversize": 2.0,  # more bytes than announced or allowed
+    "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
+    "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReputationConfig:
+    """The `reputation` section: when a misbehaving peer is banned, and for how long."""
+
+    ban_score: float = 4.0  # a peer whose score reaches this is banned (see OFFENCES for the weights)
+    half_life_s: float = 120.0  # scores halve in this time
+    ban_s: float = 60.0  # first ban; each later ban of the same peer doubles it
+    max_ban_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if min(self.ban_score, self.half_life_s, self.ban_s) <= 0 or self.max_ban_s < self.ban_s:
+            raise ConfigError("reputation.ban_score, half_life_s and ban_s must be > 0 and max_ban_s >= ban_s")
+
+
+@dataclasses.dataclass
+class _Standing:
+    score: float = 0.0
+    scored_at: float = 0.0
+    banned_until: float = 0.0
+    bans: int = 0
+    offences: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Reputation:
+    """Per-peer scores and bans for one peer process; `penalise` reports, `is_banned` is asked before serving."""
+
+    MAX_TRACKED = 10_000  # peers remembered at once: identities are free, memory is not
+
+    def __init__(self, config: ReputationConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 admitted: Callable[[str], bool] = lambda _peer: True):
+        self.config = config or ReputationConfig()
+        self.clock = clock
+        self.admitted = admitted  # the run's admission (net/admission.py): a signed run refuses peers without ticket
+        self._standing: dict[str, _Standing] = {}
+        self._lock = threading.Lock()
+
+    def penalise(self, peer: str, offence: str, detail: str = "") -> bool:
+        """Record one offence of `peer`; True if it is (now) banned."""
+        weight = OFFENCES[offence]
+        now = self.clock()
+        with self._lock:
+            standing = self._standing_of(peer, now)
+            standing.score = self._decayed(standing, now) + weight
+            standing.scored_at = now
+            standing.offences[offence] = standing.offences.get(offence, 0) + 1
+            if standing.banned_until > now:
+                return True
+            if standing.score < self.config.ban_score:
+                return False
+            ban_s = min(self.config.max_ban_s, self.config.ban_s * 2 ** standing.bans)
+            standing.banned_until, standing.bans, standing.score = now + ban_s, standing.bans + 1, 0.0
+            offences = ", ".join(f"{n}× {o}" for o, n in sorted(standing.offences.items()))
+        logger.warning(f"banning peer {peer} for {ban_s:.0f} s ({offences}{'; last: ' + detail if detail else ''})")
+        return True
+
+    def refuses(self, peer: str) -> bool:
+        """Whether to refuse `peer` anything (an exchange, our state): banned, or not admitted to the run."""
+        return self.is_banned(peer) or not self.admitted(peer)
+
+    def is_banned(self, peer: str) -> bool:
+        with self._lock:
+            standing = self._standing.get(peer)
+            return standing is not None and standing.banned_until > self.clock()
+
+    def score(self, peer: str) -> float:
+        with self._lock:
+            standing = self._standing.get(peer)
+            return 0.0 if standing is None else self._decayed(standing, self.clock())
+
+    def banned(self) -> dict[str, float]:
+        """Banned peers → seconds of ban left."""
+        now = self.clock()
+        with self._lock:
+            return {p: s.banned_until - now for p, s in self._standing.items() if s.banned_until > now}
+
+    def offences(self) -> dict[str, dict[str, int]]:
+        """Every tracked peer's offence counts (for metrics and status)."""
+        with self._lock:
+            return {p: dict(s.offences) for p, s in self._standing.items() if s.offences}
+
+    def _decayed(self, standing: _Standing, now: float) -> float:
+        return standing.score * math.pow(0.5, max(0.0, now - standing.scored_at) / self.config.half_life_s)
+
+    def _standing_of(self, peer: str, now: float) -> _Standing:
+        standing = self._standing.get(peer)
+        if standing is None:
+            if len(self._standing) >= self.MAX_TRACKED:  # forget the least harmful peer that is not banned
+                forgettable = [p for p, s in self._standing.items() if s.banned_until <= now]
+                if forgettable:
+                    del self._standing[min(forgettable, key=lambda p: self._decayed(self._standing[p], now))]
+            standing = self._standing[peer] = _Standing(scored_at=now)
+        return standing

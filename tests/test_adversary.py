@@ -1,0 +1,81 @@
+"""The red team's parts that need no network: parsing `--red-team` and `adversary:`, the lies told, and the
+report's `attackers_banned` check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.testnet.adversary import ATTACKS, Attack, tampered
+from p2ptrain.testnet.report import Life, RunRecord, check_attackers_banned, run_checks
+from p2ptrain.testnet.scenario import parse_scenario, plan_run
+
+
+def test_red_team_flag_parses_kind_and_round_and_refuses_the_rest() -> None:
+    assert Attack.parse("aimed@2") == Attack("aimed", 2)
+    assert Attack.parse("state_liar") == Attack("state_liar", 0)
+    for bad in ("", "aimed@", "aimed@-1", "aimed@x", "bogus", "nan@1.5"):
+        with pytest.raises(UserError, match="--red-team"):
+            Attack.parse(bad)
+
+
+def test_each_value_attack_lies_as_documented() -> None:
+    value, stale = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 0.5])]
+    assert torch.equal(tampered("aimed", value, stale)[0], torch.tensor([-7.0, 14.0]))
+    assert torch.equal(tampered("sign_flip", value, stale)[0], torch.tensor([-1000.0, 2000.0]))
+    assert torch.equal(tampered("scale", value, stale)[0], torch.tensor([1000.0, -2000.0]))
+    assert torch.equal(tampered("replay", value, stale)[0], stale[0])
+    assert torch.isnan(tampered("nan", value, stale)[0]).all()
+    assert torch.equal(value[0], torch.tensor([1.0, -2.0])), "the honest value is left alone"
+
+
+def test_scenario_adversary_names_peers_or_takes_the_last_ones() -> None:
+    named = plan_run(parse_scenario({"peers": 4, "adversary": {"kind": "aimed", "peers": ["peer1"], "from_round": 3}}))
+    assert named.adversaries == {"peer1": "aimed@3"}
+    counted = plan_run(parse_scenario({"peers": 5, "adversary": {"kind": "scale", "count": 2}}))
+    assert counted.adversaries == {"peer3": "scale@0", "peer4": "scale@0"}
+    assert plan_run(parse_scenario({"peers": 3})).adversaries == {}
+    assert set(ATTACKS) >= {"aimed", "sign_flip", "scale", "replay", "nan", "state_liar"}
+
+
+@pytest.mark.parametrize("adversary, message", [
+    ({"kind": "bogus"}, "adversary.kind"),
+    ({"kind": "aimed", "peers": ["peer9"]}, "no peer9"),
+    ({"kind": "aimed", "count": 4}, "nobody honest"),
+    ({"kind": "aimed", "peers": ["bob"]}, "not a peer name"),
+    ({"kind": "aimed", "from_round": -1}, "from_round"),
+    ({"kind": "aimed", "colour": "red"}, "colour"),
+])
+def test_a_bad_adversary_is_one_config_error(adversary: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plan_run(parse_scenario({"peers": 4, "adversary": adversary}))
+
+
+def record_with(banned_by_peer0: list[str]) -> RunRecord:
+    rows = {
+        "peer0": [{"peer_id": "Qm0", "round": r, "time": 10.0 + r, "val_loss": 3.0 - r, "round_s": 1.0,
+                   "banned_peers": banned_by_peer0 if r == 1 else []} for r in range(4)],
+        "peer1": [{"peer_id": "QmBad", "round": r, "time": 10.0 + r, "val_loss": math.inf, "round_s": 1.0,
+                   "banned_peers": []} for r in range(4)],
+    }
+    lives = [Life("peer0", 1, 0.0, 20.0, 0, "finished"), Life("peer1", 2, 0.0, 20.0, 0, "finished")]
+    return RunRecord(0.0, 20.0, rows, lives, [], [], {}, {}, "done", plan={"adversaries": {"peer1": "aimed@0"}})
+
+
+def test_attackers_banned_passes_only_when_every_honest_peer_banned_the_attacker() -> None:
+    assert check_attackers_banned(record_with(["QmBad"])).passed
+    failed = check_attackers_banned(record_with([]))
+    assert not failed.passed and "peer0 never banned peer1" in failed.detail
+
+
+def test_the_attacker_is_not_judged_as_an_honest_survivor() -> None:
+    from p2ptrain.testnet.scenario import ChecksSpec
+
+    record = record_with(["QmBad"])
+    assert record.survivors() == ["peer0"]
+    results = {r.name: r for r in run_checks(record, ChecksSpec(loss_fell=True, attackers_banned=True))}
+    assert results["loss_fell"].passed, "peer1's infinite loss is the attacker's, not a failure of training"
+    assert results["attackers_banned"].passed

@@ -1,0 +1,141 @@
+"""A peer that dies leaves nothing behind, and a peer that cannot join says so in one line, in time (issue 9).
+
+hivemind runs the DHT in a child process, which spawns the p2pd daemon; a peer killed by SIGKILL runs no clean-up,
+so the DHT and averager processes must notice their parent's death themselves (net/lifetime.py) and end p2pd.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from p2ptrain.errors import UserError
+from p2ptrain.net.dht import JOIN_TIMEOUT_S, NetworkConfig, start_dht
+
+pytestmark = [pytest.mark.network]
+
+REPO = Path(__file__).resolve().parents[1]
+GONE_WITHIN_S = 5.0  # the DHT process and p2pd must be gone this soon after the peer is killed
+FAIL_WITHIN_S = 15.0  # a peer given only dead initial peers must have failed by then
+
+# A peer: starts its DHT node (in the main thread, or in a thread that ends before the peer does), connects to its
+# daemon as a peer does, prints its pid and its DHT process's pid, and waits to be killed.
+PEER = """
+import asyncio, os, signal, sys, threading
+from p2ptrain.net.dht import NetworkConfig, start_dht
+started = []
+starter = threading.Thread(target=lambda: started.append(start_dht(NetworkConfig.loopback())))
+if sys.argv[1] == "main":
+    starter.run()
+else:
+    starter.start()
+    starter.join()
+dht = started[0]
+p2p = asyncio.new_event_loop().run_until_complete(dht.replicate_p2p())
+print(os.getpid(), dht.pid, flush=True)
+signal.pause()
+"""
+
+
+def daemons_of(process: psutil.Process) -> list[psutil.Process]:
+    return [p for p in process.children(recursive=True) if p.name() == "p2pd"]
+
+
+@pytest.mark.slow  # a peer process starts (torch's import alone takes seconds)
+@pytest.mark.parametrize("started_in", ["main", "thread"])
+def test_a_peer_killed_by_sigkill_leaves_no_dht_process_and_no_p2pd(started_in: str) -> None:
+    """`thread`: the DHT process must outlive the thread that started it (parent-death signals fire when the
+    forking *thread* ends), yet still end with the peer."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER, started_in], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        line = peer.stdout.readline()  # the peer's DHT started and its daemon answered
+        assert line, "the peer failed to start"
+        peer_pid, dht_pid = map(int, line.split())
+        dht = psutil.Process(dht_pid)
+        leftovers = [dht, *daemons_of(dht)]
+        assert len(leftovers) == 2 and psutil.Process(peer_pid).is_running()
+    finally:
+        peer.kill()
+        peer.wait()
+    killed_at = time.monotonic()
+    _gone, alive = psutil.wait_procs(leftovers, timeout=GONE_WITHIN_S)
+    assert alive == [], f"still running after the peer was killed: {[p.name() for p in alive]}"
+    print(f"DHT process and p2pd gone {time.monotonic() - killed_at:.2f} s after the peer was killed")
+
+
+# A DiLoCo peer: its DHT process and hivemind's averager process, both forked from it.
+AVERAGING_PEER = """
+import os, signal, torch
+from p2ptrain.net.allreduce import AllReduceAverager
+from p2ptrain.net.dht import NetworkConfig, start_dht
+dht = start_dht(NetworkConfig.loopback())
+averager = AllReduceAverager(dht, "crash", [torch.zeros(4)], matchmaking_s=1.0, allreduce_timeout_s=5.0)
+print(os.getpid(), dht.pid, averager._averager.pid, flush=True)
+signal.pause()
+"""
+
+
+@pytest.mark.slow
+def test_a_diloco_peer_killed_by_sigkill_leaves_no_averager_process() -> None:
+    peer = subprocess.Popen([sys.executable, "-c", AVERAGING_PEER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        line = peer.stdout.readline()
+        assert line, "the peer failed to start"
+        _peer_pid, dht_pid, averager_pid = map(int, line.split())
+        dht = psutil.Process(dht_pid)
+        leftovers = [dht, psutil.Process(averager_pid), *daemons_of(dht)]
+    finally:
+        peer.kill()
+        peer.wait()
+    _gone, alive = psutil.wait_procs(leftovers, timeout=GONE_WITHIN_S)
+    assert alive == [], f"still running after the peer was killed: {[p.name() for p in alive]}"
+
+
+def silent_listeners(n: int) -> Iterator[socket.socket]:
+    """Ports that accept connections and never answer: a frozen peer (or a firewall that drops) as p2pd sees it."""
+    for _ in range(n):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener
+
+
+def address(port: int, tmp_path: Path, name: str) -> str:
+    P2P.generate_identity(str(tmp_path / name))
+    peer_id = PeerID.from_identity((tmp_path / name).read_bytes())
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id.to_base58()}"
+
+
+@pytest.mark.parametrize("dead", [
+    "closed",  # nothing listens: refused at once
+    pytest.param("silent", marks=pytest.mark.slow),  # four peers that accept and never answer: 5 s each in p2pd
+])
+def test_only_dead_initial_peers_fail_in_one_line_within_15_s(dead: str, tmp_path: Path) -> None:
+    listeners = list(silent_listeners(4 if dead == "silent" else 1))
+    try:
+        ports = [s.getsockname()[1] for s in listeners]
+        if dead == "closed":
+            listeners.pop().close()
+        peers = [address(port, tmp_path, f"id{i}") for i, port in enumerate(ports)]
+        started = time.monotonic()
+        with pytest.raises(UserError) as error:
+            start_dht(NetworkConfig.loopback(), peers)
+        failed_s = time.monotonic() - started
+    finally:
+        for listener in listeners:
+            listener.close()
+    print(f"{dead}: failed after {failed_s:.1f} s: {error.value}")
+    assert failed_s < FAIL_WITHIN_S and (dead == "closed" or failed_s >= JOIN_TIMEOUT_S - 1)
+    assert "\n" not in str(error.value) and str(error.value).startswith("cannot join the swarm through")
+    _gone, alive = psutil.wait_procs(daemons_of(psutil.Process()), timeout=GONE_WITHIN_S)
+    assert alive == [], "a p2pd daemon outlived the failed start"

@@ -1,0 +1,481 @@
+"""Joining with untrusted peers (issue 9): quorum round, donor choice, sketches, metadata checks, and real swarms
+on loopback where a liar announces a far-ahead round or serves −5·θ_0 as its state."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import threading
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hivemind.p2p import P2P
+from swarm_utils import PeerThread, replace_section, start_peer, tiny_config
+
+from p2ptrain.config import PeerConfig
+from p2ptrain.errors import ConfigError
+from p2ptrain.joining import (
+    ALIGNED_MAX_DISTANCE,
+    Witnessed,
+    choose_donors,
+    choose_witnesses,
+    judge_loss,
+    judge_sketches,
+    median_claim,
+    parameters_set_to,
+    quorum_round,
+    snapshot_rounds,
+)
+from p2ptrain.metrics import RoundMetrics
+from p2ptrain.net.discovery import PeerRecord
+from p2ptrain.net.state_sharing import (
+    SKETCH_BLOCK,
+    SKETCH_SIZE,
+    Sketch,
+    SnapshotExpectation,
+    SnapshotRefused,
+    StateServer,
+    StateSnapshot,
+    check_snapshot_metadata,
+    download_state,
+    parameter_norm,
+    parameter_sketch,
+    request_sketch,
+)
+from p2ptrain.net.wire import WireError
+from p2ptrain.peer import TrainingPeer
+from p2ptrain.sync.config import SyncConfig
+
+LIAR_ROUND = 100_000
+
+
+def record(peer: str, round_: int, phase: str = "inner", synced: bool = True, val_loss: float | None = None,
+           bandwidth_bps: float = 0.0) -> PeerRecord:
+    return PeerRecord(peer_id=peer, round=round_, inner_step=0, phase=phase, round_eta=0.0, synced=synced,
+                      val_loss=val_loss, bandwidth_bps=bandwidth_bps)
+
+
+def nobody_banned(_peer: str) -> bool:
+    return False
+
+
+def donors_of(others: list[PeerRecord], own_round: int, in_step: bool = True, fresh: bool = False,
+              aligned: bool = True, banned: tuple[str, ...] = ()) -> list[str]:
+    choice = choose_donors(others, own_round, in_step, fresh, aligned, 2, lambda p: p in banned)
+    return [r.peer_id for r in choice.donors]
+
+
+# ---- the round by quorum, and donors ------------------------------------------------------------------------------
+def test_the_quorum_round_is_the_lower_median_so_one_liar_cannot_move_it():
+    assert quorum_round([record("a", 7), record("b", 7), record("liar", LIAR_ROUND)]) == 7
+    assert quorum_round([record("a", 7), record("liar", LIAR_ROUND)]) == 7
+    assert quorum_round([record("a", 5), record("b", 6), record("c", 6)]) == 6
+    assert quorum_round([record("a", 3)]) == 3
+    assert quorum_round([]) is None
+
+
+def test_a_peer_far_ahead_of_the_quorum_is_a_suspect_and_never_a_donor():
+    others = [record("a", 7), record("b", 7), record("liar", LIAR_ROUND)]
+    choice = choose_donors(others, 6, True, False, True, 2, nobody_banned)
+    assert choice.quorum == 7
+    assert [r.peer_id for r in choice.suspects] == ["liar"]
+    assert sorted(r.peer_id for r in choice.donors) == ["a", "b"]
+    assert donors_of(others, 0, fresh=True, aligned=False) == ["a", "b"]  # a fresh gossip peer too
+    assert donors_of([record("a", 7), record("liar", 10)], 0, fresh=True) == ["a"]  # 10 > 7 + 2
+    assert donors_of([record("a", 7), record("near", 9)], 0, fresh=True) == ["near", "a"]  # within the lead
+
+
+def test_the_usual_catching_up_cases_still_find_their_donor():
+    assert donors_of([record("a", 7)], 0, fresh=True) == ["a"]  # a fresh joiner, one honest peer
+    assert donors_of([record("a", 6), record("b", 6)], 5) == ["a", "b"]  # one round behind a majority
+    assert donors_of([record("b", 6)], 5) == ["b"]  # two peers one round apart: the one behind catches up
+    assert donors_of([record("a", 5)], 6) == []  # ... and the one ahead stays
+    assert donors_of([record("b", 5), record("c", 6)], 5)[0] == "c"  # a split of 2 + 1 converges on the later round
+    assert donors_of([record("a", 5, synced=False), record("b", 5)], 5, in_step=False) == ["b"]  # fell out of a group
+    assert donors_of([record("a", 5), record("b", 5)], 5) == []  # in step: nothing to do
+    assert donors_of([record("a", 9)], 5, aligned=False) == []  # gossip peers never catch up after joining
+
+
+def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum():
+    others = [record("a", 7), record("liar", 8), record("new", 0, phase="joining")]
+    choice = choose_donors(others, 6, True, False, True, 2, lambda p: p == "liar")
+    assert choice.quorum == 7 and [r.peer_id for r in choice.donors] == ["a"]
+    assert [r.peer_id for r in choice.trusted] == ["a"]
+
+
+def test_the_most_advanced_donor_comes_first_then_synced_then_the_fastest_link():
+    others = [record("slow", 7, bandwidth_bps=1e6), record("fast", 7, bandwidth_bps=1e9),
+              record("unsynced", 7, synced=False, bandwidth_bps=1e10), record("later", 8)]
+    assert donors_of(others, 6) == ["later", "fast", "slow", "unsynced"]
+
+
+def test_a_snapshot_may_be_of_the_donors_round_or_the_next_within_the_lead():
+    assert snapshot_rounds(7, 7, 2) == (7, 8)
+    assert snapshot_rounds(9, 7, 2) == (9, 9)
+
+
+def test_witnesses_exclude_the_donor_and_prefer_peers_of_the_snapshots_round():
+    trusted = [record("donor", 7), record("a", 6), record("b", 7, synced=False), record("c", 7), record("d", 5)]
+    chosen = choose_witnesses(trusted, "donor", 7, 3, random.Random(0))
+    assert [r.peer_id for r in chosen] == ["c", "b", "a"]
+    assert choose_witnesses([record("donor", 7)], "donor", 7, 3, random.Random(0)) == []
+
+
+# ---- sketches -------------------------------------------------------------------------------------------------------
+def test_the_sketch_is_rademacher_projections_drawn_from_the_seeds_pcg64_bits():
+    """By hand: a single element 1.0 gets, in projection k, the sign of bit k of the stream's first word."""
+    word = int(np.random.PCG64(1234).random_raw(1)[0])
+    expected = [2.0 * ((word >> k) & 1) - 1 for k in range(SKETCH_SIZE)]
+    assert parameter_sketch([torch.ones(1)], seed=1234) == expected
+    assert parameter_sketch([torch.full((1,), 3.0)], seed=1234) == [3 * e for e in expected]
+
+
+def test_the_sketch_is_the_same_blockwise_as_a_dense_projection():
+    torch.manual_seed(0)
+    tensors = [torch.randn(SKETCH_BLOCK + 5), torch.randn(3, 7)]
+    bits = np.random.PCG64(99)
+    dense = []
+    for count in (SKETCH_BLOCK, 5, 21):  # the blocks: a full one, the first tensor's tail, the second tensor
+        words = bits.random_raw(-(-SKETCH_SIZE * count // 64)).astype("<u8")
+        signs = np.unpackbits(words.view(np.uint8), bitorder="little")[: SKETCH_SIZE * count]
+        dense.append(signs.reshape(SKETCH_SIZE, count).astype(np.float64) * 2 - 1)
+    flat = [tensors[0][:SKETCH_BLOCK], tensors[0][SKETCH_BLOCK:], tensors[1].reshape(-1)]
+    expected = sum(d @ f.double().numpy() for d, f in zip(dense, flat, strict=True))
+    np.testing.assert_allclose(parameter_sketch(tensors, seed=99), expected, rtol=1e-12)
+    assert parameter_sketch(tensors, seed=99) != parameter_sketch(tensors, seed=100)
+
+
+SEED = 7
+torch.manual_seed(1)
+THETA = [torch.randn(50, 40) * 0.02, torch.ones(40)]
+
+
+def sketch_of(tensors: list[torch.Tensor], round_: int = 7, seed: int = SEED) -> Sketch:
+    return Sketch(round_, parameter_sketch(tensors, seed), parameter_norm(tensors))
+
+
+def scaled(factor: float) -> list[torch.Tensor]:
+    return [factor * t for t in THETA]
+
+
+def test_a_scaled_lie_is_far_in_the_sketch_and_float_rounding_is_not():
+    honest = sketch_of(THETA)
+    rounded = sketch_of([t + 1e-7 * torch.randn_like(t) for t in THETA])
+    assert honest.distance(rounded) < 1e-5
+    for lie, true in ((-5, 6.0), (10, 9.0), (1.3, 0.3)):  # ‖λθ − θ‖ / min(‖λθ‖, ‖θ‖)
+        assert 0.47 * true < sketch_of(scaled(lie)).distance(honest) < 1.61 * true
+
+
+def test_the_sketch_estimates_the_relative_distance_of_unrelated_states():
+    torch.manual_seed(2)
+    a, b = [torch.randn(10_000)], [torch.randn(10_000)]
+    true = float((a[0] - b[0]).norm() / min(a[0].norm(), b[0].norm()))
+    estimates = [sketch_of(a, seed=s).distance(sketch_of(b, seed=s)) for s in range(20)]
+    assert all(0.47 * true < e < 1.61 * true for e in estimates)  # the 99.9 % band of a χ with 16 degrees
+    assert 0.85 * true < float(np.median(estimates)) < 1.15 * true
+
+
+def witnessed(sketch: Sketch, synced: bool = True) -> Witnessed:
+    return Witnessed("w", synced, sketch)
+
+
+def judge(candidate: Sketch, answers: list[Witnessed], tight: bool = True):
+    return judge_sketches(candidate, answers, tight, ALIGNED_MAX_DISTANCE, 0.5)
+
+
+def test_a_state_far_from_the_peers_of_its_round_is_refused_with_the_distance():
+    honest, lie = sketch_of(THETA), sketch_of(scaled(-5))
+    verdict = judge(lie, [witnessed(honest), witnessed(honest)])
+    assert not verdict.accepted
+    assert re.fullmatch(r"its parameters are [3-9]\.\d+ \(relative\) from 2 of 2 peers of round 7", verdict.detail)
+    accepted = judge(honest, [witnessed(honest), witnessed(honest)])
+    assert accepted.accepted and accepted.confirmed_by == 2
+    assert accepted.detail == "confirmed by 2 peers of round 7 within 0"
+
+
+def test_aligned_peers_must_agree_tightly_gossip_peers_loosely():
+    honest, nearby = sketch_of(THETA), sketch_of(scaled(1.01))  # 1 % away: a gossip partner, or a round apart
+    answers = [witnessed(nearby), witnessed(nearby)]
+    assert not judge(honest, answers).accepted
+    assert judge(honest, answers, tight=False).accepted
+    other_round = [witnessed(sketch_of(scaled(1.01), round_=6)), witnessed(nearby, synced=False)]
+    verdict = judge(honest, other_round)  # no synced peer of round 7 answered: the loose bound
+    assert verdict.accepted and verdict.detail.startswith("confirmed by 2 peers within 0.0")
+
+
+def test_most_answers_decide_and_the_donors_own_voice_breaks_a_tie():
+    honest, lie = sketch_of(THETA), sketch_of(scaled(-5))
+    two_to_one = [witnessed(honest), witnessed(honest), witnessed(lie)]
+    assert judge(honest, two_to_one).accepted
+    assert not judge(lie, [witnessed(honest), witnessed(honest)]).accepted  # 2 honest peers outvote the donor
+    assert not judge(lie, [witnessed(honest)] * 3).accepted
+    assert judge(lie, two_to_one).accepted  # 2 against 2 (a colluding witness): the loss check decides
+    # one lying witness cannot get an honest donor refused: an even vote (the donor's own voice counted) or
+    # no answer at all leaves the decision to the loss check
+    assert judge(honest, [witnessed(lie)]).accepted and judge(lie, [witnessed(honest)]).accepted
+    assert judge(lie, [witnessed(honest)]).detail == "0 of 1 peer of round 7 agree, 1 disagree: an even vote"
+    assert judge(honest, [witnessed(honest), witnessed(lie)]).accepted
+    assert judge(lie, []).detail == "no other peer answered"
+
+
+def test_the_loss_check_refuses_the_poison_and_keeps_honest_noise():
+    claimed = median_claim([2.70, 2.69, 50.0, None])  # a liar announcing 50 does not move the median
+    assert claimed == pytest.approx(2.70)
+    refused = judge_loss(5.549, own=2.8, claimed=claimed, tolerance=0.1)  # −5·θ_0 as issue 9 measured it
+    assert not refused.accepted and refused.blame and refused.detail.endswith("(ours 2.800)")
+    assert judge_loss(2.9, own=2.8, claimed=claimed, tolerance=0.1).accepted  # below 2.70 × 1.1 + 0.05 = 3.02
+    assert not judge_loss(math.nan, own=2.8, claimed=None, tolerance=0.1).accepted
+    assert judge_loss(2.7, own=5.27, claimed=None, tolerance=0.1).accepted  # a fresh peer: θ_0's loss is the bar
+    assert not judge_loss(12.3, own=5.27, claimed=None, tolerance=0.1).accepted  # the tiny model's −5·θ_0
+    assert median_claim([None]) is None
+
+
+def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():
+    """One liar announcing a loss of 0.01 must not get an honest donor banned in a small swarm."""
+    verdict = judge_loss(2.7, own=5.27, claimed=median_claim([0.01]), tolerance=0.1)
+    assert not verdict.accepted and not verdict.blame
+
+
+def test_a_candidate_is_evaluated_without_being_kept():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with parameters_set_to(params, [torch.ones(3)]):
+        assert params[0].sum().item() == 3
+    assert params[0].sum().item() == 0
+
+
+# ---- snapshot metadata ----------------------------------------------------------------------------------------------
+EXPECTED = SnapshotExpectation(run_id="run", fingerprint="fp", min_round=7, max_round=8)
+
+
+@pytest.mark.parametrize("round_", ["x", "1", 1.5, 7.0, True, None, [7], -1, 10**30, LIAR_ROUND, 6, 9])
+def test_snapshot_metadata_with_a_wrong_round_is_refused(round_):
+    with pytest.raises(SnapshotRefused) as refused:
+        check_snapshot_metadata({"round": round_, "run_id": "run", "fingerprint": "fp"}, EXPECTED)
+    is_int = isinstance(round_, int) and not isinstance(round_, bool)
+    assert refused.value.offence == (None if is_int else "malformed")
+
+
+@pytest.mark.parametrize("metadata", [{"run_id": "other", "fingerprint": "fp"}, {"run_id": "run"},
+                                      {"run_id": "run", "fingerprint": 5}, {"run_id": ["run"], "fingerprint": "fp"}])
+def test_snapshot_metadata_of_another_run_or_model_is_refused(metadata):
+    with pytest.raises(SnapshotRefused):
+        check_snapshot_metadata(dict(metadata, round=7), EXPECTED)
+
+
+def test_snapshot_metadata_of_the_expected_round_passes():
+    for round_ in (7, 8):
+        check_snapshot_metadata({"round": round_, "run_id": "run", "fingerprint": "fp"}, EXPECTED)
+    snapshot = StateSnapshot.capture({"round": 7}, [("param:w", torch.ones(2)), ("sync:m", torch.ones(2))])
+    assert snapshot.sketch(3) == Sketch(7, parameter_sketch([torch.ones(2)], 3), math.sqrt(2))  # not the outer state
+
+
+@pytest.mark.parametrize("knob", [{"join_max_round_lead": -1}, {"join_loss_tolerance": -0.1},
+                                  {"join_gossip_max_distance": 0.0}])
+def test_join_knobs_are_validated(knob):
+    with pytest.raises(ConfigError):
+        SyncConfig(**knob)
+
+
+# ---- the state server over real P2P ---------------------------------------------------------------------------------
+async def start_pair() -> tuple[P2P, P2P]:
+    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False)
+    a = await P2P.create(**options)
+    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), **options)
+    return a, b
+
+
+def served(round_: object) -> StateSnapshot:
+    torch.manual_seed(3)
+    named = [("param:w", torch.randn(5, 4)), ("sync:m", torch.zeros(5, 4))]
+    return StateSnapshot.capture({"round": round_, "run_id": "run", "fingerprint": "fp"}, named)
+
+
+async def serve_and_fetch(snapshot: StateSnapshot, banned: bool, seed: int) -> tuple[object, object]:
+    """Serve `snapshot` from one peer (banning the other when `banned`); the other downloads it and asks for its
+    sketch under `seed`. Returns both results, or the exceptions they raised."""
+    a, b = await start_pair()
+    try:
+        server = StateServer(lambda: snapshot, refuses=lambda peer: banned and peer == b.peer_id.to_base58())
+        await server.add_p2p_handlers(a, namespace="run")
+        layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(snapshot.names, snapshot.tensors, strict=True)]
+        results = []
+        for call in (download_state(b, a.peer_id, "run", layout, 2**20, 5.0, EXPECTED),
+                     request_sketch(b, a.peer_id, "run", seed, 5.0)):
+            try:
+                results.append(await call)
+            except Exception as e:  # the outcome under test
+                results.append(e)
+        return results[0], results[1]
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+
+
+@pytest.mark.network
+def test_a_peer_downloads_a_snapshot_and_its_sketch_under_a_seed_of_its_choosing():
+    snapshot = served(7)
+    downloaded, answer = asyncio.run(asyncio.wait_for(serve_and_fetch(snapshot, banned=False, seed=2**63 + 5), 60))
+    assert isinstance(downloaded, StateSnapshot) and downloaded.round == 7
+    assert all(torch.equal(x, y) for x, y in zip(downloaded.tensors, snapshot.tensors, strict=True))
+    assert isinstance(answer, Sketch) and answer.round == 7
+    assert answer == snapshot.sketch(2**63 + 5) == downloaded.sketch(2**63 + 5)
+
+
+@pytest.mark.network
+def test_metadata_with_round_x_is_refused_in_the_download_before_anything_is_applied():
+    downloaded, _ = asyncio.run(asyncio.wait_for(serve_and_fetch(served("x"), banned=False, seed=1), 60))
+    assert isinstance(downloaded, SnapshotRefused) and downloaded.offence == "malformed"
+
+
+@pytest.mark.network
+def test_a_banned_peer_gets_neither_the_state_nor_a_sketch():
+    downloaded, answer = asyncio.run(asyncio.wait_for(serve_and_fetch(served(7), banned=True, seed=1), 60))
+    assert isinstance(downloaded, WireError) and "0 metadata blocks" in str(downloaded)
+    assert isinstance(answer, WireError) and "refused" in str(answer)
+
+
+# ---- real peers on loopback with a liar ---------------------------------------------------------------------------
+class Liar:
+    """A real peer of the run (its own DHT node, signed record and state server) that trains nothing: it announces
+    the round `lie` picks from the honest rounds it sees, serves −5·θ_0 as that round's state, announces a
+    validation loss of 50 (to drag the swarm's median up) and a terabit link (to be the first donor among peers of
+    its round), and answers sketch requests honestly for its lie."""
+
+    def __init__(self, config: PeerConfig, initial_peers: list[str], lie: Callable[[list[int]], int]):
+        self.peer = TrainingPeer(config, initial_peers)
+        self.lie = lie
+        self.poison = [(name, -5 * tensor) for name, tensor in self.peer._named_state()]
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Liar:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        served = None
+        while not self.stop_event.wait(0.3):
+            round_ = self.lie([r.round for r in self.peer.swarm().others if r.phase != "joining"])
+            if round_ != served:
+                self.peer._snapshot = StateSnapshot.capture(
+                    dict(round=round_, fingerprint=self.peer.fingerprint, run_id=self.peer.config.run.run_id),
+                    self.poison)
+                served = round_
+            self.peer.announcer.update(publish=True, round=round_, phase="inner", inner_step=0, round_eta=0.0,
+                                       val_loss=50.0, bandwidth_bps=1e12)  # the fastest link: tried first
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        self.peer.shutdown()
+
+
+def far_ahead(_rounds: list[int]) -> int:
+    return LIAR_ROUND
+
+
+def ahead_within_the_lead(rounds: list[int]) -> int:
+    """Two rounds ahead of the most advanced honest peer it sees: inside the lead, so a donor to every honest peer
+    (which must then refuse its state); one round would not do: honest DiLoCo peers move to the next round
+    together and would find it at their own round, never ahead."""
+    return max(rounds, default=0) + 2
+
+
+def relative_distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True))) / math.sqrt(
+        sum(float(y.pow(2).sum()) for y in b))
+
+
+def run_with_liar(config: PeerConfig, lie: Callable[[list[int]], int], rounds_before_joiner: int = 4):
+    """Two honest peers and a liar; once the honest peers have done `rounds_before_joiner` rounds, a fresh peer
+    joins for one round. Returns (honest peers' metrics, the joiner's first round, honest params of that round
+    (None if no honest peer finished it), the liar's peer id, the peers' banned lists)."""
+    a = start_peer(config)
+    b = start_peer(config, a.maddrs)
+    liar = Liar(config, a.maddrs, lie).start()
+    threads = [PeerThread(a), PeerThread(b)]
+    metrics: list[list[RoundMetrics]] = [[], []]
+    for peer, log in zip((a, b), metrics, strict=True):
+        peer.round_callbacks.append(lambda _peer, m, log=log: log.append(m))
+    joiner = None
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.wait_for_round(rounds_before_joiner, timeout_s=180)
+        joiner = start_peer(replace_section(config, "run", rounds=1), a.maddrs)
+        (first,) = PeerThread(joiner).start().join(timeout_s=120)
+        try:
+            threads[0].wait_for_round(first.round, timeout_s=60)
+            honest_params = threads[0].params_after_round[first.round]
+        except AssertionError:
+            honest_params = None
+        joiner_params = [p.detach().clone() for p in joiner.params]
+        banned = [sorted(p.reputation.banned()) for p in (a, b, joiner)]
+    finally:
+        for peer in (a, b):
+            peer.stop()
+        for thread in threads:
+            thread.thread.join(timeout=60)
+        for peer in (a, b, joiner):
+            if peer is not None:
+                peer.shutdown()
+        liar_id = liar.peer.peer_id
+        liar.close()
+    return metrics, first, joiner_params, honest_params, liar_id, banned
+
+
+def assert_honest_training(metrics: list[list[RoundMetrics]]) -> None:
+    print("honest rounds and validation losses:", [[(m.round, round(m.val_loss, 3)) for m in log] for log in metrics])
+    for log in metrics:
+        assert log and all(m.round < 100 for m in log), [m.round for m in log]
+        losses = [m.val_loss for m in log]
+        assert max(losses) < THETA_0_LOSS and losses[-1] < min(losses[0], HONEST_LOSS), losses
+
+
+# validation losses of the tiny model: θ_0 5.27, −5·θ_0 12.3; honest peers below 4 after a few rounds
+THETA_0_LOSS, HONEST_LOSS = 5.27, 4.0
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_diloco_peers_ignore_a_far_ahead_liar_and_a_late_joiner_takes_the_honest_state():
+    config = tiny_config(f"liar-far-{uuid.uuid4().hex[:6]}", run={"rounds": 0})
+    metrics, first, joiner_params, honest_params, liar_id, _ = run_with_liar(config, far_ahead)
+    assert_honest_training(metrics)
+    assert first.joined and first.round < 100 and first.val_loss < HONEST_LOSS
+    if honest_params is not None:
+        assert relative_distance(joiner_params, honest_params) < 0.5  # the poison is 6 away
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_diloco_peers_refuse_and_ban_a_liar_ahead_within_the_lead():
+    config = tiny_config(f"liar-near-{uuid.uuid4().hex[:6]}", run={"rounds": 0})
+    metrics, first, joiner_params, honest_params, liar_id, banned = run_with_liar(config, ahead_within_the_lead)
+    assert_honest_training(metrics)
+    assert all(liar_id in peers for peers in banned), banned  # both honest peers and the joiner
+    assert not any(peer in peers for peers in banned for peer in (m[0].peer_id for m in metrics)), banned
+    assert first.joined and first.val_loss < HONEST_LOSS
+    if honest_params is not None:
+        assert relative_distance(joiner_params, honest_params) < 0.5
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_gasloc_joiner_refuses_a_liars_state_and_takes_an_honest_one():
+    config = tiny_config(f"liar-gasloc-{uuid.uuid4().hex[:6]}", run={"rounds": 0}, sync={"mode": "gasloc"})
+    metrics, first, joiner_params, honest_params, liar_id, banned = run_with_liar(config, ahead_within_the_lead)
+    assert_honest_training(metrics)
+    assert liar_id in banned[2], banned  # the joiner tried the liar first (most advanced) and banned it
+    assert first.joined and first.val_loss < HONEST_LOSS
+    if honest_params is not None:
+        assert relative_distance(joiner_params, honest_params) < 0.5

@@ -1,0 +1,174 @@
+"""Forged peer records (issue 9): refused by the record check, and by a real DHT pair on loopback.
+
+A record must name its signer's peer id, carry a heartbeat no later than now (give or take the clock skew) and
+no older than its TTL, and ask to be kept no longer than the TTL; anything else is neither stored nor read.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2ptrain.net.admission import AdmissionPolicy
+from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
+from p2ptrain.net.discovery import (
+    MAX_CLOCK_SKEW_S,
+    Announcer,
+    PeerRecord,
+    PeerRecordValidator,
+    add_record_validators,
+    fetch_peers,
+    parse_records,
+    peers_key,
+)
+from p2ptrain.net.identity import peer_id_of_signer
+
+RUN, TTL_S = "records-test", 8.0
+FAR = 1e9  # the measured attack: a heartbeat or expiry 10^9 s (~30 years) ahead
+
+
+def record(peer_id: str, **fields: Any) -> dict[str, Any]:
+    values: dict[str, Any] = dict(peer_id=peer_id, round=1, inner_step=0, phase="inner", round_eta=0.0,
+                                  updated=get_dht_time())
+    values.update(fields)
+    return PeerRecord.construct(**values).dict()  # every field, as a peer sends it; not validated: may be forged
+
+
+class Signer:
+    """A throwaway identity: its owner subkey and the peer id that subkey proves."""
+
+    def __init__(self) -> None:
+        self.subkey = RSASignatureValidator(RSAPrivateKey()).local_public_key
+        peer_id = peer_id_of_signer(self.subkey)
+        assert peer_id is not None
+        self.peer_id = peer_id
+
+
+def dht_record(validator: PeerRecordValidator, subkey: bytes, value: dict[str, Any], expires_in_s: float = TTL_S,
+               key_id: bytes | None = None) -> DHTRecord:
+    """A record as the validator sees it: serialised, its signature already stripped by the RSA validator."""
+    return DHTRecord(key_id or validator.key_id, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value),
+                     get_dht_time() + expires_in_s)
+
+
+def test_the_record_validator_refuses_forgeries_and_accepts_a_fresh_record_of_its_signer() -> None:
+    validator = PeerRecordValidator(RUN, TTL_S, AdmissionPolicy(RUN))
+    me, other = Signer(), Signer()
+    now = get_dht_time()
+    assert validator.validate(dht_record(validator, me.subkey, record(me.peer_id)))
+    forgeries = {
+        "heartbeat far in the future": dht_record(validator, me.subkey, record(me.peer_id, updated=now + FAR)),
+        "heartbeat beyond the clock skew": dht_record(
+            validator, me.subkey, record(me.peer_id, updated=now + MAX_CLOCK_SKEW_S + 5)),
+        "heartbeat older than the TTL": dht_record(
+            validator, me.subkey, record(me.peer_id, updated=now - TTL_S - MAX_CLOCK_SKEW_S - 5)),
+        "expiry far in the future": dht_record(validator, me.subkey, record(me.peer_id), expires_in_s=FAR),
+        "another peer's id": dht_record(validator, me.subkey, record(other.peer_id)),
+        "a subkey that names no signer": dht_record(validator, b"ghost", record(me.peer_id)),
+        "a schema violation": dht_record(validator, me.subkey, record(me.peer_id, phase="hacking")),
+        "not msgpack": DHTRecord(validator.key_id, MSGPackSerializer.dumps(me.subkey), b"\xc1", now + TTL_S),
+    }
+    refused = {name: not validator.validate(r) for name, r in forgeries.items()}
+    assert refused == dict.fromkeys(forgeries, True)
+    other_key = DHTID.generate(source="someone-else's-key").to_bytes()
+    assert validator.validate(dht_record(validator, b"ghost", {"anything": 1}, key_id=other_key))  # not ours to judge
+
+
+def test_the_validator_survives_pickling_and_merges_only_with_its_twin() -> None:
+    """hivemind pickles validators into its DHT process and merges equal ones."""
+    validator = PeerRecordValidator(RUN, TTL_S, AdmissionPolicy(RUN))
+    copy = pickle.loads(pickle.dumps(validator))
+    me = Signer()
+    assert copy.validate(dht_record(copy, me.subkey, record(me.peer_id)))
+    assert validator.merge_with(copy)
+    assert not validator.merge_with(PeerRecordValidator(RUN, TTL_S, AdmissionPolicy(RUN, b"ssh-rsa AAAA")))
+    assert not validator.merge_with(PeerRecordValidator("another-run", TTL_S, AdmissionPolicy("another-run")))
+
+
+def test_parse_records_applies_the_same_bounds_and_the_signer_check() -> None:
+    me, other = Signer(), Signer()
+    now = get_dht_time()
+
+    def entry(subkey: bytes, expires_in_s: float = TTL_S, **fields: Any) -> tuple[bytes, SimpleNamespace]:
+        return subkey, SimpleNamespace(value=record(fields.pop("peer_id", me.peer_id), **fields),
+                                       expiration_time=now + expires_in_s)
+
+    def read(*entries: tuple[bytes, SimpleNamespace]) -> list[str]:
+        return [r.peer_id for r in parse_records(SimpleNamespace(value=dict(entries)), TTL_S, now)]
+
+    assert read(entry(me.subkey)) == [me.peer_id]
+    assert read(entry(me.subkey, peer_id=other.peer_id)) == []
+    assert read(entry(me.subkey, updated=now + FAR)) == []
+    assert read(entry(me.subkey, expires_in_s=FAR)) == []
+    assert read(entry(me.subkey, updated=now - TTL_S - 1)) == []  # valid within the skew, but no longer live
+    assert read(entry(other.subkey, peer_id=other.peer_id), entry(me.subkey, updated=now + FAR)) == [other.peer_id]
+
+
+# ---- a real DHT pair on loopback --------------------------------------------------------------------------------
+async def _stored_subkeys(_dht: object, node: Any, key: str) -> list[bytes]:
+    """The subkeys this DHT node holds in its own storage under `key` (runs in the DHT's process)."""
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return [] if found is None else [subkey for subkey, _ in found.value.items()]
+
+
+def stored_subkeys(dht: SwarmDHT, run_id: str = RUN) -> list[bytes]:
+    return dht.run_coroutine(functools.partial(_stored_subkeys, key=peers_key(run_id)))
+
+
+def start_node(initial_peers: list[str] | None = None) -> SwarmDHT:
+    return start_dht(NetworkConfig.loopback(), initial_peers or [])
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_dht_pair_refuses_forged_records_and_stores_a_valid_one() -> None:
+    """The attacker's node signs with its own identity key and checks nothing; the reader runs our validators."""
+    reader = start_node()
+    nodes = [reader]
+    try:
+        add_record_validators(reader, RUN, TTL_S)
+        honest = start_node(visible_maddrs(reader))
+        nodes.append(honest)
+        attacker = start_node(visible_maddrs(reader))
+        nodes.append(attacker)
+        attacker.add_validators([RSASignatureValidator(attacker.signing_key)])  # signs, but checks nothing
+        signer = RSASignatureValidator(attacker.signing_key).local_public_key
+        attacker_id = peer_id_of_signer(signer)
+        assert attacker_id == str(attacker.peer_id)
+        announcer = Announcer(honest, RUN, PeerRecord(peer_id=str(honest.peer_id), round=3, inner_step=0,
+                                                      phase="inner", round_eta=0.0), heartbeat_s=1.0, ttl_s=TTL_S)
+        assert announcer.publish()
+        unsigned_subkey = Signer().subkey  # names a key the attacker does not hold: its value goes unsigned
+        now = get_dht_time()
+        forgeries = {
+            "heartbeat 10^9 s ahead": (signer, record(attacker_id, updated=now + FAR), now + TTL_S),
+            "expiry 10^9 s ahead": (signer, record(attacker_id), now + FAR),
+            "the honest peer's id": (signer, record(str(honest.peer_id), round=99), now + TTL_S),
+            "unsigned": (unsigned_subkey, record(Signer().peer_id), now + TTL_S),
+            "no signer at all": (b"ghost", record(attacker_id), now + TTL_S),
+            "schema violation": (signer, record(attacker_id, phase="hacking"), now + TTL_S),
+        }
+        for name, (subkey, value, expiration_time) in forgeries.items():
+            attacker.store(peers_key(RUN), subkey=subkey, value=value, expiration_time=expiration_time)
+            assert set(stored_subkeys(reader)).isdisjoint({signer, unsigned_subkey, b"ghost"}), f"stored: {name}"
+        assert attacker.store(peers_key(RUN), subkey=signer, value=record(attacker_id, round=7),
+                              expiration_time=get_dht_time() + TTL_S)  # the same channel takes a valid record
+        assert signer in stored_subkeys(reader) and announcer.subkey in stored_subkeys(reader)
+        raw = reader.get(peers_key(RUN), latest=True)
+        assert raw is not None
+        assert sorted((v.value["peer_id"], v.value["round"]) for v in raw.value.values()) == sorted(
+            [(attacker_id, 7), (str(honest.peer_id), 3)])  # no forgery reached the reader, even unchecked
+        assert [(r.peer_id, r.round) for r in fetch_peers(reader, RUN, TTL_S)] == sorted(
+            [(attacker_id, 7), (str(honest.peer_id), 3)])
+    finally:
+        for node in nodes:
+            node.shutdown()

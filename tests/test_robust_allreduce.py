@@ -1,0 +1,315 @@
+"""A hostile all-reduce member (issue 9): the check of the group's mean against our own Δ (maths/robust_mean.py),
+its use in DiLoCo (plain and overlapped) and Factored's all-reduce Mix2, and a loopback swarm with an attacker."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+
+import pytest
+import torch
+from swarm_utils import run_peers, start_peer, tiny_config
+
+from p2ptrain.maths.mixing import exact_average
+from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
+from p2ptrain.maths.robust_mean import MIN_HISTORY_ROUNDS, MeanCheck, own_scale
+from p2ptrain.metrics import RoundMetrics
+from p2ptrain.net.allreduce import AveragingResult, claimed_norms
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.diloco import DilocoSync, mean_check
+from p2ptrain.sync.factored import AllReduceMix2
+from p2ptrain.sync.interface import RoundContext
+from p2ptrain.tensor_layout import distance, norm
+
+Tensors = list[torch.Tensor]
+MULTIPLIER = 2.0  # sync.clip_multiplier's default
+SHAPES = ((64, 32), (32,))
+
+
+def honest_deltas(peers: int, shared: float, own: float, seed: int = 0) -> list[Tensors]:
+    """Δ_j = shared · g + own · e_j: one direction the peers share plus a part of each one's data shard."""
+    generator = torch.Generator().manual_seed(seed)
+    g = [torch.randn(s, generator=generator) for s in SHAPES]
+    return [[shared * gi + own * torch.randn(s, generator=generator) for gi, s in zip(g, SHAPES, strict=True)]
+            for _ in range(peers)]
+
+
+def weighted_mean(values: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
+    """What hivemind's reducer returns: Σ w·x / Σ w, each w as its sender claims it."""
+    total = sum(weights)
+    return [sum(w * v[i] for v, w in zip(values, weights, strict=True)) / total for i in range(len(SHAPES))]
+
+
+def scaled(tensors: Tensors, factor: float) -> Tensors:
+    return [t * factor for t in tensors]
+
+
+# ---- the check ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("peers", [2, 4, 16])
+@pytest.mark.parametrize("shared", [1.0, 0.0])  # early training (a common direction), late (pure disagreement)
+def test_every_honest_member_accepts_the_honest_mean(peers, shared):
+    deltas = honest_deltas(peers, shared=shared, own=1.0)
+    mean = exact_average(deltas)
+    for own in deltas:
+        verdict = MeanCheck(MULTIPLIER).judge_(mean, own)
+        assert verdict.accepted
+        assert verdict.deviation < norm(own)  # the docstring's claim: honest deviations stay below ‖Δ_i‖
+
+
+@pytest.mark.parametrize("factor", [1000.0, -1000.0, -10.0])
+def test_an_attacker_scaling_its_delta_gets_the_mean_refused_by_every_honest_member(factor):
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    mean = exact_average(honest + [scaled(honest[0], factor)])
+    for own in honest:
+        verdict = MeanCheck(MULTIPLIER).judge_(mean, own)
+        assert not verdict.accepted and verdict.reason == "too far"
+        assert verdict.deviation > verdict.radius
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_mean_is_refused(poison):
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    attacker = [t.clone() for t in honest[0]]
+    attacker[1][3] = poison
+    verdict = MeanCheck(MULTIPLIER).judge_(exact_average(honest + [attacker]), honest[0])
+    assert not verdict.accepted and verdict.reason == "not finite"
+
+
+def test_a_huge_claimed_weight_makes_the_mean_the_attackers_value_and_is_refused_when_far():
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    far = scaled(honest[0], -1.5)  # a plausible size, the opposite direction
+    mean = weighted_mean(honest + [far], [5.0, 5.0, 5.0, 1e9])
+    assert distance(mean, far) < 1e-3 * norm(far)  # the claimed weight hands the attacker the whole mean
+    assert not any(MeanCheck(MULTIPLIER).judge_(mean, own).accepted for own in honest)
+
+
+def test_whatever_weight_an_attacker_claims_an_accepted_mean_stays_within_the_radius_of_our_own():
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    own = honest[0]
+    radius = MeanCheck(MULTIPLIER).radius(norm(own))
+    for weight in (1.0, 10.0, 1e3, 1e9):
+        for value in (scaled(own, 2.5), scaled(own, -0.9), scaled(honest[1], 3.0)):
+            mean = weighted_mean(honest + [value], [5.0, 5.0, 5.0, weight])
+            verdict = MeanCheck(MULTIPLIER).judge_(mean, own)
+            assert verdict.accepted == (distance(mean, own) <= radius)
+            if verdict.accepted:
+                assert verdict.deviation <= radius
+
+
+def test_the_radius_learns_from_accepted_deviations_and_forgets_refused_ones():
+    own = honest_deltas(1, shared=1.0, own=0.0)[0]
+    direction = honest_deltas(1, shared=0.0, own=1.0, seed=1)[0]
+    away = [d / norm(direction) for d in direction]
+
+    def mean_at(ratio: float) -> Tensors:  # a mean `ratio` × ‖Δ‖ away from Δ
+        return [o + ratio * norm(own) * a for o, a in zip(own, away, strict=True)]
+
+    fresh = MeanCheck(MULTIPLIER)
+    assert not fresh.judge_(mean_at(3.0), own).accepted  # τ = 2‖Δ‖ with no history
+    learnt = MeanCheck(MULTIPLIER)
+    for _ in range(MIN_HISTORY_ROUNDS):
+        assert learnt.judge_(mean_at(1.9), own).accepted
+    assert learnt.radius(norm(own)) == pytest.approx(MULTIPLIER * 1.9 * norm(own), rel=1e-6)
+    assert learnt.judge_(mean_at(3.0), own).accepted  # honest disagreement near the floor widened τ
+    assert not learnt.judge_(mean_at(1000.0), own).accepted
+    assert learnt.radius(norm(own)) == pytest.approx(MULTIPLIER * 1.9 * norm(own), rel=1e-6)
+
+
+def test_an_attacker_staying_just_inside_the_radius_cannot_ratchet_it_beyond_multiplier_squared():
+    own = honest_deltas(1, shared=1.0, own=0.5)[0]
+    direction = honest_deltas(1, shared=0.0, own=1.0, seed=1)[0]
+    away = [d / norm(direction) for d in direction]
+    check = MeanCheck(MULTIPLIER)
+    for _ in range(100):
+        reach = 0.999 * check.radius(norm(own))
+        assert check.judge_([o + reach * a for o, a in zip(own, away, strict=True)], own).accepted
+    assert check.radius(norm(own)) <= MULTIPLIER**2 * norm(own) * (1 + 1e-6)
+
+
+def test_a_short_own_delta_is_judged_by_the_members_announced_lengths():
+    """A joiner's first round: 1 inner step where its partners took 5, so a Δ a fifth as long and a fifth the weight."""
+    partners = honest_deltas(3, shared=1.0, own=0.5)
+    own = scaled(honest_deltas(1, shared=1.0, own=0.5, seed=1)[0], 0.2)
+    mean = weighted_mean(partners + [own], [5.0, 5.0, 5.0, 1.0])
+    claims = [norm(d) for d in partners + [own]]
+    assert not MeanCheck(MULTIPLIER).judge_(mean, own).accepted  # own ‖Δ‖ alone: too short a yardstick
+    assert MeanCheck(MULTIPLIER).judge_(mean, own, claims).accepted
+
+
+def test_one_member_cannot_move_the_announced_scale_beyond_the_honest_claims():
+    assert own_scale(1.0, [1.0, 2.0, 2.2, 1e9]) == 2.0  # a liar claiming a huge ‖Δ‖: the honest lower median
+    assert own_scale(1.0, [0.0, 1.0, 2.0, 2.2]) == 1.0  # a liar claiming nothing: still the honest claims
+    assert own_scale(1.0, [1.0, 1e9]) == 1.0  # a pair: the lower of the two, never below our own
+    assert own_scale(3.0, [0.1, 0.1, 0.1]) == 3.0 and own_scale(3.0, []) == 3.0
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    mean = exact_average(honest + [scaled(honest[0], -1000.0)])
+    liar = [norm(d) for d in honest] + [1000.0 * norm(honest[0])]  # the attacker announces its true length
+    assert not any(MeanCheck(MULTIPLIER).judge_(mean, own, liar).accepted for own in honest)
+
+
+def test_only_well_formed_claims_of_the_gathered_records_count():
+    gathered = {"a": {"round": 3, "norm": 2.0}, "b": {"round": 3, "norm": 1}, "c": {"norm": "far"},
+                "d": {"norm": math.nan}, "e": {"norm": -1.0}, "f": {"norm": True}, "g": 5, "h": {"round": 3},
+                "i": {"norm": math.inf}}
+    assert sorted(claimed_norms(gathered)) == [1.0, 2.0]
+
+
+def test_with_the_check_off_every_mean_is_accepted_as_it_is():
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    check = MeanCheck(MULTIPLIER, enabled=False)
+    for mean in (exact_average(honest + [scaled(honest[0], -1000.0)]), [torch.full(s, math.nan) for s in SHAPES]):
+        assert check.judge_(mean, honest[0]).accepted
+
+
+# ---- in the sync strategies, with the all-reduce faked --------------------------------------------------------
+
+
+class FixedAverager:
+    """An all-reduce whose group (of `group_size`) returns `means` in turn, whatever Δ we send."""
+
+    def __init__(self, means: list[Tensors], group_size: int = 4):
+        self.means, self.group_size = list(means), group_size
+
+    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> AveragingResult:
+        return AveragingResult([m.clone() for m in self.means.pop(0)], self.group_size, bytes_sent=10,
+                               bytes_received=10)
+
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> FixedAverager:
+        self._pending = self.average(delta, round_, weight, partners)
+        return self
+
+    def result(self) -> AveragingResult:
+        return self._pending
+
+    def shutdown(self) -> None:
+        pass
+
+
+def outer_with_delta(delta: Tensors) -> OuterOptimizer:
+    """An outer optimizer (η 1, no momentum) whose inner phase moved the parameters by −Δ."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    outer = OuterOptimizer(params, OuterConfig(lr=1.0, momentum=0.0))
+    with torch.no_grad():
+        for p, d in zip(params, delta, strict=True):
+            p.sub_(d)
+    return outer
+
+
+def context(round_: int = 0) -> RoundContext:
+    return RoundContext(round=round_, inner_steps=5, live_peers=["a", "b", "c"], same_round_peers=3)
+
+
+@pytest.mark.parametrize("robust", [True, False])
+def test_diloco_applies_its_own_delta_instead_of_a_hostile_mean_unless_robust_is_off(robust):
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    hostile = exact_average(honest + [scaled(honest[0], -1000.0)])
+    outer = outer_with_delta(honest[0])
+    sync = DilocoSync(outer, FixedAverager([hostile]), SyncConfig(robust=robust))  # type: ignore[arg-type]
+    record = sync.finish_round(context())
+    applied = [-p.detach() for p in outer.params]  # θ_0 = 0, η = 1: θ_1 = −(applied outer gradient)
+    expected = hostile if not robust else honest[0]
+    assert distance(applied, expected) < 1e-5 * norm(expected)
+    assert (record.failed, record.group_size) == ((1, 1) if robust else (0, 4))
+    assert record.bytes_sent == 10  # the refused all-reduce still cost its traffic
+
+
+def test_diloco_accepts_an_honest_mean():
+    honest = honest_deltas(4, shared=1.0, own=0.5)
+    mean = exact_average(honest)
+    outer = outer_with_delta(honest[0])
+    record = DilocoSync(outer, FixedAverager([mean]), SyncConfig()).finish_round(context())  # type: ignore[arg-type]
+    assert distance([-p.detach() for p in outer.params], mean) < 1e-5 * norm(mean)
+    assert (record.failed, record.group_size) == (0, 4)
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_the_overlapped_path_judges_the_late_mean_against_the_delta_it_was_made_of(overlap):
+    first = honest_deltas(4, shared=1.0, own=0.5, seed=0)
+    second = honest_deltas(4, shared=1.0, own=0.5, seed=1)
+    hostile = exact_average(first[:3] + [scaled(first[0], -1000.0)])
+    outer = outer_with_delta(first[0])
+    config = SyncConfig(overlap=overlap, overlap_momentum=0.0)
+    sync = DilocoSync(outer, FixedAverager([hostile, exact_average(second)]), config)  # type: ignore[arg-type]
+    assert sync.finish_round(context(0)).failed == 0  # nothing pending yet
+    anchor = [a.clone() for a in outer.anchor]
+    with torch.no_grad():
+        for p, a, d in zip(outer.params, anchor, second[0], strict=True):
+            p.copy_(a - d)
+    record = sync.finish_round(context(1))
+    applied = [a - p.detach() for a, p in zip(anchor, outer.params, strict=True)]
+    # refused: round 0's mean is replaced by our round-0 Δ (delayed), and eager adds w·(Δ_1 − Δ_0) with w = 1
+    expected = first[0] if overlap == "delayed" else second[0]
+    assert distance(applied, expected) < 1e-5 * norm(expected)
+    assert (record.failed, record.group_size) == (1, 1)
+    assert all(bool(torch.isfinite(p).all()) for p in outer.params)
+
+
+@pytest.mark.parametrize("robust", [True, False])
+def test_factored_all_reduce_mix2_refuses_a_hostile_mean_unless_robust_is_off(robust):
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    hostile = exact_average(honest + [[torch.full(s, math.nan) for s in SHAPES]])
+    mix2 = AllReduceMix2(FixedAverager([hostile]), "none", mean_check(SyncConfig(robust=robust)))  # type: ignore
+    mixed, record = mix2.mix(honest[0], context())
+    if robust:
+        assert distance(mixed, honest[0]) == 0.0 and (record.failed, record.group_size) == (1, 1)
+    else:
+        assert all(bool(torch.isnan(m).all()) for m in mixed) and (record.failed, record.group_size) == (0, 4)
+
+
+# ---- a loopback swarm with an attacker ----------------------------------------------------------------------
+
+
+class TamperingAverager:
+    """An attacker's end of the all-reduce: it sends `factor` × its outer gradient."""
+
+    def __init__(self, inner, factor: float):
+        self.inner, self.factor = inner, factor
+
+    def average(self, delta, round_, weight, partners):
+        return self.inner.average(scaled(list(delta), self.factor), round_, weight, partners)
+
+    def launch(self, delta, round_, weight, partners):
+        return self.inner.launch(scaled(list(delta), self.factor), round_, weight, partners)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+SWARM_ROUNDS = 4
+HONEST = 3
+UNIFORM_GUESS_LOSS = math.log(257)  # the tiny model's loss when it guesses bytes uniformly (ByteTokenizer)
+
+
+def run_attacked_swarm(robust: bool) -> list[tuple[list[RoundMetrics], bool]]:
+    """3 honest DiLoCo peers and 1 sending −1000 × its Δ for `SWARM_ROUNDS` rounds: each honest peer's history,
+    and whether its parameters stayed finite."""
+    config = tiny_config(f"attack-{uuid.uuid4().hex[:6]}", run={"rounds": SWARM_ROUNDS}, sync={"robust": robust})
+    first = start_peer(config)
+    members = [first] + [start_peer(config, first.maddrs) for _ in range(HONEST)]
+    attacker = members[-1]
+    attacker.sync.averager = TamperingAverager(attacker.sync.averager, -1000.0)  # type: ignore[attr-defined]
+    threads, histories = run_peers(members)
+    return [(history, all(bool(torch.isfinite(p).all()) for p in thread.params_after_round[SWARM_ROUNDS - 1]))
+            for history, thread in zip(histories[:HONEST], threads[:HONEST], strict=True)]
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("robust", [True, False])
+def test_a_peer_sending_minus_1000_times_its_delta_breaks_honest_peers_only_without_the_check(robust):
+    results = run_attacked_swarm(robust)
+    for history, finite in results:
+        losses = [m.val_loss for m in history]
+        print(f"robust={robust}: val loss {[round(v, 3) for v in losses]}, "
+              f"refused {[m.failed_exchanges for m in history]}, group {[m.peers_averaged for m in history]}")
+        assert len(history) == SWARM_ROUNDS
+        if robust:
+            assert finite and losses[-1] < losses[0] and max(losses) < UNIFORM_GUESS_LOSS
+        else:  # the attack is real: without the check it wrecks every honest peer
+            assert not finite or not all(math.isfinite(v) and v < UNIFORM_GUESS_LOSS for v in losses)
+    refused = sum(m.failed_exchanges for history, _ in results for m in history)
+    assert (refused >= HONEST) if robust else refused == 0  # the attacker's means reached everyone, and were refused

@@ -1,0 +1,455 @@
+"""Hostile partners against robust gossip (issue 9), on real hivemind P2P over loopback.
+
+An attacker is a mixer whose `outgoing` (the one place where what a peer sends is formed) sends a tampered value.
+It knows the victim's exact value (an exchange opened and never committed reveals it): the worst case. The victim
+and its honest neighbour drive their mixers as GaslocSync does (γ = 0, a scripted inner phase): set the anchor,
+propose y = θ + step + corrections, mix y, take the corrections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import math
+import statistics
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
+
+from p2ptrain.maths import codecs
+from p2ptrain.maths.codecs import relative_encode
+from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
+from p2ptrain.maths.robust import OfferLimit, all_finite
+from p2ptrain.metrics import RoundMetrics
+from p2ptrain.net.exchange import ExchangeRefused, push_pull, serve_exchanges
+from p2ptrain.peer import TrainingPeer
+from p2ptrain.sync import build
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.factored import FactoredSync, GossipMix2
+from p2ptrain.sync.gasloc import GaslocSync
+from p2ptrain.sync.grad_gossip import GradGossip
+from p2ptrain.sync.interface import RoundContext
+from p2ptrain.sync.param_gossip import OPENS_PER_ROUND, TOO_MANY_OFFERS, ParamGossip
+from p2ptrain.tensor_layout import distance, norm
+
+Tensors = list[torch.Tensor]
+RUN, FINGERPRINT = "robust", "fp-1"
+SHAPES = [(64, 32), (32,), (5, 7)]
+STEP = 0.5  # ‖one round's honest step‖, about 1 % of ‖θ_0‖ ≈ 46
+TRAINED = 10.0  # ‖θ − θ_0‖ when the test starts: the victim has moved away from θ_0
+W = 1 / 3  # the victim mixes with 2 partners a round; the attacker offers 1/2 and gets 1/3
+
+
+def reference() -> Tensors:
+    torch.manual_seed(0)
+    return [torch.randn(s) for s in SHAPES]
+
+
+def random_direction(seed: int, length: float) -> Tensors:
+    generator = torch.Generator().manual_seed(seed)
+    raw = [torch.randn(s, generator=generator) for s in SHAPES]
+    return [t * (length / norm(raw)) for t in raw]
+
+
+def plus(*terms: Sequence[torch.Tensor]) -> Tensors:
+    return [torch.stack(list(group)).sum(0) for group in zip(*terms, strict=True)]
+
+
+def scaled(tensors: Sequence[torch.Tensor], factor: float) -> Tensors:
+    return [t * factor for t in tensors]
+
+
+def honest_step(round_: int, peer: int) -> Tensors:
+    """A round's step: a direction the honest peers share, and a part of their own."""
+    return plus(random_direction(1000 + round_, 0.9 * STEP), random_direction(10 * round_ + peer, 0.4 * STEP))
+
+
+def public_value(mixer: ParamGossip) -> Tensors:
+    """What the mixer answers with now (base + corrections): what an uncommitted exchange shows a prober."""
+    return [b + c for b, c in zip(mixer._base, mixer._correction, strict=True)]
+
+
+def config(**changes: Any) -> SyncConfig:
+    return SyncConfig(**({"mode": "gasloc", "exchange_safety_factor": 1.0, "state_download_timeout_s": 5.0}
+                         | changes))
+
+
+def mixer(p2p: P2P, cls: type[ParamGossip] = ParamGossip, **changes: Any) -> ParamGossip:
+    return cls(p2p, RUN, FINGERPRINT, "gasloc", reference(), config(**changes), seed=0)
+
+
+
+
+class Attacker(ParamGossip):
+    """A partner that sends `attack(the victim's current value)` instead of its own value."""
+
+    victim: ParamGossip
+    attack: Callable[[Tensors], Tensors]
+
+    def outgoing(self, value: Tensors) -> Tensors:
+        return self.attack(public_value(self.victim))
+
+
+class HonestPeer:
+    """A GASLoC peer's round as GaslocSync drives its mixer (γ = 0, inner phase scripted as a step)."""
+
+    def __init__(self, gossip: ParamGossip, start: Tensors):
+        self.mixer, self.x = gossip, start
+        self.y: Tensors = []
+        self.mixed: Tensors = []
+
+    def propose_(self, round_: int, step: Tensors) -> None:
+        self.mixer.round = round_
+        self.mixer.set_base_(self.x)
+        self.y = plus(self.x, step, self.mixer.take_correction_())
+        self.mixer.set_base_(self.y)
+        self.mixed = [t.clone() for t in self.y]
+
+    async def mix_with(self, partner: str) -> float:
+        """One exchange we start; returns how far it moved us."""
+        mixed, _stats = await self.mixer.mix(self.y, [partner], self.mixer.round)
+        pull = [m - y for m, y in zip(mixed, self.y, strict=True)]
+        self.mixed = plus(self.mixed, pull)
+        return norm(pull)
+
+    def finish_(self) -> None:
+        self.x = plus(self.mixed, self.mixer.take_correction_())
+        self.mixer.set_base_(self.x)
+
+
+@dataclasses.dataclass
+class Outcome:
+    victim: Tensors
+    neighbour: Tensors
+    moves: list[tuple[float, float]]  # per exchange with the attacker: (how far it moved the victim, w·τ)
+    banned: bool
+    offences: dict[str, int]
+
+
+async def attacked_rounds(attack: Callable[[Tensors], Tensors], robust: bool, rounds: int) -> Outcome:
+    """Victim V, honest neighbour H, attacker A. Each round A opens an exchange with V, then V starts one with A
+    and one with H (H only answers)."""
+    p2ps = await start_p2ps(3)
+    try:
+        victim = mixer(p2ps[0], robust=robust, gossip_peers=2)
+        neighbour = mixer(p2ps[1], gossip_peers=2)
+        attacker = mixer(p2ps[2], Attacker)
+        assert isinstance(attacker, Attacker)
+        attacker.victim, attacker.attack = victim, attack
+        for gossip in (victim, neighbour, attacker):
+            await serve_exchanges(gossip.p2p, gossip)
+        start = plus(reference(), random_direction(7, TRAINED))
+        v, h = HonestPeer(victim, start), HonestPeer(neighbour, start)
+        attacker_id, neighbour_id = attacker.p2p.peer_id.to_base58(), neighbour.p2p.peer_id.to_base58()
+        moves = []
+        for round_ in range(rounds):
+            v.propose_(round_, honest_step(round_, 0))
+            h.propose_(round_, honest_step(round_, 1))
+            before = public_value(victim)
+            await attacker.mix(reference(), [victim.p2p.peer_id.to_base58()], round_)
+            moves.append((distance(public_value(victim), before), W * victim.clip_radius(before)))
+            moved = await v.mix_with(attacker_id)  # τ as this mix saw it (its own step is known from now on)
+            moves.append((moved, W * victim.clip_radius(v.y)))
+            await v.mix_with(neighbour_id)
+            v.finish_()
+            h.finish_()
+        offences = victim.reputation.offences().get(attacker_id, {})
+        return Outcome(v.x, h.x, moves, victim.reputation.is_banned(attacker_id), offences)
+    finally:
+        await shutdown(p2ps)
+
+
+def aimed(victim: Tensors) -> Tensors:
+    return scaled(victim, -7.0)  # 8 × ‖victim‖ away: inside max_partner_distance (10)
+
+
+def sign_flip(victim: Tensors) -> Tensors:
+    return scaled(victim, -1000.0)
+
+
+def constant(victim: Tensors) -> Tensors:
+    return [torch.full_like(t, 1000.0) for t in victim]
+
+
+def replay(victim: Tensors) -> Tensors:
+    return reference()  # θ_0, while the victim is TRAINED away from it
+
+
+def nan(victim: Tensors) -> Tensors:
+    return [torch.full_like(t, math.nan) for t in victim]
+
+
+ATTACKS = {"aimed": (aimed, "clipped"), "sign_flip": (sign_flip, "invalid_payload"),
+           "constant": (constant, "invalid_payload"), "replay": (replay, "clipped"), "nan": (nan, "invalid_payload")}
+ROUNDS = 8
+NEIGHBOUR_BOUND = STEP  # ‖victim − neighbour‖ after ROUNDS defended rounds (measured: clean 0.10, aimed 0.19)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_an_attacker_moves_a_defended_victim_by_at_most_w_tau_and_ends_banned(name: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    attack, offence = ATTACKS[name]
+    if name == "nan":  # let the attacker's encoder send NaN (ours refuses it); receivers still decode and check
+        monkeypatch.setattr(codecs, "_prepare_input", lambda tensor: tensor.detach().cpu().float())
+    outcome = asyncio.run(asyncio.wait_for(attacked_rounds(attack, robust=True, rounds=ROUNDS), timeout=300))
+    for moved, bound in outcome.moves:
+        assert moved <= bound * (1 + 1e-4) + 1e-6, (moved, bound)
+    assert all_finite(outcome.victim)
+    assert distance(outcome.victim, outcome.neighbour) <= NEIGHBOUR_BOUND, distance(outcome.victim, outcome.neighbour)
+    assert outcome.banned and outcome.offences.get(offence, 0) >= 4, outcome.offences
+
+
+@pytest.mark.network
+def test_an_aimed_attack_moves_an_undefended_victim_far() -> None:
+    """`robust: false`, the plain mean: the same attack that the defences contain (so the test above can fail)."""
+    outcome = asyncio.run(asyncio.wait_for(attacked_rounds(aimed, robust=False, rounds=3), timeout=120))
+    gap = distance(outcome.victim, outcome.neighbour)  # measured: 385, 8 × ‖θ‖, after 3 rounds
+    assert gap > 100 * NEIGHBOUR_BOUND and gap > 2 * norm(outcome.neighbour), gap
+
+
+@pytest.mark.network
+def test_the_responder_caps_the_weight_and_both_ends_use_it() -> None:
+    """An offer claiming 1/2 to a responder with gossip_peers = 2 is mixed at 1/3 on both ends: the sum is kept."""
+    async def scenario() -> None:
+        a, b = await start_p2ps(2)
+        try:
+            initiator, responder = mixer(a, gossip_peers=1), mixer(b, gossip_peers=2)
+            await serve_exchanges(b, responder)
+            ours, theirs = plus(reference(), honest_step(0, 0)), plus(reference(), honest_step(0, 1))
+            for gossip, value in ((initiator, ours), (responder, theirs)):
+                gossip.set_base_(reference())
+                gossip.set_base_(value)  # a round's step: the partner is within the clipping radius
+            mixed, stats = await initiator.mix(ours, [b.peer_id.to_base58()], round_=0)
+            assert stats.partners == [b.peer_id.to_base58()]
+            responder_after = plus(theirs, responder.take_correction_())
+            for m, r, o, t in zip(mixed, responder_after, ours, theirs, strict=True):
+                assert torch.allclose(m, o + (t - o) / 3, atol=1e-3)  # fp16 differences from θ_0
+                assert torch.allclose(r, t + (o - t) / 3, atol=1e-3)
+                assert torch.allclose(m + r, o + t, atol=1e-3)
+        finally:
+            await shutdown([a, b])
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+@pytest.mark.network
+def test_a_prober_gets_a_bounded_number_of_opens_per_round_and_is_penalised() -> None:
+    """Exchanges opened and never committed: the victim answers OPENS_PER_ROUND of them a round, then refuses."""
+    async def scenario() -> None:
+        a, b = await start_p2ps(2)
+        try:
+            victim = mixer(b)
+            await serve_exchanges(b, victim)
+            victim.set_base_(reference())
+            header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
+                      "weight": 0.5}
+            payload = relative_encode(reference(), reference())
+
+            def read_and_walk_away(_answer: dict[str, Any], _payload: Any) -> Any:
+                raise ValueError("probe: seen the value, never committing")
+
+            async def probe() -> None:
+                await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, payload, read_and_walk_away, 10**8, 20.0)
+
+            for _ in range(OPENS_PER_ROUND):
+                with pytest.raises(ValueError, match="probe"):
+                    await probe()
+            with pytest.raises(ExchangeRefused, match=TOO_MANY_OFFERS):
+                await probe()
+            assert victim.reputation.offences()[a.peer_id.to_base58()]["too_many_opens"] == 1
+            victim.round = 1  # a new round: a new share
+            with pytest.raises(ValueError, match="probe"):
+                await probe()
+            assert torch.equal(victim.take_correction_()[0], torch.zeros(SHAPES[0]))  # nothing was ever mixed
+        finally:
+            await shutdown([a, b])
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_offers_beyond_the_token_bucket_are_refused_until_it_refills() -> None:
+    now = [0.0]
+    limit = OfferLimit(per_round=2, rate_per_s=4.0, burst=3, clock=lambda: now[0])
+    assert [limit.offer("p") for _ in range(4)] == [True, True, True, False]
+    assert limit.offer("q")  # every partner has its own bucket
+    now[0] += 0.25  # one token back
+    assert limit.offer("p") and not limit.offer("p")
+    assert [limit.accept("p", 5) for _ in range(3)] == [True, True, False]
+    assert limit.accept("p", 6)
+
+
+@pytest.mark.network
+def test_a_peer_whose_own_value_is_not_finite_neither_mixes_nor_answers_nor_dies() -> None:
+    async def scenario() -> None:
+        a, b = await start_p2ps(2)
+        try:
+            sick, healthy = mixer(a), mixer(b)
+            await serve_exchanges(a, sick)
+            await serve_exchanges(b, healthy)
+            poisoned = reference()
+            poisoned[0][0, 0] = math.nan
+            sick.set_base_(poisoned)
+            healthy.set_base_(reference())
+            value = plus(reference(), honest_step(0, 1))
+            mixed, stats = await healthy.mix(value, [a.peer_id.to_base58()], round_=0)
+            assert stats.refused == 1 and stats.partners == [] and all(torch.equal(m, v) for m, v in
+                                                                       zip(mixed, value, strict=True))
+            mixed, stats = await sick.mix(poisoned, [b.peer_id.to_base58()], round_=0)
+            assert stats.partners == [] and stats.failed == 0 and torch.isnan(mixed[0][0, 0])
+            assert healthy.take_incoming_stats().group_size == 0
+        finally:
+            await shutdown([a, b])
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+class InlineLoop:
+    """`BackgroundLoop`'s interface, run in the calling thread."""
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run(coro)
+
+    def submit(self, coro: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(asyncio.run(coro))
+        return future
+
+
+class FakeP2P:
+    def __init__(self, name: str):
+        self.peer_id = PeerID(name.encode())
+
+
+def diverged_inner_phase_(outer: OuterOptimizer) -> None:
+    with torch.no_grad():
+        outer.params[0][0, 0] = math.nan
+
+
+@pytest.mark.parametrize("mode", ["gasloc", "factored"])
+def test_a_non_finite_outer_gradient_is_dropped_and_the_peer_keeps_training(mode: str) -> None:
+    sync_config = config(mode=mode, mix2_transport="gossip" if mode == "factored" else "allreduce")
+    params = [torch.nn.Parameter(t.clone()) for t in plus(reference(), random_direction(7, TRAINED))]
+    outer = OuterOptimizer(params, OuterConfig(lr=0.7, momentum=sync_config.outer_momentum(0.9)))
+    gossip = ParamGossip(FakeP2P("a"), RUN, FINGERPRINT, mode, reference(), sync_config, seed=0,  # type: ignore[arg-type]
+                         same_round_only=mode == "factored")
+    if mode == "gasloc":
+        sync: Any = GaslocSync(outer, gossip, InlineLoop(), sync_config)  # type: ignore[arg-type]
+    else:
+        grads = GradGossip(FakeP2P("a"), RUN, FINGERPRINT, reference(), sync_config, seed=0)  # type: ignore[arg-type]
+        sync = FactoredSync(outer, gossip, GossipMix2(grads, InlineLoop()), InlineLoop(),  # type: ignore[arg-type]
+                            sync_config)
+    anchor = [a.clone() for a in outer.anchor]
+    sync.start_round(RoundContext(0, 0, [], 0))
+    diverged_inner_phase_(outer)
+    sync.finish_round(RoundContext(0, 5, [], 0))
+    assert all(torch.equal(p.detach(), a) for p, a in zip(outer.params, anchor, strict=True))  # no step, no NaN
+    sync.start_round(RoundContext(1, 0, [], 0))  # the next round runs as usual
+    with torch.no_grad():
+        outer.params[0].add_(0.01)
+    sync.finish_round(RoundContext(1, 5, [], 0))
+    assert all_finite([p.detach() for p in outer.params]) and not torch.equal(outer.params[0].detach(), anchor[0])
+
+
+# ---- Mix2: outer gradients -----------------------------------------------------------------------------------------
+
+
+class GradAttacker(GradGossip):
+    """Sends −8 × the victim's s (9 ‖s‖ away: inside max_partner_distance) instead of its own."""
+
+    victim_s: Tensors
+
+    def outgoing(self, sent: Tensors) -> Tensors:
+        return scaled(self.victim_s, -8.0)
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("robust", [True, False])
+def test_a_mix2_attacker_moves_the_victims_outer_gradient_by_at_most_w_tau(robust: bool) -> None:
+    grad_config = config(mode="factored", mix2_transport="gossip", grad_codec="none", robust=robust)
+    victim_delta, attacker_delta = random_direction(1, 0.1), random_direction(2, 0.1)
+
+    async def scenario() -> tuple[Tensors, dict[str, int]]:
+        a, b = await start_p2ps(2)
+        try:
+            victim = GradGossip(a, RUN, FINGERPRINT, reference(), grad_config, seed=0)
+            attacker = GradAttacker(b, RUN, FINGERPRINT, reference(), grad_config, seed=1)
+            attacker.victim_s = victim_delta  # codec none, no residual yet: s = Δ
+            for g in (victim, attacker):
+                await serve_exchanges(g.p2p, g)
+            (mixed, stats), _ = await asyncio.gather(
+                victim.mix(victim_delta, [attacker.own_id], 0, patience_s=5.0),
+                attacker.mix(attacker_delta, [victim.own_id], 0, patience_s=5.0))
+            assert stats.group_size == 2, stats
+            return mixed, victim.reputation.offences().get(attacker.own_id, {})
+        finally:
+            await shutdown([a, b])
+
+    mixed, offences = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    moved = distance(mixed, victim_delta)
+    if robust:  # clipped to τ = 2 ‖s‖ and weighted 1/3
+        assert moved <= W * 2 * norm(victim_delta) * (1 + 1e-4) and offences == {"clipped": 1}
+    else:  # the plain mean: s + (−8s − s)/3 = −2s, the victim's step reversed
+        assert torch.allclose(torch.cat([m.flatten() for m in mixed]),
+                              torch.cat([-2 * d.flatten() for d in victim_delta]), atol=1e-6)
+
+
+# ---- a swarm -------------------------------------------------------------------------------------------------------
+
+SWARM_ROUNDS = 6
+HONEST = 3
+
+
+class SendsMinusSeven(ParamGossip):
+    """A peer that trains honestly but sends −7 × its value: its value is close to its partners', so this is about
+    the issue's aimed attack (8 × their norm away, inside max_partner_distance)."""
+
+    def outgoing(self, value: Tensors) -> Tensors:
+        return scaled(value, -7.0)
+
+
+def run_gasloc_swarm(run_id: str, attackers: int, robust: bool,
+                     monkeypatch: pytest.MonkeyPatch) -> tuple[list[TrainingPeer], list[list[RoundMetrics]]]:
+    """3 honest GASLoC peers (the first founds the swarm) and `attackers` hostile ones, to SWARM_ROUNDS rounds."""
+    config = tiny_config(run_id, run={"rounds": SWARM_ROUNDS}, sync={"mode": "gasloc", "robust": robust})
+    peers = [start_peer(config)]
+    peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
+    with monkeypatch.context() as patch:
+        patch.setattr(build, "ParamGossip", SendsMinusSeven)
+        peers += [start_peer(config, peers[0].maddrs) for _ in range(attackers)]
+    _threads, histories = run_peers(peers)
+    return peers, histories
+
+
+def honest_losses(histories: list[list[RoundMetrics]]) -> list[list[float]]:
+    return [[m.val_loss for m in history] for history in histories[:HONEST]]
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_honest_gasloc_peers_keep_training_with_an_attacker_among_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 honest peers and one that sends −7 × its value, against the same 3 alone: with defences, the honest peers'
+    loss falls every run and ends within 25 % of the clean run's (measured: 3.2–3.3 against 2.83, the attacker
+    being a quarter of the swarm); with `robust: false` it spikes (measured: up to 17–97)."""
+    run = uuid.uuid4().hex[:6]
+    _, clean = run_gasloc_swarm(f"clean-{run}", attackers=0, robust=True, monkeypatch=monkeypatch)
+    peers, defended = run_gasloc_swarm(f"defended-{run}", attackers=1, robust=True, monkeypatch=monkeypatch)
+    _, undefended = run_gasloc_swarm(f"undefended-{run}", attackers=1, robust=False, monkeypatch=monkeypatch)
+    clean_loss = statistics.mean(losses[-1] for losses in honest_losses(clean))
+    for losses in honest_losses(defended):
+        assert max(losses[1:]) < losses[0], losses  # never back above where it started
+    defended_loss = statistics.mean(losses[-1] for losses in honest_losses(defended))
+    assert defended_loss <= 1.25 * clean_loss, (defended_loss, clean_loss)
+    assert max(max(losses) for losses in honest_losses(undefended)) > 2 * clean_loss  # the test can fail
+    attacker_id, honest_ids = peers[HONEST].peer_id, {p.peer_id for p in peers[:HONEST]}
+    for peer in peers[:HONEST]:
+        assert not honest_ids & set(peer.reputation.offences()), peer.reputation.offences()  # honest: no offence
+    assert sum(p.reputation.offences().get(attacker_id, {}).get("clipped", 0) for p in peers[:HONEST]) >= 2

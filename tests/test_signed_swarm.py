@@ -1,0 +1,46 @@
+"""A signed run end to end: two volunteers with the organiser's tickets train together by GASLoC gossip; a peer
+without a ticket, which knows the address and the run id, sees them but every exchange it offers is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+from swarm_utils import run_peers, start_peer, tiny_config
+
+from p2ptrain.net.admission import admit_peer, generate_organiser_key
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+RUN = "signed-swarm"
+
+
+def volunteer_files(tmp_path: Path, name: str, organiser_key: Path) -> dict[str, str]:
+    """An identity for a volunteer and the organiser's ticket for its peer id: the `network` section it runs with."""
+    identity = tmp_path / f"{name}.id"
+    P2P.generate_identity(str(identity))
+    peer_id = PeerID.from_identity(identity.read_bytes()).to_base58()
+    ticket = tmp_path / f"{name}.ticket"
+    admit_peer(organiser_key, RUN, peer_id, ticket)
+    return {"identity_path": str(identity), "admission_ticket": str(ticket)}
+
+
+def test_only_ticketed_peers_train_together_in_a_signed_run(tmp_path: Path) -> None:
+    key, public_key = generate_organiser_key(tmp_path / "organiser.key")
+    signed = {"admission": "signed", "organiser_key": str(public_key)}
+    rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5}, "sync": {"mode": "gasloc"}}
+    alice = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "alice", key)}))
+    bob = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "bob", key)}),
+                     alice.maddrs)
+    intruder = start_peer(tiny_config(RUN, **rounds), alice.maddrs)  # an open-run peer: no ticket, no checks
+    _threads, histories = run_peers([alice, bob, intruder], timeout_s=240)
+    ticketed = {alice.peer_id, bob.peer_id}
+    for name, history in zip(("alice", "bob"), histories[:2], strict=True):
+        partners = {p for m in history for p in m.partners}
+        assert partners and partners <= ticketed, f"{name} exchanged with {partners - ticketed or 'nobody'}"
+        assert history[-1].val_loss < history[0].val_loss
+    intruder_history = histories[2]
+    assert not any(m.partners for m in intruder_history), "an exchange without a ticket went through"
+    assert sum(m.refused_exchanges + m.failed_exchanges for m in intruder_history) > 0, "it never even tried"
+    assert {r.peer_id for r in alice.swarm().records} <= ticketed
