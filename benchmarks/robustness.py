@@ -406,8 +406,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
 def main() -> None:
     settings, output = parse_args()
     report = run(settings, output, "python " + " ".join(sys.argv))
-    print(markdown(report))
-    print(f"wall time {report['wall_s']:.0f} s; written to {output}")
+    table = markdown(report)
+    output.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"wall time {report['wall_s']:.0f} s; written to {output} and {output.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
