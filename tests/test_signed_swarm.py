@@ -1,5 +1,6 @@
-"""A signed run end to end: two volunteers with the organiser's tickets train together by GASLoC gossip; a peer
-without a ticket, which knows the address and the run id, sees them but every exchange it offers is refused."""
+"""A signed run end to end: two volunteers with the organiser's tickets train together; a peer without a ticket,
+which knows the address and the run id, sees them, but every gossip exchange it offers is refused, and an
+all-reduce group it slips into (hivemind's matchmaking knows no tickets) is not used by the ticketed peers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from swarm_utils import run_peers, start_peer, tiny_config
 
+from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.admission import admit_peer, generate_organiser_key
+from p2ptrain.peer import TrainingPeer
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -26,16 +29,22 @@ def volunteer_files(tmp_path: Path, name: str, organiser_key: Path) -> dict[str,
     return {"identity_path": str(identity), "admission_ticket": str(ticket)}
 
 
-def test_only_ticketed_peers_train_together_in_a_signed_run(tmp_path: Path) -> None:
+def signed_swarm(tmp_path: Path, mode: str) -> tuple[set[str], list[list[RoundMetrics]], TrainingPeer]:
+    """Alice and Bob (ticketed) and an intruder run 5 rounds: the ticketed ids, the three histories, Alice."""
     key, public_key = generate_organiser_key(tmp_path / "organiser.key")
     signed = {"admission": "signed", "organiser_key": str(public_key)}
-    rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5}, "sync": {"mode": "gasloc"}}
+    rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5},
+              "sync": {"mode": mode, "matchmaking_s": 2.0}}
     alice = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "alice", key)}))
     bob = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "bob", key)}),
                      alice.maddrs)
     intruder = start_peer(tiny_config(RUN, **rounds), alice.maddrs)  # an open-run peer: no ticket, no checks
     _threads, histories = run_peers([alice, bob, intruder], timeout_s=240)
-    ticketed = {alice.peer_id, bob.peer_id}
+    return {alice.peer_id, bob.peer_id}, histories, alice
+
+
+def test_only_ticketed_peers_gossip_together_in_a_signed_run(tmp_path: Path) -> None:
+    ticketed, histories, alice = signed_swarm(tmp_path, "gasloc")
     for name, history in zip(("alice", "bob"), histories[:2], strict=True):
         partners = {p for m in history for p in m.partners}
         assert partners and partners <= ticketed, f"{name} exchanged with {partners - ticketed or 'nobody'}"
@@ -44,3 +53,11 @@ def test_only_ticketed_peers_train_together_in_a_signed_run(tmp_path: Path) -> N
     assert not any(m.partners for m in intruder_history), "an exchange without a ticket went through"
     assert sum(m.refused_exchanges + m.failed_exchanges for m in intruder_history) > 0, "it never even tried"
     assert {r.peer_id for r in alice.swarm().records} <= ticketed
+
+
+def test_an_all_reduce_with_an_intruder_is_not_used_in_a_signed_run(tmp_path: Path) -> None:
+    ticketed, histories, alice = signed_swarm(tmp_path, "diloco")
+    for name, history in zip(("alice", "bob"), histories[:2], strict=True):
+        assert all(m.peers_averaged <= 2 for m in history), f"{name} averaged with the intruder"
+        assert history[-1].val_loss < history[0].val_loss
+    assert any(m.peers_averaged == 3 for m in histories[2]), "the intruder never got into a group: nothing tested"

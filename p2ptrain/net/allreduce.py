@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import hivemind
 import torch
@@ -98,8 +98,9 @@ class AllReduceAverager:
 
     def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], matchmaking_s: float,
                  allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
-                 robust: bool = True):
+                 robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
         self.matchmaking_s, self.robust = matchmaking_s, robust
+        self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
         self.vector_bytes = sum(t.numel() * BYTES_PER_VALUE[codec] for t in template)
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
@@ -147,6 +148,11 @@ class AllReduceAverager:
             mean = [t.clone() for t in tensors]
         assert isinstance(gathered, Mapping)
         traffic = allreduce_traffic_bytes(self.vector_bytes, len(gathered))
+        refused = sorted(str(peer) for peer in gathered if self.refuses(str(peer)))
+        if refused:  # hivemind's matchmaking admits anyone who knows the group key: what they sent is not used
+            logger.warning(f"the all-reduce group held {len(refused)} peer(s) this peer refuses (banned or not "
+                           f"admitted: {', '.join(refused)}); applying this peer's own outer gradient")
+            return AveragingResult(own, 1, traffic, traffic, time.monotonic() - started)
         claims = claimed_norms(gathered) if self.robust else []
         return AveragingResult(mean, len(gathered), traffic, traffic, time.monotonic() - started, claims)
 

@@ -33,7 +33,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     def averager(prefix: str, group_size: int | None) -> AllReduceAverager:
         return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
                                  config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
-                                 robust=config.robust)
+                                 robust=config.robust, refuses=reputation.refuses)
 
     if config.mode == "diloco":
         return DilocoSync(outer, averager("diloco", None), config)
