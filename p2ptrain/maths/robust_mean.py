@@ -15,22 +15,24 @@ and a part e_j of their own shard (and inner-phase noise), about equally long an
 Then mean − Δ_i = ē − e_i, of length ≈ ‖e‖·√((n−1)/n), while ‖Δ_i‖ ≈ √(‖g‖² + ‖e‖²): an honest deviation stays
 about ‖Δ_i‖ or below for every n (a pair: ‖Δ_j − Δ_i‖/2), and nears ‖Δ_i‖ late in training, when g is small beside
 e. Measured: a loopback swarm of 4 tiny-model peers over 10 rounds, 0.40 to 0.73 ‖Δ_i‖ (rising round by round); the
-golden fixture's 4 peers pulled to unrelated random targets, up to 1.22 ‖Δ_i‖. The multiplier (2 by default) is
-the margin. A peer whose Δ is much shorter than its partners' (a joiner's first round, a paced peer: few inner steps,
-so little length and weight) gets a mean near the partners' Δ, several ‖Δ_i‖ away (a joiner that ran 1 inner step of
-5: 2.3 ‖Δ_i‖): the members' announced lengths set s then. One member cannot move their lower median beyond the
-honest members' claims, nor lower s below ‖Δ_i‖. The median of past deviations lets τ follow groups whose honest
-disagreement sits near the floor.
+golden fixture's 4 peers pulled to unrelated random targets, up to 1.22 ‖Δ_i‖; a 3-peer tiny swarm in which a
+joiner's first round (one AdamW step from a fresh optimizer state) meets two peers' five: 1.9 to 2.1 s. The
+multiplier (ALLREDUCE_MARGIN × `sync.clip_multiplier`, 4 by default) is the margin. A peer whose Δ is much
+shorter than its partners' (a joiner's first round, a paced peer: few inner steps, so little length and weight)
+gets a mean near the partners' Δ, several ‖Δ_i‖ away (a joiner that ran 1 inner step of 5: 2.3 ‖Δ_i‖): the
+members' announced lengths set s then. One member cannot move their lower median beyond the honest members'
+claims, nor lower s below ‖Δ_i‖. The median of past deviations lets τ follow groups whose honest disagreement sits
+near the floor.
 
 What a hostile member can still do. Whatever it sends and whatever weight it claims, the mean lies on the segment
-from the honest members' mean to its own value; it is applied only within τ of Δ_i, and an accepted mean's deviation
-is clipped to s (CenteredClip's step, centred on Δ_i): honest deviations (below ‖Δ_i‖, above) pass unchanged, and
-what an honest peer applies stays within s of its own Δ_i, so an attacker that aims inside τ can stall an honest
-peer's outer step (Δ_i − s·unit(Δ_i) = 0 at worst when s = ‖Δ_i‖) but not reverse it. benchmarks/robustness.py:
-before the clip, an aimed mean of −0.98 Δ_i was accepted every round and the honest loss diverged (+2791 %). An
-attacker far away (×1000, NaN, a huge weight on a far value) costs the group this round's averaging, no more. It
-cannot widen τ beyond multiplier² × s: each deviation is remembered at
-most at multiplier × s of its round, so accepted rounds cannot ratchet τ upward.
+from the honest members' mean to its own value; it is applied only within τ of Δ_i, so the outer step an honest peer
+takes moves at most τ from its own. An attacker far away (×1000, NaN, a huge weight on a far value) costs the group
+this round's averaging, no more. An attacker aiming inside τ bends the step by up to τ each round (τ ≥ 2‖Δ_i‖ reaches
+−Δ_i: benchmarks/robustness.py's aimed attack diverges honest DiLoCo peers). Clipping accepted means closer to Δ_i
+would stop the reversal but changes honest means too: honest deviations measured up to 2.1 s (a 3-peer tiny swarm
+with a joiner, whose first Δ is one AdamW step) — only a robust reduction per part would do better, and hivemind's
+averager has none to offer (net/allreduce.py). It cannot widen τ beyond multiplier² × s: each deviation is
+remembered at most at multiplier × s of its round, so accepted rounds cannot ratchet τ upward.
 
 Cost: a few passes over the vector in float64 (‖mean − Δ_i‖, ‖Δ_i‖), nothing more on the network than one float
 in the group's metadata.
@@ -60,13 +62,6 @@ class MeanVerdict:
     deviation: float  # ‖mean − own Δ‖ (inf when either holds a non-finite value)
     radius: float  # τ it was compared with (inf when the check is off)
     reason: str = ""  # why it was refused: "not finite" or "too far"
-    keep: float = 1.0  # the fraction of (mean − own Δ) to apply: < 1 when the deviation is longer than s
-
-    def applied(self, mean: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """What to apply for an accepted mean: own Δ + keep · (mean − own Δ)."""
-        if self.keep >= 1.0:
-            return [m.clone() for m in mean]
-        return [o + (m - o) * self.keep for m, o in zip(mean, own, strict=True)]
 
 
 class MeanCheck:
@@ -99,7 +94,7 @@ class MeanCheck:
         if deviation > radius:
             return MeanVerdict(False, deviation, radius, "too far")
         self._deviations.append(min(deviation, self.multiplier * scale))
-        return MeanVerdict(True, deviation, radius, keep=min(1.0, scale / deviation) if deviation > 0 else 1.0)
+        return MeanVerdict(True, deviation, radius)
 
 
 def own_scale(own_norm: float, claimed_norms: Sequence[float]) -> float:

@@ -22,20 +22,27 @@ from p2ptrain.sync.interface import RoundContext, RoundSync
 logger = logging.getLogger(__name__)
 
 
+# An all-reduce's honest deviations run wider than gossip partners' distances relative to our own step (a joiner's
+# first round: 2.1 ‖Δ‖, maths/robust_mean.py), and the check refuses rather than clips: twice gossip's multiplier
+ALLREDUCE_MARGIN = 2.0
+
+
 def mean_check(config: SyncConfig) -> MeanCheck:
     """The check of all-reduce means that `sync.robust` and `sync.clip_multiplier` ask for."""
-    return MeanCheck(config.clip_multiplier, enabled=config.robust)
+    return MeanCheck(ALLREDUCE_MARGIN * config.clip_multiplier, enabled=config.robust)
 
 
 def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanCheck,
             round_: int) -> tuple[AveragingResult, bool]:
-    """The all-reduce's result, or our own Δ (a group of one) in its place when `check` refuses the mean."""
+    """The all-reduce's result, or our own Δ when `check` refuses the mean (and whether it did). A refused mean
+    counts as a group of one: the peer is then out of step with the swarm and takes a synced peer's state at its
+    next round, instead of training on from parameters the others do not hold."""
     if result.group_size <= 1:  # nobody mixed with us: the result is our own Δ
         return result, False
     own_cpu = [o.detach().float().cpu() for o in own]
     verdict = check.judge_(result.delta, own_cpu, result.claimed_norms)
     if verdict.accepted:
-        return dataclasses.replace(result, delta=verdict.applied(result.delta, own_cpu)), False
+        return result, False
     logger.warning(f"round {round_}: refused the mean of {result.group_size} peers' outer gradients "
                    f"({verdict.reason}: ‖mean − own Δ‖ = {verdict.deviation:.3g}, radius {verdict.radius:.3g}); "
                    f"applying this peer's own")
