@@ -19,9 +19,9 @@ from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import exchange
-from p2ptrain.net.exchange import ResponderLimits
 from p2ptrain.net.frame_cap import MAX_FRAME_BYTES, FrameTooLarge, receive_bounded
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.responder_limits import ResponderLimits
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
 
 NS = "limits.gossip"

@@ -18,7 +18,6 @@ libp2p authenticated.
 
 # No `from __future__ import annotations`: hivemind's ServicerBase reads the rpc_* annotations at runtime.
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -31,6 +30,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps the frames hivemind reads from peers)
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.responder_limits import ResponderLimits, Slots
 from p2ptrain.net.wire import (
     MAX_MESSAGE_BYTES,
     WireError,
@@ -99,24 +99,6 @@ class ExchangeOutcome:
     seconds: float
 
 
-@dataclasses.dataclass(frozen=True)
-class ResponderLimits:
-    """What a responder grants initiators: every deadline follows from the bytes at stake and these two knobs."""
-
-    min_bytes_per_s: float = 64 * 1024  # the slowest initiator we serve (0.5 Mbit/s): slower ones are dropped
-    floor_s: float = 5.0  # added to every deadline: connection set-up, scheduling and GC pauses
-    per_peer: int = 2  # exchanges open at once with one peer id; a third is refused and is an offence
-    total: int = 32  # exchanges open at once in all; beyond, offers are refused as "busy"
-
-    def __post_init__(self) -> None:
-        if min(self.min_bytes_per_s, self.floor_s) <= 0 or min(self.per_peer, self.total) < 1:
-            raise ValueError("responder limits: min_bytes_per_s and floor_s must be > 0, per_peer and total >= 1")
-
-    def transfer_s(self, nbytes: int) -> float:
-        """The time `nbytes` may take to reach us, or to be taken from us."""
-        return self.floor_s + nbytes / self.min_bytes_per_s
-
-
 async def read_payload(messages: AsyncIterator[averaging_pb2.DownloadData], first: averaging_pb2.DownloadData,
                        nbytes: int, chunk_timeout_s: float) -> Payload:
     """Read exactly `nbytes` of tensor data (the first chunk is in `first`); more or less is a WireError."""
@@ -136,28 +118,6 @@ def _refusal(reason: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
 
-class _Slots:
-    """Inbound exchanges open at once, per remote peer id and in all, and refused streams still draining."""
-
-    def __init__(self, limits: ResponderLimits):
-        self.limits, self.held = limits, collections.Counter[str]()
-        self.refused_draining = 0  # refused streams we still read (and drop) from
-
-    def take(self, peer: str) -> str | None:
-        """Hold a slot for `peer`; or the reason it gets none."""
-        if self.held[peer] >= self.limits.per_peer:
-            return f"more than {self.limits.per_peer} exchanges at once"
-        if self.held.total() >= self.limits.total:
-            return "busy"
-        self.held[peer] += 1
-        return None
-
-    def give_back(self, peer: str) -> None:
-        self.held[peer] -= 1
-        if not self.held[peer]:
-            del self.held[peer]
-
-
 class _Inbound:
     """One inbound exchange holding a slot: who offers it, its messages, its deadline, and what to release.
 
@@ -173,6 +133,7 @@ class _Inbound:
         self._task = asyncio.current_task()
         self._timer: asyncio.TimerHandle | None = None
         self._released = False
+        self.payload_sent = self.committed = self.penalised = False  # our value shown; it committed; it paid
 
     def arm(self, seconds: float, offence: str) -> None:
         """Drop the exchange `seconds` from now, and penalise its sender for `offence`."""
@@ -190,14 +151,22 @@ class _Inbound:
         if not self._released:
             self._released = True
             self.disarm()
+            if self.payload_sent and not self.committed:  # it saw our value and walked away (or the stream broke)
+                self.penalise("uncommitted", "took our payload and ended without a commit")
             self.servicer.slots.give_back(self.peer)
             if self.opened is not None:
                 self.opened.close()
 
+    def penalise(self, offence: str, detail: str) -> None:
+        """Record this exchange's one offence (a later one of the same exchange is not counted again)."""
+        if not self.penalised:
+            self.penalised = True
+            self.servicer.reputation.penalise(self.peer, offence, detail)
+
     def _expire(self, offence: str) -> None:
         detail = f"exchange dropped after {time.monotonic() - self.started:.1f} s"
         logger.info(f"{detail}: {self.peer} ({offence})")
-        self.servicer.reputation.penalise(self.peer, offence, detail)
+        self.penalise(offence, detail)
         self.release()
         if self._task is not None:
             self._task.cancel()
@@ -211,7 +180,7 @@ class GossipServicer(ServicerBase):
                  reputation: Reputation | None = None, limits: ResponderLimits = ResponderLimits()):
         self.handler, self.max_payload_bytes, self.chunk_timeout_s = handler, max_payload_bytes, chunk_timeout_s
         self.reputation = reputation if reputation is not None else Reputation()
-        self.limits, self.slots = limits, _Slots(limits)
+        self.limits, self.slots = limits, Slots(limits)
         # how long an initiator may keep us waiting for a message: our largest one at the slowest rate we serve
         self.message_timeout_s = min(chunk_timeout_s, limits.transfer_s(MAX_MESSAGE_BYTES))
 
@@ -311,16 +280,15 @@ class GossipServicer(ServicerBase):
         inbound.arm(self.limits.transfer_s(answer["nbytes"]), "uncommitted")
         for message in _messages(answer, opened.payload):
             yield message
+        inbound.payload_sent = True
         try:  # waited for until the exchange's deadline
-            committed = decode_metadata((await inbound.requests.__anext__()).metadata).get("commit") is True
+            inbound.committed = decode_metadata((await inbound.requests.__anext__()).metadata).get("commit") is True
         except (StopAsyncIteration, WireError):
-            committed = False
-        if committed:
+            inbound.committed = False
+        if inbound.committed:
             inbound.disarm()
             apply()
             yield averaging_pb2.DownloadData(metadata=encode_metadata({"applied": True}))
-        else:
-            self.reputation.penalise(inbound.peer, "uncommitted", "took our payload and ended without a commit")
 
 
 async def push_pull(

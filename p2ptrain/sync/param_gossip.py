@@ -171,11 +171,11 @@ class ParamGossip:
                 return WRONG_ROUND
             if self._responding:
                 return "busy"
-            round_, within_share = self.round, self.offer_limit.accept(sender, self.round)
+            within_share = self.offer_limit.accept(sender, self.round)
             self._responding = within_share
             public = [b + c for b, c in zip(self._base, self._correction, strict=True)] if within_share else []
-        if not within_share:
-            return self._too_many(sender, f"more than {OPENS_PER_ROUND} exchanges opened in round {round_}")
+        if not within_share:  # refused, not penalised: a partner faster than us opens more per our round (a slow or
+            return TOO_MANY_OFFERS  # joining peer's round is many of theirs); a prober pays for "uncommitted" opens
         weight = min(offered, uniform_weight(self.config.gossip_peers))
         try:
             return _Exchange(self, sender, weight, public, header)
