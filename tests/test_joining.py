@@ -484,7 +484,10 @@ def test_a_gasloc_joiner_refuses_a_liars_state_and_takes_an_honest_one():
     metrics, first, joiner_params, honest_params, liar_id, banned = run_with_liar(
         config, lambda rounds: max(rounds, default=0) + 5)
     assert_honest_training(metrics)
-    assert liar_id in banned[2], banned  # the joiner tried the liar first (most advanced) and banned it
+    # whether the joiner tries the liar first depends on which round the liar's snapshot and record show when the
+    # joiner looks (GASLoC rounds are fast; seen in CI: it went to an honest donor at once), so what is asserted is
+    # the outcome: an honest state taken (below), and no honest peer blamed for the liar
+    assert not any(peer in peers for peers in banned for peer in (m[0].peer_id for m in metrics)), banned
     assert first.joined and first.val_loss < HONEST_LOSS
     if honest_params is not None:
         assert relative_distance(joiner_params, honest_params) < 0.5
