@@ -13,17 +13,19 @@ honest peers' mean Δ in DiLoCo; values travel as a payload from a reference (θ
   aimed      the victim's value moved toward the reference and past it, by 0.99 × the largest distance the victim
              takes unclipped (the attacker knows the victim's value and defence state): max_partner_distance × the
              victim's norm with defences off, the smaller of that and its current clip radius with defences on.
-             DiLoCo: the attackers' Δ puts the mean there for one victim (honest peer 0)
+             DiLoCo, defences off: the attackers' Δ puts the mean there for one victim (honest peer 0)
   replay     a stale value: θ_0 in GASLoC, the honest mean Δ of round 0 in DiLoCo
   nan        every entry NaN (sent as fp32, as are all attackers' values)
 Defences on = production's code: in GASLoC each honest peer refuses a partner farther than sync.max_partner_distance
 × its norm or not finite (ParamGossip.decode_partner's bound) and mixes the rest through ParamGossip.clip_partner
-(AdaptiveClip, own_scale = ‖y − θ‖ as ParamGossip.mix sets it), with its own weight 1/2; in DiLoCo each honest peer
-passes the all-reduced mean through p2ptrain.sync.diloco.checked (MeanCheck: not finite or too far from its own Δ →
-its own Δ; members announce their ‖Δ‖, attackers the largest finite claim). Defences off = the plain mean:
-pull_toward_ the sender's value, or step with the mean as it comes.
-Production's `sync.robust: false` is that in DiLoCo; in GASLoC it still keeps the fixed bound, which refuses
-sign_flip, scale and nan outright, while aimed sits inside it (its off row is what `robust: false` gets).
+(AdaptiveClip, own_scale = ‖y − θ‖ as ParamGossip.mix sets it), with its own weight 1/2; in DiLoCo, production's
+exchange all-reduce (sync/exchange_allreduce.py): each honest peer keeps the members' Δ that are finite and within
+±MAX_ABS_VALUE, takes their CenteredClip mean (maths/centered_clip.py), and passes it through
+p2ptrain.sync.diloco.checked (MeanCheck: not finite or too far from its own Δ → its own Δ). An attacker may send
+each honest peer a different Δ (aimed: each victim's own, reversed). Defences off = the plain mean: pull_toward_
+the sender's value, or hivemind's all-reduce, where the attackers' Δ enter one mean that every peer steps with.
+In GASLoC, production's `sync.robust: false` still keeps the fixed bound, which refuses sign_flip, scale and nan
+outright, while aimed sits inside it (its off row is what `robust: false` gets).
 
 Each row: the honest peers' mean validation loss after R rounds, and its gap to the clean run (no attacker, defences
 off) of the same invocation. Targets (issue 9): defended, within 5 % of clean with 1 of 7 attackers and 10 % with 2
@@ -73,12 +75,14 @@ from benchmarks.sim.simulation import (  # noqa: E402
     validation_loss,
 )
 from p2ptrain.errors import ConfigError  # noqa: E402
+from p2ptrain.maths.centered_clip import centered_clip  # noqa: E402
 from p2ptrain.maths.mixing import consensus_distance, exact_average, pull_toward_, uniform_weight  # noqa: E402
 from p2ptrain.maths.outer_rules import propose  # noqa: E402
 from p2ptrain.maths.robust_mean import MeanCheck, own_scale  # noqa: E402
 from p2ptrain.net.allreduce import AveragingResult  # noqa: E402
 from p2ptrain.sync.config import SyncConfig  # noqa: E402
 from p2ptrain.sync.diloco import checked, mean_check  # noqa: E402
+from p2ptrain.sync.exchange_allreduce import MAX_ABS_VALUE  # noqa: E402
 from p2ptrain.sync.param_gossip import ParamGossip  # noqa: E402
 from p2ptrain.tensor_layout import distance, norm  # noqa: E402
 
@@ -206,7 +210,12 @@ def gossip_round_(run: Run, deltas: dict[int, Tensors], r: int) -> None:
 
 
 def diloco_attack(run: Run, honest: list[Tensors], honest_mean: Tensors, claims: list[float]) -> Tensors:
-    """The Δ each attacker sends; aimed: the one that puts the mean where it pulls honest peer 0 farthest."""
+    """The Δ each attacker sends. Aimed, defences off: the Δ that puts hivemind's plain mean where it pulls honest
+    peer 0 farthest inside its check. Defences on: the honest mean reversed past zero by peer 0's check radius, sent
+    to every member alike (an input that far is clipped by CenteredClip whatever its length, so that is the largest
+    pull one input has). Sending members different values is equivocation: the confirmation stage finds the
+    members' inputs differ, nobody applies that round, and every member bans the sender on the next round's reports
+    (tests/test_exchange_allreduce.py): it buys one lost round, so the rows model the attack that is left."""
     zero = [torch.zeros_like(t) for t in honest_mean]
     assert run.stale is not None
     if run.case.attack != "aimed":
@@ -214,23 +223,35 @@ def diloco_attack(run: Run, honest: list[Tensors], honest_mean: Tensors, claims:
     reach = SYNC.max_partner_distance * norm(honest[0])
     if run.case.defended:
         reach = min(reach, run.checks[0].radius(own_scale(norm(honest[0]), claims)))
+        return tampered("aimed", honest_mean, zero, zero, reach)
     target = tampered("aimed", honest[0], zero, zero, reach)
     n, k = len(honest) + run.case.attackers, run.case.attackers
     return [(t * n - sum(h[i] for h in honest)) / k for i, t in enumerate(target)]
 
 
+def received(value: Tensors) -> bool:
+    """Whether the exchange all-reduce keeps a member's Δ (ExchangeAllReduce.decode_partner: finite, bounded)."""
+    return all(bool(torch.isfinite(t).all()) and bool((t.abs() <= MAX_ABS_VALUE).all()) for t in value)
+
+
 def diloco_round_(run: Run, deltas: dict[int, Tensors], r: int) -> None:
-    """DiLoCo: the attackers' Δ enter the exact mean of the all-reduce; each honest peer steps with it."""
+    """DiLoCo. Defences off: the attackers' Δ enter the plain mean of hivemind's all-reduce, the same for everyone.
+    On: production's exchange all-reduce (each honest peer keeps the inputs that decode, takes their CenteredClip
+    mean) and then its check of that mean (p2ptrain.sync.diloco.checked)."""
     honest = [deltas[p.index] for p in run.peers]
     honest_mean = exact_average(honest)
     if run.stale is None:
         run.stale = honest_mean
-    claims = [norm(d) for d in honest] + [ATTACKER_CLAIM] * run.case.attackers  # each member's announced ‖Δ‖
-    attacker = [diloco_attack(run, honest, honest_mean, claims)] if run.case.attackers else []
-    mean = exact_average(honest + attacker * run.case.attackers)
+    claims = [norm(d) for d in honest] + [ATTACKER_CLAIM] * run.case.attackers  # hivemind: announced ‖Δ‖
+    sent = [diloco_attack(run, honest, honest_mean, claims)] if run.case.attackers else []
+    mean, lengths = exact_average(honest + sent * run.case.attackers), claims
     for peer, check in zip(run.peers, run.checks, strict=True):
         started = time.process_time()  # off: MeanCheck(enabled=False) accepts every mean
-        result, refused = checked(AveragingResult(mean, len(claims), claimed_norms=claims), deltas[peer.index],
+        if run.case.defended:  # every member reduces the same inputs (the confirmation stage sees to it)
+            inputs = honest + (sent * run.case.attackers if sent and received(sent[0]) else [])
+            robust = centered_clip(inputs, SYNC.clip_multiplier)
+            mean, lengths = robust.mean, robust.lengths  # the exchange sees every input: their lengths, not claims
+        result, refused = checked(AveragingResult(mean, len(lengths), claimed_norms=lengths), deltas[peer.index],
                                   check, r)
         run.defence_cpu_s += time.process_time() - started
         if run.case.defended:

@@ -216,7 +216,8 @@ class TrainingPeer:
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
-                            phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0})
+                            phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0},
+                            round_peers=[r.peer_id for r in others if self.round - 1 <= r.round <= self.round])
 
     def _inner_steps(self) -> int:
         """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule).

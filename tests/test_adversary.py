@@ -79,3 +79,23 @@ def test_the_attacker_is_not_judged_as_an_honest_survivor() -> None:
     results = {r.name: r for r in run_checks(record, ChecksSpec(loss_fell=True, attackers_banned=True))}
     assert results["loss_fell"].passed, "peer1's infinite loss is the attacker's, not a failure of training"
     assert results["attackers_banned"].passed
+
+
+def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() -> None:
+    """DiLoCo's exchange all-reduce is a GradGossip: the attack wraps its `outgoing` (a lie on the wire only)."""
+    from hivemind.p2p import PeerID
+
+    from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
+    from p2ptrain.sync.config import SyncConfig
+    from p2ptrain.sync.diloco import DilocoSync
+    from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, ExchangeAverager
+    from p2ptrain.sync.grad_gossip import GradGossip
+    from p2ptrain.sync.param_gossip import ParamGossip
+    from p2ptrain.testnet.adversary import _transports
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    fake_p2p = type("FakeP2P", (), {"peer_id": PeerID(b"attacker")})()
+    exchange = ExchangeAllReduce(fake_p2p, "run", "fp", params, SyncConfig(), "allreduce.diloco", None)
+    sync = DilocoSync(OuterOptimizer(params, OuterConfig()), ExchangeAverager(exchange, None, 1.0),  # type: ignore[arg-type]
+                      SyncConfig())
+    assert _transports(sync, (ParamGossip, GradGossip)) == [exchange]

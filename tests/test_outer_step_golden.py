@@ -122,13 +122,14 @@ class FakeAverager:
     def __init__(self, swarm: FakeAllReduce, peer: int):
         self.swarm, self.peer = swarm, peer
 
-    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> AveragingResult:
-        assert weight == INNER_STEPS and partners == PEERS - 1  # equal weights: the weighted mean is the mean
+    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+                partners: Sequence[str]) -> AveragingResult:
+        assert weight == INNER_STEPS and len(partners) == PEERS - 1  # equal weights: the weighted mean is the mean
         self.swarm.deposits[self.peer] = _clone(delta)
         self.swarm.barrier.wait()
         return AveragingResult(_clone(self.swarm.means[-1]), group_size=PEERS)
 
-    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> _Done:
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: Sequence[str]) -> _Done:
         return _Done(self.average(delta, round_, weight, partners))
 
     def shutdown(self) -> None:
@@ -266,11 +267,11 @@ def run_peer(peer: int, sync: OuterSync, outer: OuterOptimizer, target: Tensors,
     live = [f"peer{j}" for j in range(PEERS) if j != peer]
     try:
         for round_ in range(rounds):
-            sync.start_round(RoundContext(round_, 0, live, PEERS - 1))
+            sync.start_round(RoundContext(round_, 0, live, PEERS - 1, round_peers=live))
             anchor = _clone(outer.anchor)
             inner_phase_(outer.params, target)
             delta = outer.outer_gradient()
-            sync.finish_round(RoundContext(round_, INNER_STEPS, live, PEERS - 1))
+            sync.finish_round(RoundContext(round_, INNER_STEPS, live, PEERS - 1, round_peers=live))
             state = [t.clone() for _, t in sync.state_tensors()]
             history.append(RoundRecord(anchor, delta, _clone(outer.params), state))
     finally:

@@ -1,6 +1,7 @@
 """A signed run end to end: two volunteers with the organiser's tickets train together; a peer without a ticket,
 which knows the address and the run id, sees them, but every gossip exchange it offers is refused, and an
-all-reduce group it slips into (hivemind's matchmaking knows no tickets) is not used by the ticketed peers."""
+exchange all-reduce refuses it too; with `sync.allreduce_transport: hivemind`, a group it slips into (hivemind's
+matchmaking knows no tickets) is not used by the ticketed peers."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def volunteer_files(tmp_path: Path, name: str, organiser_key: Path) -> dict[str,
     return {"identity_path": str(identity), "admission_ticket": str(ticket)}
 
 
-def signed_swarm(tmp_path: Path, mode: str) -> tuple[set[str], list[list[RoundMetrics]], TrainingPeer]:
+def signed_swarm(tmp_path: Path, mode: str,
+                 **sync: object) -> tuple[set[str], list[list[RoundMetrics]], TrainingPeer]:
     """Alice and Bob (ticketed) and an intruder run 5 rounds: the ticketed ids, the three histories, Alice."""
     key, public_key = generate_organiser_key(tmp_path / "organiser.key")
     signed = {"admission": "signed", "organiser_key": str(public_key)}
     rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5},
-              "sync": {"mode": mode, "matchmaking_s": 2.0}}
+              "sync": {"mode": mode, "matchmaking_s": 2.0, **sync}}
     alice = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "alice", key)}))
     bob = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "bob", key)}),
                      alice.maddrs)
@@ -55,8 +57,17 @@ def test_only_ticketed_peers_gossip_together_in_a_signed_run(tmp_path: Path) -> 
     assert {r.peer_id for r in alice.swarm().records} <= ticketed
 
 
-def test_an_all_reduce_with_an_intruder_is_not_used_in_a_signed_run(tmp_path: Path) -> None:
+def test_an_intruder_gets_into_no_exchange_all_reduce_of_a_signed_run(tmp_path: Path) -> None:
     ticketed, histories, alice = signed_swarm(tmp_path, "diloco")
+    for name, history in zip(("alice", "bob"), histories[:2], strict=True):
+        assert all(m.peers_averaged <= 2 for m in history), f"{name} averaged with the intruder"
+        assert any(m.peers_averaged == 2 for m in history), f"{name} never averaged with its ticketed partner"
+        assert history[-1].val_loss < history[0].val_loss
+    assert all(m.peers_averaged == 1 for m in histories[2]), "an exchange of the intruder went through"
+
+
+def test_a_hivemind_all_reduce_group_with_an_intruder_is_not_used_in_a_signed_run(tmp_path: Path) -> None:
+    ticketed, histories, alice = signed_swarm(tmp_path, "diloco", allreduce_transport="hivemind")
     for name, history in zip(("alice", "bob"), histories[:2], strict=True):
         assert all(m.peers_averaged <= 2 for m in history), f"{name} averaged with the intruder"
         assert history[-1].val_loss < history[0].val_loss

@@ -44,7 +44,9 @@ def test_three_peers_train_agree_and_are_listed():
 
 def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
     run_id = f"join-{uuid.uuid4().hex[:6]}"
-    config = tiny_config(run_id, run={"rounds": 0})
+    # rounds of a few seconds, as a joiner needs to download a state and reach the round its donor is in (rounds of
+    # 5 steps end in 0.3 s, before a joiner is up: it then lands a round late and syncs alone)
+    config = tiny_config(run_id, run={"rounds": 0}, inner={"steps": 40})
     a = start_peer(config)
     b = start_peer(config, a.maddrs)
     threads = [PeerThread(a), PeerThread(b)]

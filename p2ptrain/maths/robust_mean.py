@@ -1,5 +1,9 @@
 """Whether the mean an all-reduce hands back may be applied: judged against our own outer gradient Δ.
 
+With the exchange all-reduce (the default, sync/exchange_allreduce.py) the mean is already robust: every member
+sees every input and takes their CenteredClip mean (maths/centered_clip.py). This check is the second line there,
+and the only one with hivemind's averager, which the rest of this docstring is about.
+
 An all-reduce gives no view of the other members' contributions, only their mean, and any member can bend it at
 will: it chooses its Δ and the weight it claims (hivemind sums w·Δ over the claims and divides by Σw, unchecked), and
 as the reducer of its span of the vector it returns whatever it likes there (net/allreduce.py says why hivemind's

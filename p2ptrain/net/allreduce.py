@@ -1,4 +1,6 @@
-"""Exact averaging of outer gradients with hivemind's DecentralizedAverager (DiLoCo, and Factored's Mix2).
+"""Exact averaging of outer gradients with hivemind's DecentralizedAverager (DiLoCo, and Factored's Mix2), with
+`sync.allreduce_transport: hivemind`; the default is our own exchange all-reduce (sync/exchange_allreduce.py), built
+because of what this docstring's second half says.
 
 Peers of the same round meet under one group key: the round number is written into the averager's group bits
 before each step, so a peer a round behind or ahead can never be averaged with this round's gradients.
@@ -59,6 +61,7 @@ class AveragingResult:
     bytes_received: int = 0
     seconds: float = 0.0
     claimed_norms: list[float] = dataclasses.field(default_factory=list)  # ‖Δ‖ the members announced (robust only)
+    discarded: bool = False  # the members could not agree on the inputs: nobody applies anything this round
 
 
 def round_group_bits(round_: int) -> str:
@@ -118,15 +121,18 @@ class AllReduceAverager:
             allow_state_sharing=False,
         )
 
-    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> AveragingResult:
+    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+                round_peers: Sequence[str]) -> AveragingResult:
         """Blocking: the weighted mean of Δ over the group (Δ itself when alone or when the all-reduce fails)."""
-        return self.launch(delta, round_, weight, partners).result()
+        return self.launch(delta, round_, weight, round_peers).result()
 
-    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: int) -> PendingAverage:
-        """Start averaging Δ in the background; `result()` of the returned handle finishes it."""
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+               round_peers: Sequence[str]) -> PendingAverage:
+        """Start averaging Δ in the background (with the peers of the round, if `round_peers` names any);
+        `result()` of the returned handle finishes it."""
         started = time.monotonic()
         own = [d.detach().float().cpu().clone() for d in delta]
-        if partners <= 0:
+        if not round_peers:
             return PendingAverage(self, own, None, started)
         self._averager.set_group_bits(round_group_bits(round_))
         with self._averager.get_tensors() as tensors:

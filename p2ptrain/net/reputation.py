@@ -34,6 +34,7 @@ OFFENCES: dict[str, float] = {
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
     "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
+    "equivocated": 4.0,  # sent members of one all-reduce different values (their reports disagree, no majority)
 }
 
 

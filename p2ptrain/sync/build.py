@@ -16,10 +16,11 @@ from p2ptrain.net.exchange import serve_exchanges
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.diloco import DilocoSync, mean_check
+from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, ExchangeAverager
 from p2ptrain.sync.factored import AllReduceMix2, FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
-from p2ptrain.sync.interface import OuterSync
+from p2ptrain.sync.interface import Averager, OuterSync
 from p2ptrain.sync.param_gossip import ParamGossip
 
 REGISTER_TIMEOUT_S = 30.0
@@ -30,10 +31,15 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
                      reputation: Reputation) -> OuterSync:
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
     transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans."""
-    def averager(prefix: str, group_size: int | None) -> AllReduceAverager:
-        return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
-                                 config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
-                                 robust=config.robust, refuses=reputation.refuses)
+    def averager(prefix: str, group_size: int | None) -> Averager:
+        if config.allreduce_transport == "hivemind":
+            return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
+                                     config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
+                                     robust=config.robust, refuses=reputation.refuses)
+        exchange = ExchangeAllReduce(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
+                                     group_size=group_size, reputation=reputation)
+        loop.run(serve_exchanges(p2p, exchange), timeout=REGISTER_TIMEOUT_S)
+        return ExchangeAverager(exchange, loop, config.matchmaking_s)
 
     if config.mode == "diloco":
         return DilocoSync(outer, averager("diloco", None), config)

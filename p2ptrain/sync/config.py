@@ -12,6 +12,7 @@ OVERLAP_MODES = ("none", "delayed", "eager")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk")
 MIX2_TRANSPORTS = ("allreduce", "gossip")
+ALLREDUCE_TRANSPORTS = ("exchange", "hivemind")
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
@@ -28,7 +29,10 @@ class SyncConfig:
 
     mode: str = "diloco"  # diloco | gasloc | factored
     # diloco, and factored's Mix2: an all-reduce among the peers of the round
-    matchmaking_s: float = 3.0  # how long a peer waits for the others of its round to form a group
+    matchmaking_s: float = 3.0  # how long a peer waits at most for the others of its round (late ones: left out)
+    # exchange: every member swaps Δ with every other and takes their CenteredClip mean (robust, attributable;
+    # (n−1)·S bytes each); hivemind: its butterfly averager (2·S·(n−1)/n bytes, but any member sets the mean)
+    allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
     overlap: str = "none"  # diloco only: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
@@ -61,7 +65,8 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         choices = (("mode", SYNC_MODES), ("overlap", OVERLAP_MODES), ("param_codec", PARAM_CODECS),
-                   ("grad_codec", GRAD_CODECS), ("mix2_transport", MIX2_TRANSPORTS))
+                   ("grad_codec", GRAD_CODECS), ("mix2_transport", MIX2_TRANSPORTS),
+                   ("allreduce_transport", ALLREDUCE_TRANSPORTS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -2,7 +2,9 @@
 optionally one round late (DiLoCoX's one-step delay, `sync.overlap`).
 
 With `sync.robust` (maths/robust_mean.py) the group's mean is applied only if it is finite and near our own Δ;
-otherwise our own Δ stands in, as after a failed all-reduce (the round counts one failed exchange)."""
+otherwise our own Δ stands in, as after a failed all-reduce (the round counts one failed exchange). A round whose
+members could not agree on their inputs (sync/allreduce_agreement.py) applies nothing: the parameters go back to the
+round's anchor (with overlap, the late mean is zero)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import torch
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.outer_rules import DelayedOuterGradient
 from p2ptrain.maths.robust_mean import MeanCheck
-from p2ptrain.net.allreduce import AllReduceAverager, AveragingResult, PendingAverage
+from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.interface import RoundContext, RoundSync
+from p2ptrain.sync.interface import Averager, PendingResult, RoundContext, RoundSync
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanChe
     """The all-reduce's result, or our own Δ when `check` refuses the mean (and whether it did). A refused mean
     counts as a group of one: the peer is then out of step with the swarm and takes a synced peer's state at its
     next round, instead of training on from parameters the others do not hold."""
-    if result.group_size <= 1:  # nobody mixed with us: the result is our own Δ
+    if result.group_size <= 1 or result.discarded:  # our own Δ, or nothing to apply: no mean to judge
         return result, False
     own_cpu = [o.detach().float().cpu() for o in own]
     verdict = check.judge_(result.delta, own_cpu, result.claimed_norms)
@@ -53,17 +55,17 @@ def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) ->
     """What an all-reduce did and cost, as the round's record (a refused mean counts as a failed exchange)."""
     return RoundSync(group_size=result.group_size, bytes_sent=result.bytes_sent,
                      bytes_received=result.bytes_received, exchange_s=result.seconds, codec=codec,
-                     failed=int(refused))
+                     failed=int(refused or result.discarded))
 
 
 class DilocoSync:
     """Exact all-reduce of Δ among the peers of the round, then Nesterov; optionally one round late (DiLoCoX)."""
 
-    def __init__(self, outer: OuterOptimizer, averager: AllReduceAverager, config: SyncConfig):
+    def __init__(self, outer: OuterOptimizer, averager: Averager, config: SyncConfig):
         self.outer, self.averager, self.config = outer, averager, config
         self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
         self.check = mean_check(config)
-        self.pending: PendingAverage | None = None
+        self.pending: PendingResult | None = None
         self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
         self.pending_round = -1
 
@@ -73,17 +75,19 @@ class DilocoSync:
     def finish_round(self, context: RoundContext) -> RoundSync:
         delta = self.outer.outer_gradient()
         if self.delayed is None:
-            result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
+            result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
             result, refused = checked(result, delta, self.check, context.round)
-            self.outer.step_(result.delta)
+            if result.discarded:  # the members did not agree on the inputs: all keep the anchor they share
+                self.outer.restore_anchor_()
+            else:
+                self.outer.step_(result.delta)
             return round_sync_of(result, self.config.grad_codec, refused)
         return self._finish_overlapped(delta, context)
 
     def _finish_overlapped(self, delta: list[torch.Tensor], context: RoundContext) -> RoundSync:
         """Collect the average of the previous round's Δ, launch this round's, apply the delayed/eager gradient."""
         previous, refused = self._collect_previous()
-        self.pending = self.averager.launch(delta, context.round, float(context.inner_steps),
-                                            context.same_round_peers)
+        self.pending = self.averager.launch(delta, context.round, float(context.inner_steps), context.round_peers)
         self.pending_own, self.pending_round = delta, context.round
         own_weight = 1.0 / previous.group_size if previous is not None else 1.0
         assert self.delayed is not None

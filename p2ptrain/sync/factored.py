@@ -13,12 +13,11 @@ import torch
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.robust import all_finite
 from p2ptrain.maths.robust_mean import MeanCheck
-from p2ptrain.net.allreduce import AllReduceAverager
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.diloco import checked, round_sync_of
 from p2ptrain.sync.grad_gossip import GradGossip
-from p2ptrain.sync.interface import Mix2, RoundContext, RoundSync
+from p2ptrain.sync.interface import Averager, Mix2, RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
 
 logger = logging.getLogger(__name__)
@@ -27,16 +26,16 @@ MIX1_PATIENCE_S = 10.0  # Mix1 waits at most this long (or the inner phase) for 
 
 
 class AllReduceMix2:
-    """Factored's Mix2 as an exact all-reduce of Δ among a group of the round's peers (hivemind); the group's mean
+    """Factored's Mix2 as an all-reduce of Δ among a group of the round's peers (sync.allreduce_transport); its mean
     is checked against our own Δ as DiLoCo's is (`check`: `sync.diloco.mean_check` of the peer's config)."""
 
-    def __init__(self, averager: AllReduceAverager, codec: str, check: MeanCheck):
+    def __init__(self, averager: Averager, codec: str, check: MeanCheck):
         self.averager, self.codec, self.check = averager, codec, check
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        result = self.averager.average(delta, context.round, float(context.inner_steps), context.same_round_peers)
+        result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
         result, refused = checked(result, delta, self.check, context.round)
-        return result.delta, round_sync_of(result, self.codec, refused)
+        return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return []

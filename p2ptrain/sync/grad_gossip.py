@@ -146,12 +146,13 @@ class _Incoming:
 
     def __init__(self, gossip: GradGossip, rnd: Mix2Round, sender: str):
         self.gossip, self.rnd, self.sender = gossip, rnd, sender
-        self.header = {"codec": rnd.codec, "round": rnd.round}
+        self.header = {"codec": rnd.codec, "round": rnd.round, **gossip.header_extra()}
         self.payload = rnd.payload
 
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         theirs = self.gossip.decode_partner(self.rnd, partner_header, partner_payload)
         theirs = self.gossip.clip_partner(self.rnd, self.sender, theirs)
+        self.gossip.note_partner(self.rnd, self.sender, partner_header)
         return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
 
     def close(self) -> None:
@@ -162,18 +163,20 @@ class GradGossip:
     """Mix2 over gossip for one peer: `open` answers offers, `mix` runs a round's Mix2 (async, on the event loop)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
-                 seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None):
-        self.p2p, self.run_id, self.fingerprint, self.config = p2p, run_id, fingerprint, config
+                 seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None,
+                 kind: str = KIND, error_feedback_decay: float | None = None):
+        self.p2p, self.run_id, self.fingerprint, self.config, self.kind = p2p, run_id, fingerprint, config, kind
         self.own_id = p2p.peer_id.to_base58()
         self.degree_cap = config.mix2_group_size - 1
         topk = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
         codec = get_codec(config.grad_codec, **(topk if config.grad_codec == "topk" else {}))
-        self.feedback = ErrorFeedback(codec, like, config.error_feedback_decay)
+        decay = config.error_feedback_decay if error_feedback_decay is None else error_feedback_decay
+        self.feedback = ErrorFeedback(codec, like, decay)
         self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
         self.rng = random.Random(seed)
         self.links = links if links is not None else LinkSpeeds()  # the peer's one table, shared with Mix1
         self.current: Mix2Round | None = None  # the latest round's Mix2 (closed once `mix` returned)
-        self.namespace = f"{run_id}.{KIND}"
+        self.namespace = f"{run_id}.{kind}"
         self.chunk_timeout_s = config.state_download_timeout_s
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
@@ -231,8 +234,9 @@ class GradGossip:
         link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
-        header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": KIND, "round": rnd.round,
-                  "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s}
+        header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": rnd.round,
+                  "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s,
+                  **self.header_extra()}
 
         def validate(answer: dict[str, Any], payload: Payload) -> Apply:
             try:
@@ -243,6 +247,7 @@ class GradGossip:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
             theirs = self.clip_partner(rnd, partner, theirs)
+            self.note_partner(rnd, partner, answer)
             return lambda: rnd.apply_(partner, theirs, outgoing=True)
 
         try:
@@ -250,11 +255,11 @@ class GradGossip:
                                       validate, self.max_payload_bytes, deadline_s)
             outcome.apply()
         except ExchangeRefused as e:
-            logger.debug(f"{partner} refused round {rnd.round}'s Mix2: {e}")
+            logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
             stats.refused += int(str(e) not in ASK_AGAIN)
             return str(e)
         except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
-            logger.info(f"Mix2 exchange with {partner} failed: {e!r}")
+            logger.info(f"{self.kind} exchange with {partner} failed: {e!r}")
             stats.failed += 1
             if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
                 link.update_timeout_(2 * nbytes, deadline_s)
@@ -274,7 +279,7 @@ class GradGossip:
         for them); both are the initiator's word, and the deadline is capped by `allreduce_timeout_s`."""
         if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
             return "another run or model"
-        if header.get("kind") != KIND or header.get("codec") not in GRAD_CODECS:
+        if header.get("kind") != self.kind or header.get("codec") not in GRAD_CODECS:
             return "unsupported exchange"
         sender, round_, deadline_s = header.get("sender"), header.get("round"), header.get("deadline_s")
         if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
@@ -298,6 +303,14 @@ class GradGossip:
             raise ValueError(f"partner's outer gradient is {distance:.3g}× ours away "
                              f"(bound {self.config.max_partner_distance})")
         return theirs
+
+    # ---- what else a header carries (nothing here; the all-reduce adds its agreement check) -------------------------
+    def header_extra(self) -> dict[str, Any]:
+        """Fields added to every header we send, offers and answers."""
+        return {}
+
+    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
+        """A partner's header, once its payload passed the checks (unverified claims)."""
 
     # ---- robust mixing ---------------------------------------------------------------------------------------------
     def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:

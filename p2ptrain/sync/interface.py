@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from p2ptrain.net.allreduce import AveragingResult
+
 
 @dataclasses.dataclass
 class RoundContext:
@@ -26,6 +28,9 @@ class RoundContext:
     same_round_peers: int  # how many of them are in this round
     inner_phase_s: float = float("inf")  # expected length of this round's inner phase (inf until measured)
     link_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # peers' announced link speeds
+    # ids of the others (not joining) in this round, or in the one before by their record: a record is read a moment
+    # late, and a peer one round behind is most likely finishing it (an all-reduce waits for it a while)
+    round_peers: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -84,6 +89,23 @@ class ExchangeRecord:
     bytes_sent: int
     bytes_received: int
     seconds: float
+
+
+class Averager(Protocol):
+    """An all-reduce of outer gradients among the peers of a round (net/allreduce.py's hivemind averager, or
+    sync/exchange_allreduce.py's exchange): `launch` starts it, the handle's `result()` finishes it."""
+
+    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+                round_peers: Sequence[str]) -> AveragingResult: ...
+
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+               round_peers: Sequence[str]) -> PendingResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class PendingResult(Protocol):
+    def result(self) -> AveragingResult: ...
 
 
 class Mix2(Protocol):

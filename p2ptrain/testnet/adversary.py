@@ -80,13 +80,23 @@ def install_attack(peer: TrainingPeer, attack: Attack) -> None:
     if attack.kind == "state_liar":
         _lie_about_state(peer, active)
         return
-    transports = [t for t in vars(peer.sync).values() if isinstance(t, (ParamGossip, GradGossip))]
-    transports += [t.gossip for t in vars(peer.sync).values() if isinstance(getattr(t, "gossip", None), GradGossip)]
+    transports = _transports(peer.sync, (ParamGossip, GradGossip))  # the exchange all-reduce is a GradGossip too
     for transport in transports:
         stale = [r.clone() for r in transport.reference] if isinstance(transport, ParamGossip) else None
         _wrap(transport, "outgoing", attack.kind, active, stale)
-    if not transports:  # all-reduce of outer gradients (DiLoCo): lie in the Δ it hands the averager
+    if not transports:  # hivemind's all-reduce of outer gradients: lie in the Δ it hands the averager
         _wrap(peer.outer, "outer_gradient", attack.kind, active, None)
+
+
+def _transports(owner: object, kinds: tuple[type, ...], depth: int = 3) -> list[Any]:
+    """The exchange transports `owner` holds, directly or through its parts (Mix2, an averager), once each."""
+    found: list[Any] = []
+    for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
+        if isinstance(value, kinds):
+            found.append(value)
+        elif depth > 1 and type(value).__module__.startswith("p2ptrain.sync"):
+            found += _transports(value, kinds, depth - 1)
+    return list({id(t): t for t in found}.values())
 
 
 def _wrap(target: Any, method: str, kind: str, active: Callable[[], bool], stale: Tensors | None) -> None:

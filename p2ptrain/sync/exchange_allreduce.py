@@ -1,0 +1,330 @@
+"""DiLoCo's all-reduce (and Factored's Mix2 by all-reduce) over our own exchange protocol: every member of the
+round's group swaps its outer gradient with every other member, then each computes the group's CenteredClip mean.
+
+Why not hivemind's averager (net/allreduce.py says it in full): there, each member claims its own weight and reduces
+a span of the vector for everyone, unseen, so one member can put the mean wherever it likes inside any check an
+honest peer can make (benchmarks/robustness.py: an aimed member diverged honest DiLoCo peers). Here
+- every input is attributable: it arrives over a stream libp2p authenticated, from the member that sent it, and is
+  checked alike by every member (decodes to our shapes, finite, within ±MAX_ABS_VALUE: no bound relative to one's
+  own Δ, which would let a value near one member's bound split the group's inputs);
+- the receiver fixes the weights (1/n each) and reduces robustly (maths/centered_clip.py): k hostile members among
+  n move the mean by about k·τ/(n − k) at most, and an input far beyond τ is an offence (`clipped`);
+- members that hold the same inputs, sorted by peer id, compute the same mean (CenteredClip is deterministic), and
+  sync/allreduce_agreement.py makes sure they do before anyone applies it: members confirm their inputs' digest to
+  each other, apply the mean only with a majority, and otherwise all keep the round's anchor.
+
+The group of a round is its live peers per the DHT records (the peer passes their ids), split into groups of
+`group_size` by a shuffle seeded with the round that every peer draws alike (DiLoCo: one group). There is no
+matchmaking window: each stage ends as soon as every expected member is done, and waits for late ones at most
+`patience_s` (`sync.matchmaking_s`). The lower peer id of a pair opens the exchange (one stream per pair); the higher
+one waits for it. Both stages run as rounds of the exchange protocol, numbered 2r (Δ) and 2r + 1 (digests).
+
+Cost: each member sends its Δ to each other member: (n − 1)·S bytes against 2·S·(n − 1)/n for a butterfly
+all-reduce, the same for a pair, n/2 times more for larger groups: the price of seeing every input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P
+
+from p2ptrain.maths.centered_clip import centered_clip
+from p2ptrain.maths.codecs import compress_all, decode_all
+from p2ptrain.maths.pacing import LinkSpeeds
+from p2ptrain.net.allreduce import AveragingResult
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.exchange import Payload
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.wire import payload_bytes
+from p2ptrain.sync.allreduce_agreement import (
+    APPLY,
+    DISCARD,
+    MAX_MEMBERS,
+    Reduction,
+    confirmation_verdict,
+    equivocators,
+    is_digest,
+    outvoted,
+)
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.param_gossip import ROUND_RETRY_S
+from p2ptrain.tensor_layout import norm
+
+logger = logging.getLogger(__name__)
+
+MAX_ABS_VALUE = 1e15  # a member's values beyond this are refused by every member alike (fp32 arithmetic stays finite)
+GATHER_WEIGHT = 1.0  # offers carry a weight field; an all-reduce's weights are the receiver's (1/n), not offered
+
+
+def round_groups(members: Sequence[str], round_: int, group_size: int | None, seed: str) -> list[list[str]]:
+    """The round's members split into groups of `group_size` (None: one group, up to MAX_MEMBERS), by a shuffle
+    seeded with the run and the round: every peer that sees the same members draws the same groups."""
+    ordered = sorted(set(members))
+    size = min(group_size or MAX_MEMBERS, MAX_MEMBERS)
+    random.Random(hashlib.sha256(f"{seed}/{round_}".encode()).digest()).shuffle(ordered)
+    return [sorted(ordered[i:i + size]) for i in range(0, len(ordered), size)]
+
+
+class GatherRound(Mix2Round):
+    """One stage of one peer's all-to-all: it keeps what each expected member sent (its Δ, or its digest) and the
+    report in its header; `inputs()` gives the values, ours included, sorted by peer id."""
+
+    def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
+                 expected: set[str], digest: str | None = None):
+        super().__init__(stage_round, own_id, sent, payload, codec, degree_cap=MAX_MEMBERS - 1)
+        self.weight, self.digest = GATHER_WEIGHT, digest  # digest: ours, in the confirmation stage
+        self.expected = expected - {own_id}
+        self.received: dict[str, list[torch.Tensor]] = {}
+        self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
+        self.confirmed: dict[str, str] = {}  # member → the digest it confirmed (confirmation stage)
+        self.offered_bytes: dict[str, int] = {}  # member → the bytes of its payload that we read (as responder)
+        self.answered = [0, 0]  # bytes sent and received in the exchanges members opened with us
+        self.complete = asyncio.Event()  # set once every expected member is done
+        self._check_complete()
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        if round_ == self.round and sender not in self.expected and not self.closing:
+            return "not in this peer's group"  # another group of the round, or a peer our records do not show yet
+        return super().accept_(sender, round_, gives_up_at)
+
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+        if self.closed or partner in self.done:
+            raise RoundClosed(f"stage {self.round} of the all-reduce closed (or has {partner}'s value) before this "
+                              f"commit")
+        self.received[partner] = list(theirs)
+        self.done.append(partner)
+        if not outgoing:  # the exchanges we open count their bytes in the round's stats
+            self.answered[0] += payload_bytes(self.payload)
+            self.answered[1] += self.offered_bytes.get(partner, 0)
+        self.release_(partner, outgoing)
+        self._check_complete()
+
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended; a member whose offer to us ended unapplied is not waited for (one offer per round)."""
+        super().release_(partner, outgoing)
+        if not outgoing and partner not in self.done:
+            self.give_up_on_(partner)
+
+    def give_up_on_(self, partner: str) -> None:
+        """Stop waiting for `partner` (it refused or failed for good)."""
+        self.expected.discard(partner)
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        if self.expected <= set(self.done):
+            self.complete.set()
+
+    def inputs(self) -> list[tuple[str, list[torch.Tensor]]]:
+        return sorted([(self.own_id, self.sent), *self.received.items()])
+
+
+class ExchangeAllReduce(GradGossip):
+    """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's)."""
+
+    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
+                 kind: str, group_size: int | None, links: LinkSpeeds | None = None,
+                 reputation: Reputation | None = None):
+        super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
+                         kind=kind, error_feedback_decay=0.0)  # decay 0: s = codec(Δ), nothing carried over
+        self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
+        self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
+        self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
+        self._token_payload = compress_all(self.feedback.codec, self._token)
+
+    async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
+                     patience_s: float) -> AveragingResult:
+        """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost."""
+        started = time.monotonic()
+        own = [d.detach().float().cpu().clone() for d in delta]
+        try:
+            payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
+        except ValueError as e:  # non-finite Δ: nothing can be sent
+            logger.warning(f"round {round_}: not averaging this outer gradient ({e})")
+            return AveragingResult(own, group_size=1)
+        members = [p for p in round_peers if not self.reputation.refuses(p)] + [self.own_id]
+        group = next(g for g in round_groups(members, round_, self.group_size, self.run_id) if self.own_id in g)
+        stats = RoundSync()
+        rnd = await self._stage(GatherRound(2 * round_, self.own_id, sent, payload, self.feedback.codec.name,
+                                            set(group)), patience_s, stats)
+        out_of_step, cheats = self._judge_previous(rnd)
+        for peer in cheats:  # every member sees the same honest reports, so every member leaves the same ones out
+            rnd.received.pop(peer, None)
+        inputs = rnd.inputs()
+
+        def result(delta: list[torch.Tensor], size: int, **extra: Any) -> AveragingResult:
+            return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
+                                   **extra)
+
+        if out_of_step or len(inputs) == 1:
+            self.previous = None
+            return result(own, 1)
+        mean, lengths, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce, inputs,
+                                                                                   round_)
+        verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, round_, patience_s,
+                                      stats)
+        logger.debug(f"round {round_}: {len(inputs)} inputs (expected {len(rnd.expected) + 1}), {verdict}, "
+                     f"{time.monotonic() - started:.2f} s")
+        self.previous = reduction if verdict == APPLY else reduction.discarded() if verdict == DISCARD else None
+        if verdict == APPLY:
+            return result(mean, len(inputs), claimed_norms=lengths)
+        if verdict == DISCARD:  # nobody applies this round: every member keeps the anchor it shares with the others
+            return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
+        return result(own, 1)  # out of step: applies its own, catches up next round
+
+    async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
+        """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
+        self.current = rnd
+        give_up_at = time.monotonic() + patience_s
+        await self._initiate_all(rnd, [p for p in rnd.expected if p > self.own_id], patience_s, stats)
+        with contextlib.suppress(asyncio.TimeoutError):  # the lower ids of the group open their exchanges with us
+            await asyncio.wait_for(rnd.complete.wait(), max(0.0, give_up_at - time.monotonic()))
+        with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
+            await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
+        rnd.close_()
+        stats.bytes_sent += rnd.answered[0]
+        stats.bytes_received += rnd.answered[1]
+        return rnd
+
+    async def _confirm(self, reduction: Reduction, members: set[str], round_: int, patience_s: float,
+                       stats: RoundSync) -> str:
+        """Swap digests with the members whose Δ we reduced; APPLY, DISCARD or OUT_OF_STEP."""
+        rnd = await self._stage(GatherRound(2 * round_ + 1, self.own_id, self._token, self._token_payload,
+                                            self.feedback.codec.name, members, digest=reduction.digest),
+                                patience_s, stats)
+        verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(members) + 1)
+        if verdict != APPLY:
+            logger.info(f"round {round_}: {sum(d == reduction.digest for d in rnd.confirmed.values())} of "
+                        f"{len(members)} members confirmed this peer's inputs: {verdict}")
+        return verdict
+
+    def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
+                round_: int) -> tuple[list[torch.Tensor], list[float], Reduction]:
+        """(the robust mean, each input's length, what was reduced): the work of a round, off the event loop."""
+        return *self._robust_mean(inputs, round_), Reduction.of(round_, inputs)
+
+    # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
+    def header_extra(self) -> dict[str, Any]:
+        rnd = self.current
+        if isinstance(rnd, GatherRound) and rnd.digest is not None:
+            return {"digest": rnd.digest}
+        return self.previous.header() if self.previous is not None else {}
+
+    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
+        if not isinstance(rnd, GatherRound):
+            return
+        if rnd.digest is not None:
+            if is_digest(header.get("digest")):
+                rnd.confirmed[partner] = header["digest"]
+            return
+        report = Reduction.parse(header)
+        if report is not None:
+            rnd.reports[partner] = report
+
+    def _judge_previous(self, rnd: GatherRound) -> tuple[bool, list[str]]:
+        """Judge our previous all-reduce by what this round's members report (sync/allreduce_agreement.py): whether
+        we are out of step, and the members that sent different members different values (penalised)."""
+        if self.previous is None:
+            return False, []
+        reports = {peer: r for peer, r in rnd.reports.items() if peer in rnd.done}
+        cheats = []
+        for peer, why in equivocators(self.previous, reports, self.own_id):
+            self.reputation.penalise(peer, "equivocated", why)
+            cheats.append(peer)
+        same, other = outvoted(self.previous, reports)
+        if other > same:
+            logger.warning(f"round {rnd.round // 2}: {other} member(s) reduced other inputs than this peer's {same} "
+                           f"in round {self.previous.round}: out of step; applying this peer's own outer gradient, "
+                           f"then catching up")
+        return other > same, cheats
+
+    # ---- exchanges, and what they bring ----------------------------------------------------------------------------
+    async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
+                            stats: RoundSync) -> None:
+        """Open exchanges with all of `live_peers` at once (gossip opens one after another); those not in our
+        round yet are asked again every ROUND_RETRY_S for up to `patience_s`."""
+        give_up_at = time.monotonic() + patience_s
+        candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
+        while candidates:
+            reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
+            outcomes = await asyncio.gather(*(self._exchange_with(rnd, p, stats) for p in reserved))
+            candidates = [p for p, outcome in zip(reserved, outcomes, strict=True) if outcome in ASK_AGAIN]
+            if not candidates or time.monotonic() >= give_up_at:
+                return
+            await asyncio.sleep(ROUND_RETRY_S)
+
+    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
+        """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer
+        waited for."""
+        outcome = await super()._exchange_with(rnd, partner, stats)
+        if outcome != "ok" and outcome not in ASK_AGAIN and isinstance(rnd, GatherRound):
+            rnd.give_up_on_(partner)
+        return outcome
+
+    def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
+        """The member's value: it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
+        theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
+        if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
+            raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
+        if isinstance(rnd, GatherRound):
+            rnd.offered_bytes[str(header.get("sender"))] = payload_bytes(payload)
+        return theirs
+
+    def _robust_mean(self, inputs: list[tuple[str, list[torch.Tensor]]],
+                     round_: int) -> tuple[list[torch.Tensor], list[float]]:
+        """CenteredClip of the inputs (the plain mean without `sync.robust`) and each input's length; members far
+        beyond τ are penalised."""
+        values = [x for _, x in inputs]
+        if not self.config.robust:
+            return [torch.stack(parts).mean(dim=0) for parts in zip(*values, strict=True)], [norm(x) for x in values]
+        result = centered_clip(values, self.config.clip_multiplier)
+        for j in result.far_inputs():
+            peer = inputs[j][0]
+            if peer != self.own_id:
+                self.reputation.penalise(peer, "clipped", f"round {round_}: outer gradient {result.distances[j]:.3g} "
+                                                          f"from the group's robust mean (τ {result.radius:.3g})")
+        return result.mean, result.lengths
+
+
+class PendingGather:
+    """An all-reduce running on the peer's event loop (one-step-delay overlap); `result()` waits for it."""
+
+    def __init__(self, future: object, own: list[torch.Tensor]):
+        self.future, self.own = future, own
+
+    def result(self) -> AveragingResult:
+        try:
+            return self.future.result()  # type: ignore[attr-defined]
+        except Exception as e:  # a failed all-reduce must not stop training: our own Δ stands in
+            logger.warning(f"all-reduce failed ({e!r}); applying this peer's outer gradient")
+            return AveragingResult(self.own, group_size=1)
+
+
+class ExchangeAverager:
+    """`ExchangeAllReduce` behind the averager interface DiLoCo and Mix2 use (`average`, `launch`)."""
+
+    def __init__(self, exchange: ExchangeAllReduce, loop: BackgroundLoop, patience_s: float):
+        self.exchange, self.loop, self.patience_s = exchange, loop, patience_s
+
+    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+                round_peers: Sequence[str]) -> AveragingResult:
+        return self.launch(delta, round_, weight, round_peers).result()
+
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
+               round_peers: Sequence[str]) -> PendingGather:
+        """Start the all-reduce on the event loop; `weight` (the inner steps) is not sent: the receiver fixes 1/n."""
+        own = [d.detach().float().cpu().clone() for d in delta]
+        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s)), own)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,82 @@
+"""CenteredClip, the all-reduce's robust mean (maths/centered_clip.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2ptrain.maths.centered_clip import centered_clip
+from p2ptrain.maths.mixing import exact_average
+from p2ptrain.tensor_layout import distance, norm
+
+SHAPES = [(6, 5), (7,)]
+
+
+def honest_deltas(count: int, seed: int = 0, spread: float = 0.5) -> list[list[torch.Tensor]]:
+    """Outer gradients of peers on different shards: a shared direction g plus a part e_j of their own."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = [torch.randn(s, generator=gen) for s in SHAPES]
+    return [[g + spread * torch.randn(s, generator=gen) for g, s in zip(shared, SHAPES, strict=True)]
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 7])
+def test_honest_inputs_get_their_plain_mean(count):
+    deltas = honest_deltas(count)
+    result = centered_clip(deltas)
+    assert distance(result.mean, exact_average(deltas)) <= 1e-5 * norm(exact_average(deltas))
+    assert result.far_inputs() == []
+
+
+def test_the_result_depends_only_on_the_inputs_bit_for_bit():
+    deltas = honest_deltas(4) + [[t * -50 for t in honest_deltas(1, seed=3)[0]]]
+    first, second = centered_clip(deltas), centered_clip([[t.clone() for t in d] for d in deltas])
+    assert all(torch.equal(a, b) for a, b in zip(first.mean, second.mean, strict=True))
+
+
+@pytest.mark.parametrize("factor", [-3.0, -1000.0, 1e12])
+def test_one_hostile_input_among_four_moves_the_mean_by_a_bounded_amount(factor):
+    honest = honest_deltas(3)
+    honest_mean = exact_average(honest)
+    hostile = [t * factor for t in honest[0]]
+    result = centered_clip(honest + [hostile])
+    moved = distance(result.mean, honest_mean)
+    # k = 1 of n = 4: at most about τ/(n − k) from the honest mean, τ = 2 × the median distance from the centre
+    assert moved <= result.radius / 3 + 1e-6, (moved, result.radius)
+    assert moved < 0.5 * norm(honest_mean)
+    if abs(factor) >= 1000:
+        assert result.far_inputs() == [3]  # far beyond τ: an offence
+
+
+def test_the_plain_mean_is_what_one_hostile_input_moves_without_bound():
+    honest = honest_deltas(3)
+    hostile = [t * -1000.0 for t in honest[0]]
+    plain = exact_average(honest + [hostile])
+    assert distance(plain, exact_average(honest)) > 100 * distance(centered_clip(honest + [hostile]).mean,
+                                                                    exact_average(honest))
+
+
+def test_identical_inputs_and_a_single_input_come_back_unchanged():
+    one = honest_deltas(1)[0]
+    assert all(torch.equal(a, b) for a, b in zip(centered_clip([one]).mean, one, strict=True))
+    same = centered_clip([one, [t.clone() for t in one], [t.clone() for t in one]])
+    assert same.radius == 0 and all(torch.equal(a, b) for a, b in zip(same.mean, one, strict=True))
+
+
+def test_bad_calls_are_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        centered_clip([])
+    with pytest.raises(ValueError, match="shapes"):
+        centered_clip([[torch.zeros(3)], [torch.zeros(4)]])
+    with pytest.raises(ValueError, match="multiplier"):
+        centered_clip(honest_deltas(2), multiplier=0.0)
+
+
+def test_huge_but_bounded_values_keep_the_mean_finite():
+    honest = honest_deltas(3)
+    hostile = [torch.full(s, 1e15) for s in SHAPES]  # the exchange's bound on a member's values
+    result = centered_clip(honest + [hostile])
+    assert all(bool(torch.isfinite(t).all()) for t in result.mean)
+    assert math.isinf(result.distances[3]) is False and result.far_inputs() == [3]

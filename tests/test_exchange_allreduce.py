@@ -1,0 +1,245 @@
+"""The exchange all-reduce (sync/exchange_allreduce.py) and how its members agree (sync/allreduce_agreement.py):
+groups, digests and verdicts by hand; then real P2P nodes: an honest group gets the exact mean, members whose views
+of the round differ apply nothing (and stay in step), and a member sending different members different values is
+found out and left out."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+import pytest
+import torch
+from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
+
+from p2ptrain.maths.codecs import compress_all
+from p2ptrain.maths.mixing import exact_average
+from p2ptrain.net.exchange import serve_exchanges
+from p2ptrain.sync.allreduce_agreement import (
+    APPLY,
+    DISCARD,
+    DISCARDED,
+    OUT_OF_STEP,
+    Reduction,
+    confirmation_verdict,
+    equivocators,
+    outvoted,
+)
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound, round_groups
+from p2ptrain.tensor_layout import distance, norm
+
+RUN, FINGERPRINT = "exchange-allreduce-test", "fp-1"
+SHAPES = [(16, 8), (8,)]
+
+
+def deltas(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=generator) for s in SHAPES]
+
+
+def digest(char: str) -> str:
+    return char * 64
+
+
+# ---- groups, digests and verdicts --------------------------------------------------------------------------------
+
+
+def test_round_groups_are_the_same_for_every_viewer_and_cover_every_member():
+    members = [f"peer-{i}" for i in range(10)]
+    groups = round_groups(members, 7, 3, RUN)
+    assert groups == round_groups(list(reversed(members)), 7, 3, RUN)  # order of the view does not matter
+    assert sorted(p for g in groups for p in g) == sorted(members) and [len(g) for g in groups] == [3, 3, 3, 1]
+    assert round_groups(members, 8, 3, RUN) != groups  # a new draw each round
+    assert round_groups(members, 7, None, RUN) == [sorted(members)]  # DiLoCo: one group
+
+
+def test_a_reduction_digest_depends_on_every_member_and_value_and_parses_back():
+    inputs = [("a", deltas(0)), ("b", deltas(1))]
+    first = Reduction.of(3, inputs)
+    assert first == Reduction.of(3, list(reversed(inputs)))
+    assert first.digest != Reduction.of(3, [("a", deltas(0)), ("c", deltas(1))]).digest
+    assert first.digest != Reduction.of(3, [("a", deltas(0)), ("b", deltas(2))]).digest
+    assert Reduction.parse(first.header()) == first
+
+
+@pytest.mark.parametrize("header", [
+    {}, {"agreed": [1, "x" * 64], "inputs": {}}, {"agreed": ["1", digest("a")], "inputs": {}},
+    {"agreed": [1, digest("a")], "inputs": {"p": "short"}}, {"agreed": [1, digest("a")], "inputs": []},
+    {"agreed": [1, digest("a")], "inputs": {f"p{i}": digest("b") for i in range(33)}},
+    {"agreed": [1, digest("a")], "inputs": {"p" * 65: digest("b")}}, {"agreed": [True, digest("a")], "inputs": {}},
+])
+def test_malformed_reports_are_ignored(header: dict[str, Any]):
+    assert Reduction.parse(header) is None
+
+
+@pytest.mark.parametrize("confirmations, members, verdict", [
+    ({"b": "a", "c": "a"}, 3, APPLY),  # everyone agrees
+    ({"b": "a", "c": "x"}, 3, APPLY),  # a strict majority (2 of 3)
+    ({"b": "a"}, 2, APPLY),
+    ({"b": "x"}, 2, DISCARD),  # a pair that disagrees: nobody applies
+    ({}, 2, DISCARD),  # the other never confirmed
+    ({"b": "x", "c": "y"}, 3, DISCARD),  # three views of the round: nobody applies, all keep the anchor
+    ({"b": "x", "c": "x"}, 3, OUT_OF_STEP),  # the others agree without us: they applied
+    ({"b": "a", "c": "x", "d": "y"}, 4, OUT_OF_STEP),  # half is no majority, but b may hold what we hold and apply
+])
+def test_confirmation_verdicts(confirmations, members, verdict):
+    assert confirmation_verdict("a", confirmations, members) == verdict
+
+
+def test_outvoted_counts_reports_of_the_same_round_only():
+    previous = Reduction(4, digest("a"), {})
+    reports = {"b": Reduction(4, digest("b"), {}), "c": Reduction(4, digest("b"), {}),
+               "d": Reduction(3, digest("b"), {})}
+    assert outvoted(previous, reports) == (1, 2)
+    assert outvoted(previous, {"b": Reduction(4, digest("a"), {})}) == (2, 0)
+
+
+def test_an_equivocator_is_found_and_a_lone_liar_frames_nobody():
+    mine = Reduction(2, digest("r"), {"me": digest("0"), "x": digest("1"), "y": digest("2"), "z": digest("3")})
+    honest = {"y": Reduction(2, digest("r"), {"x": digest("4"), "y": digest("2")}),
+              "z": Reduction(2, digest("r"), {"x": digest("5"), "z": digest("3")})}
+    assert [peer for peer, _ in equivocators(mine, honest, "me")] == ["x"]  # three reporters, three values
+    liar = {"x": Reduction(2, digest("r"), {"y": digest("9")}),  # x lies about y; z confirms what we got
+            "z": Reduction(2, digest("r"), {"y": digest("2")})}
+    assert equivocators(mine, liar, "me") == []
+    alone = {"y": Reduction(2, digest("r"), {"x": digest("4")})}  # two reporters: not enough to call it
+    assert equivocators(mine, alone, "me") == []
+
+
+def test_a_stage_is_complete_once_every_expected_member_is_done_or_given_up():
+    rnd = GatherRound(0, "b", deltas(0), [], "none", {"a", "b", "c"})
+    assert not rnd.complete.is_set() and rnd.accept_("z", 0, 0.0) == "not in this peer's group"
+    assert rnd.accept_("a", 0, 0.0) is None
+    rnd.apply_("a", deltas(1), outgoing=False)
+    assert not rnd.complete.is_set()
+    rnd.give_up_on_("c")
+    assert rnd.complete.is_set() and [p for p, _ in rnd.inputs()] == ["a", "b"]
+
+
+# ---- real P2P nodes ----------------------------------------------------------------------------------------------
+
+
+def config(**changes: Any) -> SyncConfig:
+    return SyncConfig(**({"mode": "diloco", "exchange_safety_factor": 1.0, "state_download_timeout_s": 5.0}
+                         | changes))
+
+
+async def run_round(transports: list[ExchangeAllReduce], views: list[list[str]], round_: int,
+                    patience_s: float = 3.0) -> list[Any]:
+    return await asyncio.gather(*(t.gather(deltas(i + 10 * round_), view, round_, patience_s)
+                                  for i, (t, view) in enumerate(zip(transports, views, strict=True))))
+
+
+def with_transports(count: int, scenario: Any) -> None:
+    async def main() -> None:
+        p2ps = await start_p2ps(count)
+        try:
+            transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, deltas(0), config(), "allreduce.diloco", None)
+                          for p in p2ps]
+            for t in transports:
+                await serve_exchanges(t.p2p, t)
+            await scenario(transports)
+        finally:
+            await shutdown(p2ps)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+@pytest.mark.network
+def test_an_honest_group_gets_the_exact_mean_and_every_member_the_same_bits():
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        ids = [t.own_id for t in transports]
+        for round_ in range(2):
+            results = await run_round(transports, [[p for p in ids if p != me] for me in ids], round_)
+            mean = exact_average([deltas(i + 10 * round_) for i in range(len(ids))])
+            for result in results:
+                assert result.group_size == 3 and not result.discarded
+                assert distance(result.delta, mean) <= 1e-6 * norm(mean)
+                assert all(torch.equal(a, b) for a, b in zip(result.delta, results[0].delta, strict=True))
+                assert result.bytes_sent > 0 and result.bytes_received > 0
+
+    with_transports(3, scenario)
+
+
+@pytest.mark.network
+def test_members_whose_views_differ_apply_nothing_and_stay_in_step():
+    """a sees b and c; b and c each see only a: b and c refuse each other. Three different input sets: all three
+    confirm, find no majority, and keep the round's anchor (a discarded round), whatever they reduced."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        a, b, c = (t.own_id for t in transports)
+        results = await run_round(transports, [[b, c], [a], [a]], 0, patience_s=2.0)
+        assert [r.discarded for r in results] == [True, True, True]
+        assert all(not any(bool(t.any()) for t in r.delta) for r in results)
+        assert all(t.previous is not None and t.previous.digest == DISCARDED for t in transports)
+        results = await run_round(transports, [[b, c], [a, c], [a, b]], 1)  # views agree again: applied
+        assert all(r.group_size == 3 and not r.discarded for r in results)
+
+    with_transports(3, scenario)
+
+
+def equivocate(transport: ExchangeAllReduce) -> None:
+    """Make `transport` send each member a different Δ (scaled by a factor of its own per partner)."""
+    factors: dict[str, float] = {}  # a factor of its own for each member, on first sight
+
+    def payload_for(rnd: GatherRound, partner: str) -> list:
+        factor = factors.setdefault(partner, 2.0 + len(factors))
+        return compress_all(transport.feedback.codec, [s * factor for s in rnd.sent])
+
+    plain_exchange, plain_open = transport._exchange_with, transport.open
+
+    async def exchange_with(self: ExchangeAllReduce, rnd: Any, partner: str, stats: Any) -> str:
+        if isinstance(rnd, GatherRound) and rnd.digest is None:
+            saved, rnd.payload = rnd.payload, payload_for(rnd, partner)
+            try:
+                return await plain_exchange(rnd, partner, stats)
+            finally:
+                rnd.payload = saved
+        return await plain_exchange(rnd, partner, stats)
+
+    def open_(self: ExchangeAllReduce, header: dict[str, Any]) -> Any:
+        opened = plain_open(header)
+        rnd = self.current
+        if not isinstance(opened, str) and isinstance(rnd, GatherRound) and rnd.digest is None:
+            opened.payload = payload_for(rnd, str(header.get("sender")))
+        return opened
+
+    transport._exchange_with = types.MethodType(exchange_with, transport)  # type: ignore[method-assign]
+    transport.open = types.MethodType(open_, transport)  # type: ignore[method-assign]
+
+
+@pytest.mark.network
+def test_a_member_sending_members_different_values_costs_one_round_and_is_left_out():
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        equivocate(transports[3])
+        ids = [t.own_id for t in transports]
+        views = [[p for p in ids if p != me] for me in ids]
+        first = await run_round(transports, views, 0)
+        assert all(r.discarded for r in first[:3])  # every honest member reduced a different input set
+        second = await run_round(transports, views, 1)  # the reports of round 0 find it out: its Δ is left out
+        for results in (second, await run_round(transports, views, 2)):  # and then it is banned
+            honest = results[:3]
+            assert all(r.group_size == 3 and not r.discarded for r in honest), [(r.group_size, r.discarded)
+                                                                                 for r in results]
+            assert all(torch.equal(a, b) for r in honest for a, b in zip(r.delta, honest[0].delta, strict=True))
+        assert all(t.reputation.is_banned(ids[3]) for t in transports[:3])
+
+    with_transports(4, scenario)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
+    config_ = tiny_config("equivocation-swarm", run={"rounds": 6})
+    first = start_peer(config_)
+    members = [first] + [start_peer(config_, first.maddrs) for _ in range(3)]
+    equivocate(members[-1].sync.averager.exchange)  # type: ignore[attr-defined]
+    threads, histories = run_peers(members)
+    final = [t.params_after_round[5] for t in threads[:3]]
+    for history in histories[:3]:
+        print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history],
+              [m.failed_exchanges for m in history])
+        assert history[-1].val_loss < history[0].val_loss and members[-1].peer_id in history[-1].banned_peers
+    assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
