@@ -60,6 +60,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.sim.entry import publish  # noqa: E402
 from benchmarks.sim.graphs import Neighbours  # noqa: E402
 from benchmarks.sim.rows import QUICK, Algorithm, Settings  # noqa: E402
 from benchmarks.sim.simulation import (  # noqa: E402
@@ -370,8 +371,11 @@ NOTES = ("Notes: one seed per row. Gaps are against the clean run with defences 
          "than 1 %, so the cost target is judged on 'defence calls', the share of the row's CPU time spent in the "
          "defences (it shrinks as inner steps per round grow). A row stops early once every honest peer holds a "
          "non-finite value (its loss is then nan). 'defences acted' counts GASLoC exchanges refused or clipped, by "
-         "sender, and DiLoCo means refused (each honest peer's check, each round). DiLoCo's aimed attack sets the "
-         "mean itself, so its 1- and 2-attacker rows coincide.")
+         "sender, and DiLoCo means refused (each honest peer's check, each round). DiLoCo, defences off: the aimed "
+         "attack sets the plain mean itself, so its 1- and 2-attacker rows coincide; on: an aimed Δ lies beyond "
+         "CenteredClip's radius like a sign-flipped one, and is clipped the same (the rows coincide). DiLoCo's "
+         "defence calls are CenteredClip and the mean check, each peer every round: their share of CPU falls as "
+         "inner steps grow (10 here).")
 
 
 def run(settings: Settings, output: Path, command: str) -> dict[str, Any]:
@@ -426,11 +430,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
 
 def main() -> None:
     settings, output = parse_args()
-    report = run(settings, output, "python " + " ".join(sys.argv))
-    table = markdown(report)
-    output.with_suffix(".md").write_text(table + "\n")
-    print(table)
-    print(f"wall time {report['wall_s']:.0f} s; written to {output} and {output.with_suffix('.md')}")
+    publish(run(settings, output, "python " + " ".join(sys.argv)), output, markdown)
 
 
 if __name__ == "__main__":

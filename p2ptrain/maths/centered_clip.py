@@ -7,12 +7,12 @@ al. 2022, the reduction hivemind's btard work runs per part).
 
 Every member weighs 1/n: the receiver fixes the weights, no member's claim enters them. An input farther than τ from
 the centre pulls it by at most τ/n per iteration, whatever it holds, so k hostile members among n move the result by
-at most about k·τ/(n − k) from where the honest ones put it; honest inputs (within τ of the centre, as they are when
-their spread is even) are averaged exactly, so a group of honest peers gets their plain mean (and stops after one
-iteration). With k < n/2 the medoid is an honest input. With two members no rule can tell the honest one: neither
-is clipped and the result is their mean (the caller's check against its own Δ, maths/robust_mean.py, stays the
-guard there). Cost: one n × n Gram matrix and at most ITERATIONS passes over the n inputs (a coordinate-wise median
-as the start cost 5 to 10 times more: a sort of n × d values).
+at most about k·τ/(n − k) from where the honest ones put it. With k < n/2 the medoid is an honest input. When every
+input lies within τ of the plain mean (honest members whose spread is even), the plain mean is the fixed point and
+is returned as it is (told from the Gram matrix, with no iteration). With two members no rule can tell the honest
+one: neither is clipped and the result is their mean (the caller's check against its own Δ, maths/robust_mean.py,
+stays the guard there). Cost: one n × n Gram matrix and the mean, or at most ITERATIONS passes over the n inputs
+when some lie beyond τ (a coordinate-wise median as the start cost 5 to 10 times more: a sort of n × d values).
 
 The result depends only on the inputs and their order, never on who computes it: members that hold the same inputs
 (sorted by sender) compute the same mean, which is what keeps DiLoCo's peers in step (sync/exchange_allreduce.py).
@@ -55,33 +55,40 @@ def centered_clip(inputs: Sequence[Sequence[torch.Tensor]], multiplier: float = 
         raise ValueError(f"the clipping multiplier must be > 0, got {multiplier}")
     shapes = [t.shape for t in inputs[0]]
     stacked = torch.stack([_flatten(x, shapes) for x in inputs])  # n × d
-    apart = _pairwise_distances(stacked)
+    gram = _gram(stacked)
+    apart = _pairwise_distances(gram)
     start = min(range(len(inputs)), key=lambda j: (_median_to_others(apart, j), j))
-    centre = stacked[start].clone()
     radius = multiplier * _median_to_others(apart, start)
+    lengths = _finite(stacked.norm(dim=1))
+    to_mean = _distances_to_mean(gram)
+    if radius == 0:  # most inputs are the medoid itself: with τ = 0 nothing moves it
+        return RobustMean(_unflatten(stacked[start], inputs[0]), radius, _finite(apart[start]), lengths)
+    if bool((to_mean <= radius).all()):  # nothing to clip around the plain mean: it is the fixed point
+        return RobustMean(_unflatten(stacked.mean(dim=0), inputs[0]), radius, _finite(to_mean), lengths)
+    centre = stacked[start].clone()
     gaps = stacked - centre
-    for _ in range(iterations if radius > 0 else 0):
-        lengths = gaps.norm(dim=1).double()
-        if bool((lengths <= radius).all()):  # nothing clipped: the step lands on the plain mean, a fixed point
-            centre = stacked.mean(dim=0)
-            gaps = stacked - centre
-            if bool((gaps.norm(dim=1) <= radius).all()):
-                break
-            continue
-        scales = torch.clamp(radius / torch.clamp(lengths, min=1e-300), max=1.0).float()
+    for _ in range(iterations):
+        scales = torch.clamp(radius / torch.clamp(gaps.norm(dim=1).double(), min=1e-300), max=1.0).float()
         centre = centre + (gaps * scales[:, None]).sum(dim=0) / len(inputs)
         gaps = stacked - centre
-    return RobustMean(_unflatten(centre, inputs[0]), radius, _finite(gaps.norm(dim=1)),
-                      _finite(stacked.norm(dim=1)))
+    return RobustMean(_unflatten(centre, inputs[0]), radius, _finite(gaps.norm(dim=1)), lengths)
 
 
-def _pairwise_distances(stacked: torch.Tensor) -> torch.Tensor:
-    """n × n Euclidean distances, through one Gram matrix of the inputs less the first (one BLAS call; fp32 is
-    enough to pick the start and set τ)."""
+def _gram(stacked: torch.Tensor) -> torch.Tensor:
+    """The n × n Gram matrix of the inputs less the first (one BLAS call; its fp32 precision is enough to pick the
+    start, set τ and tell whether any input lies beyond it), in fp64."""
     diffs = stacked - stacked[0]
-    gram = (diffs @ diffs.T).double()
+    return (diffs @ diffs.T).double()
+
+
+def _pairwise_distances(gram: torch.Tensor) -> torch.Tensor:
     squares = gram.diagonal()
     return (squares[:, None] + squares[None, :] - 2 * gram).clamp(min=0).sqrt()
+
+
+def _distances_to_mean(gram: torch.Tensor) -> torch.Tensor:
+    """‖x_j − mean‖ for each input, from the Gram matrix alone (no pass over the inputs)."""
+    return (gram.diagonal() - 2 * gram.mean(dim=1) + gram.mean()).clamp(min=0).sqrt()
 
 
 def _median_to_others(apart: torch.Tensor, j: int) -> float:

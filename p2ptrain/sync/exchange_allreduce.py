@@ -44,7 +44,6 @@ from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
-from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.allreduce_agreement import (
     APPLY,
     DISCARD,
@@ -88,8 +87,6 @@ class GatherRound(Mix2Round):
         self.received: dict[str, list[torch.Tensor]] = {}
         self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
         self.confirmed: dict[str, str] = {}  # member → the digest it confirmed (confirmation stage)
-        self.offered_bytes: dict[str, int] = {}  # member → the bytes of its payload that we read (as responder)
-        self.answered = [0, 0]  # bytes sent and received in the exchanges members opened with us
         self.complete = asyncio.Event()  # set once every expected member is done
         self._check_complete()
 
@@ -104,9 +101,7 @@ class GatherRound(Mix2Round):
                               f"commit")
         self.received[partner] = list(theirs)
         self.done.append(partner)
-        if not outgoing:  # the exchanges we open count their bytes in the round's stats
-            self.answered[0] += payload_bytes(self.payload)
-            self.answered[1] += self.offered_bytes.get(partner, 0)
+        self.count_answered_(partner, outgoing)
         self.release_(partner, outgoing)
         self._check_complete()
 
@@ -276,8 +271,6 @@ class ExchangeAllReduce(GradGossip):
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
-        if isinstance(rnd, GatherRound):
-            rnd.offered_bytes[str(header.get("sender"))] = payload_bytes(payload)
         return theirs
 
     def _robust_mean(self, inputs: list[tuple[str, list[torch.Tensor]]],

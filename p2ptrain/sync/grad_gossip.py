@@ -78,6 +78,8 @@ class Mix2Round:
         self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
         self.outgoing: set[str] = set()  # our offers in flight
         self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
+        self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
+        self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
         self.closing = self.closed = False
         self.idle = asyncio.Event()  # set while no accepted offer is in flight
         self.idle.set()
@@ -119,7 +121,14 @@ class Mix2Round:
             raise RoundClosed(f"round {self.round}'s Mix2 closed (or mixed with {partner}) before this commit")
         pull_toward_(self.mixed, theirs, self.sent, self.weight)
         self.done.append(partner)
+        self.count_answered_(partner, outgoing)
         self.release_(partner, outgoing)
+
+    def count_answered_(self, partner: str, outgoing: bool) -> None:
+        """Count the bytes of a committed exchange `partner` opened (ours are counted where we open them)."""
+        if not outgoing:
+            self.answered[0] += payload_bytes(self.payload)
+            self.answered[1] += self.offered_bytes.pop(partner, 0)
 
     def release_(self, partner: str, outgoing: bool) -> None:
         """An exchange ended (applied or not): free its slot in flight."""
@@ -153,6 +162,7 @@ class _Incoming:
         theirs = self.gossip.decode_partner(self.rnd, partner_header, partner_payload)
         theirs = self.gossip.clip_partner(self.rnd, self.sender, theirs)
         self.gossip.note_partner(self.rnd, self.sender, partner_header)
+        self.rnd.offered_bytes[self.sender] = payload_bytes(partner_payload)
         return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
 
     def close(self) -> None:
@@ -200,6 +210,8 @@ class GradGossip:
             await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
         mixed = rnd.close_()
         stats.group_size = 1 + len(rnd.done)
+        stats.bytes_sent += rnd.answered[0]
+        stats.bytes_received += rnd.answered[1]
         if mixed is None:
             return list(delta), stats
         self.feedback.commit_(sent)

@@ -62,9 +62,11 @@ class RoundSync:
         self.exchanges.append(record)
 
     def add_incoming_(self, incoming: RoundSync) -> RoundSync:
-        """Count the exchanges others started with us beside the ones we started; returns self."""
+        """Count the exchanges others started with us (and their bytes) beside the ones we started; returns self."""
         self.group_size += incoming.group_size
         self.consensus_distance += incoming.consensus_distance
+        self.bytes_sent += incoming.bytes_sent
+        self.bytes_received += incoming.bytes_received
         return self
 
     def add_mix2_(self, mix2: RoundSync) -> None:

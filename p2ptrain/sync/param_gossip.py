@@ -75,7 +75,8 @@ class _Exchange:
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         partner = self.mixer.decode_partner(partner_header, partner_payload, own=self.public)
         partner = self.mixer.clip_partner(self.sender, partner, own=self.public)
-        return lambda: self.mixer.add_correction_(self.weight, partner, self.public)
+        traffic = (payload_bytes(self.payload), payload_bytes(partner_payload))
+        return lambda: self.mixer.add_correction_(self.weight, partner, self.public, traffic)
 
     def close(self) -> None:
         self.mixer.release_responder()
@@ -146,10 +147,14 @@ class ParamGossip:
             stats, self.incoming = self.incoming, RoundSync(group_size=0)
             return stats
 
-    def add_correction_(self, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor]) -> None:
+    def add_correction_(self, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor],
+                        traffic: tuple[int, int] = (0, 0)) -> None:
+        """Mix a committed exchange a partner opened; `traffic`: the bytes we sent and received in it."""
         with self._lock:
             pull_toward_(self._correction, partner, ours, weight)
             self.incoming.group_size += 1
+            self.incoming.bytes_sent += traffic[0]
+            self.incoming.bytes_received += traffic[1]
             self.incoming.consensus_distance.append(consensus_distance(ours, partner))
 
     # ---- responder -----------------------------------------------------------------------------------------------

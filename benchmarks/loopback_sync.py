@@ -1,0 +1,394 @@
+"""Loopback sync benchmark: the share of a round's wall time real peers spend computing, and the bytes they send,
+per outer-sync setup, with every peer in this process on 127.0.0.1.
+
+Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the production round loop):
+  diloco-exchange  sync.mode diloco, sync.allreduce_transport exchange (the default: sync/exchange_allreduce.py, every
+                   member swaps Δ with every other and takes their CenteredClip mean)
+  diloco-hivemind  sync.mode diloco, sync.allreduce_transport hivemind (net/allreduce.py: hivemind's butterfly
+                   averager, which waits the whole sync.matchmaking_s window, 3 s by default, every round)
+  gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
+and a reference with no network: the same model, batches and inner steps run by `InnerTrainer.run_phase` (the
+peer's own inner phase), one trainer alone and n trainers at once in threads (the CPU share n peers get).
+
+Per setup and peer count, over the peers' rounds after the first (warm-up):
+  utilisation   median of compute_s / round_s (inner phase seconds / the round's wall seconds)
+  bytes ÷ ideal mean bytes_sent per peer per round ÷ 2·S·(n−1)/n, the bytes of an ideal (butterfly) all-reduce, S =
+                parameters × bytes per value of the codec the round used (4: fp32, `grad_codec none`); gasloc has no
+                all-reduce to compare with: its figure is bytes ÷ S (one parameter payload = 1)
+  val loss      mean over peers of the validation loss after the last round
+Where the bytes come from: the exchange transport and gossip count the tensor payload bytes they put on their
+streams, in the exchanges a peer opens and those it answers (net/wire.py payload_bytes; headers and protobuf
+envelopes not counted); gasloc's row also shows how many offers a peer answered per round (each sent about S back,
+counted). The hivemind transport cannot count its own: its
+bytes_sent is the formula 2·S·(n−1)/n for the group it formed (net/allreduce.py), not a measurement, so its ratio
+is 1 whenever a full group formed.
+
+Peers are threads of this process, one torch thread each, on a 2-core machine: they share the cores and the GIL
+(the tiny model's steps are short, much of them Python), so their compute_s stretches; the "n at once" reference
+shows by how much with no network at all. Times are wall-clock: other work on a shared machine skews them (the load
+average before and after is recorded). Each setup runs once per peer count (`--repeats` for more, interleaved:
+A B C A B C), peer counts in turn. The default run (2 and 4 peers, tiny model, 10 rounds x 20 inner steps,
+batch 8 x 128 tokens) took 3–3.6 min of wall time and 3.7 min of CPU time on 2 cores (2.1 in this process, 1.6 in
+DHT processes, P2P daemons and hivemind's averager processes, which take close to a core while they run); the
+hivemind rows are most of it (3 s and more a round).
+
+    python benchmarks/loopback_sync.py            # default run
+    python benchmarks/loopback_sync.py --quick    # CI size: 2 peers, 4 rounds, about a minute
+    python benchmarks/loopback_sync.py --peers 2,4,6 --rounds 20 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.sim.entry import publish  # noqa: E402
+from p2ptrain.config import PeerConfig, build_config  # noqa: E402
+from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
+from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
+from p2ptrain.metrics import RoundMetrics  # noqa: E402
+from p2ptrain.models import build_model  # noqa: E402
+from p2ptrain.net.allreduce import BYTES_PER_VALUE, allreduce_traffic_bytes  # noqa: E402
+from p2ptrain.peer import TrainingPeer  # noqa: E402
+
+RESULTS_PATH = REPO / "benchmarks" / "results" / "loopback_sync.json"
+SETUPS: dict[str, dict[str, Any]] = {
+    "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
+    "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
+    "gasloc": {"mode": "gasloc", "gossip_peers": 1},
+}
+# loopback only, no NAT probing or relays; records refreshed often, so peers see each other's rounds quickly
+NETWORK = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False, "use_relay": False,
+           "heartbeat_s": 0.5, "record_ttl_s": 5.0}
+CORPUS = {"max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2}
+RUN_TIMEOUT_S = 120.0  # per swarm, plus ROUND_TIMEOUT_S a round: a swarm still running then is stopped
+ROUND_TIMEOUT_S = 30.0
+WALL_BUDGET = "about 4 min of wall time, 4 min of CPU time on 2 cores"
+QUICK = {"peers": (2,), "rounds": 4}  # CI size
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one invocation runs."""
+
+    peers: tuple[int, ...] = (2, 4)  # swarm sizes, in turn
+    rounds: int = 10  # outer rounds per swarm (the first is warm-up, left out of the figures)
+    inner_steps: int = 20  # H
+    model: str = "tiny"
+    batch_size: int = 8  # samples per inner step
+    seq_len: int = 128  # tokens per sample
+    repeats: int = 1  # runs of each setup per peer count, interleaved
+    setups: tuple[str, ...] = tuple(SETUPS)
+
+    def __post_init__(self) -> None:
+        if min(self.peers, default=0) < 2 or self.rounds < 2 or min(self.inner_steps, self.repeats) < 1:
+            raise ValueError("--peers must list counts >= 2, --rounds be >= 2, --inner-steps and --repeats >= 1")
+        unknown = set(self.setups) - set(SETUPS)
+        if unknown or not self.setups:
+            raise ValueError(f"--setups must name some of {', '.join(SETUPS)}; unknown: {', '.join(sorted(unknown))}")
+
+
+def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int) -> PeerConfig:
+    """A peer of the benchmark: loopback, the settings' model and batch, `sync` on the sync section's defaults."""
+    return build_config({
+        "run": {"run_id": run_id, "rounds": s.rounds, "device": "cpu", "progress": False,
+                "shard_index": shard % CORPUS["num_shards"]},
+        "model": {"name": s.model, "max_seq_len": s.seq_len},
+        "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, **CORPUS},
+        "inner": {"steps": s.inner_steps},
+        "sync": sync,
+        "network": NETWORK,
+    })
+
+
+# ---- one swarm ---------------------------------------------------------------------------------------------------
+
+
+class PeerRun:
+    """A TrainingPeer's `run()` in a thread; keeps its history, or the error it raised."""
+
+    def __init__(self, peer: TrainingPeer):
+        self.peer, self.error = peer, ""
+        self.history: list[RoundMetrics] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.history = self.peer.run()
+        except Exception as e:  # reported in the row
+            self.error = repr(e)
+
+
+def daemons_cpu_s() -> float:
+    """CPU seconds of this process's live children (DHT processes, p2pd daemons, hivemind averagers)."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def run_swarm(s: Settings, setup: str, n: int) -> dict[str, Any]:
+    """Start n peers (the first founds the swarm), run them to `s.rounds` in threads, shut them down."""
+    run_id = f"bench-{setup}-{uuid.uuid4().hex[:6]}"
+    started, cpu_started = time.perf_counter(), time.process_time()
+    peers: list[TrainingPeer] = []
+    try:
+        peers.append(TrainingPeer(peer_config(s, SETUPS[setup], run_id, shard=0)))
+        peers += [TrainingPeer(peer_config(s, SETUPS[setup], run_id, shard=i), peers[0].maddrs) for i in range(1, n)]
+        runs = [PeerRun(p) for p in peers]
+        training = time.perf_counter()
+        for r in runs:
+            r.thread.start()
+        deadline = training + RUN_TIMEOUT_S + ROUND_TIMEOUT_S * s.rounds
+        for r in runs:
+            r.thread.join(max(0.0, deadline - time.perf_counter()))
+        timed_out = any(r.thread.is_alive() for r in runs)
+        for r in runs:  # a swarm past its deadline ends its rounds now (run() returns what it did)
+            r.peer.stop()
+        for r in runs:
+            r.thread.join(ROUND_TIMEOUT_S)
+        training_s, daemons_s = time.perf_counter() - training, daemons_cpu_s()
+    finally:
+        for p in peers:
+            p.shutdown()
+    return {"setup": setup, "peers": n, "parameters": sum(p.numel() for p in peers[0].params),
+            "histories": [[dataclasses.asdict(m) for m in r.history] for r in runs],
+            "errors": [r.error for r in runs if r.error], "timed_out": timed_out, "training_wall_s": training_s,
+            "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "daemons_cpu_s": daemons_s}
+
+
+def run_reference(s: Settings, trainers: int) -> dict[str, Any]:
+    """`trainers` InnerTrainers at once in threads, no network: each runs s.rounds inner phases of H steps."""
+    config = peer_config(s, {}, "reference", shard=0)
+    tokenizer = build_tokenizer(config.data)
+    phases: list[list[float]] = [[] for _ in range(trainers)]
+    losses = [math.nan] * trainers
+
+    def train(i: int) -> None:
+        shards = TextShards(config.data, tokenizer, i % config.data.num_shards)
+        trainer = InnerTrainer(build_model(config.model, tokenizer.vocab_size, config.run.seed), config.inner,
+                               torch.device("cpu"))
+        batches = shards.train_batches(seed=hash((config.run.seed, shards.shard_index)) % 2**31)  # as a peer does
+        for _ in range(s.rounds):
+            phases[i].append(trainer.run_phase(batches, s.inner_steps).compute_s)
+        losses[i] = trainer.evaluate(shards.validation_batches())
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(trainers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"setup": "reference", "peers": trainers, "phases_s": phases, "val_losses": losses,
+            "wall_s": time.perf_counter() - started}
+
+
+# ---- figures -----------------------------------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    """The mean; None when there is none, or it is not finite (strict JSON)."""
+    mean = statistics.fmean(values) if values else math.nan
+    return mean if math.isfinite(mean) else None
+
+
+def codec_of(rounds: Sequence[dict[str, Any]]) -> str:
+    """The codec the rounds' payloads used: their exchanges' (gossip), else the round's own (all-reduce)."""
+    codecs = [e["codec"] for m in rounds for e in m["exchanges"]] or [m["codec"] for m in rounds]
+    return statistics.mode(codecs)
+
+
+def reference_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    phases = [t for run in runs for per_trainer in run["phases_s"] for t in per_trainer[1:]]
+    return {"setup": "reference", "peers": runs[0]["peers"], "compute_s": _median(phases), "utilisation": 1.0,
+            "val_loss": _mean([x for run in runs for x in run["val_losses"]]),
+            "wall_s": sum(r["wall_s"] for r in runs)}
+
+
+def round_figures(rounds: list[dict[str, Any]], n: int, parameters: int, mode: str,
+                  reference_s: float | None) -> dict[str, Any]:
+    """Utilisation, times, group sizes and bytes over peers' rounds (at least one)."""
+    codec = codec_of(rounds)
+    payload = parameters * BYTES_PER_VALUE[codec]  # S: one codec-encoded copy of the parameters
+    ideal = payload if mode == "gasloc" else allreduce_traffic_bytes(payload, n)
+    sent = statistics.fmean(m["bytes_sent"] for m in rounds)
+    compute = statistics.median(m["compute_s"] for m in rounds)
+    return {
+        "codec": codec, "payload_bytes": payload, "bytes_basis": "S" if mode == "gasloc" else "2·S·(n−1)/n",
+        "utilisation": statistics.median(m["compute_s"] / m["round_s"] for m in rounds),
+        "compute_s": compute, "blocked_s": statistics.median(m["comm_blocked_s"] for m in rounds),
+        "round_s": statistics.median(m["round_s"] for m in rounds),
+        "compute_vs_reference": compute / reference_s if reference_s else None,
+        "group_size": statistics.median(m["peers_averaged"] for m in rounds),
+        "full_groups": None if mode == "gasloc" else sum(m["peers_averaged"] == n for m in rounds) / len(rounds),
+        "bytes_sent": sent, "bytes_ratio": sent / ideal,
+        # gossip: exchanges others opened with us (peers_averaged is ourselves, those we opened, those we answered)
+        "answered": statistics.fmean(m["peers_averaged"] - 1 - len(m["exchanges"]) for m in rounds)
+        if mode == "gasloc" else None,
+        "failed_exchanges": sum(m["failed_exchanges"] for m in rounds),
+    }
+
+
+def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str, Any]:
+    """A setup's figures over its runs' peers and rounds (the first round of each peer left out)."""
+    n, setup = runs[0]["peers"], runs[0]["setup"]
+    histories = [h for run in runs for h in run["histories"]]
+    rounds = [m for h in histories for m in h[1:]]
+    row = {"setup": setup, "peers": n, "rounds_measured": len(rounds),
+           "val_loss": _mean([h[-1]["val_loss"] for h in histories if h]),
+           "errors": [e for run in runs for e in run["errors"]], "timed_out": any(r["timed_out"] for r in runs),
+           "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs)}
+    if rounds:
+        row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup]["mode"], reference_s))
+    return row
+
+
+# ---- the run and the report ----------------------------------------------------------------------------------------
+
+
+def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
+    """Every setup at every peer count (interleaved), the reference, the JSON file; returns the report."""
+    started, started_cpu, threads_before = time.perf_counter(), time.process_time(), torch.get_num_threads()
+    load_before = os.getloadavg()[0]  # the machine may be shared: other work skews every time measured here
+    torch.set_num_threads(1)  # every peer and reference trainer: one intra-op thread (they share the process)
+    rows, raw = [], []
+    try:
+        for n in s.peers:
+            alone, together = [run_reference(s, 1)], [run_reference(s, n)]
+            swarms: dict[str, list[dict[str, Any]]] = {setup: [] for setup in s.setups}
+            for _ in range(s.repeats):
+                for setup in s.setups:
+                    swarms[setup].append(run_swarm(s, setup, n))
+                    print(f"{setup:<16} {n} peers: {swarms[setup][-1]['wall_s']:.0f} s", flush=True)
+            reference_alone, reference_n = reference_row(alone), reference_row(together)
+            rows += [reference_alone, reference_n]
+            rows += [{**swarm_row(runs, reference_n["compute_s"]), "reference_compute_s": reference_alone["compute_s"]}
+                     for runs in swarms.values()]
+            raw += alone + together + [r for runs in swarms.values() for r in runs]
+    finally:
+        torch.set_num_threads(threads_before)
+    report = {"command": command, "settings": dataclasses.asdict(s), "rows": rows, "runs": raw, "notes": NOTES,
+              "matchmaking_s": peer_config(s, {}, "x", 0).sync.matchmaking_s, "torch": torch.__version__,
+              "python": platform.python_version(), "machine": platform.machine(), "cpu_count": psutil.cpu_count(),
+              "load_before": load_before, "load_after": os.getloadavg()[0],
+              "cpu_s": time.process_time() - started_cpu, "wall_s": time.perf_counter() - started}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    return report
+
+
+NOTES = ("Notes: figures over every peer's rounds after its first. utilisation = compute_s / round_s (the peer's "
+         "inner phase over the round's wall time, evaluation and DHT reads included in the latter). ref s = one "
+         "InnerTrainer alone, the same H steps, no network; compute ÷ ref = the peers' median compute_s over that "
+         "of n trainers at once in threads, no network (what the network stack takes from training beyond the "
+         "cores and GIL the peers share). bytes ÷ ideal: mean bytes_sent per peer per round over 2·S·(n−1)/n "
+         "(gasloc: over S), S = parameters × bytes per value of the codec used. The exchange transport counts the "
+         "tensor payload bytes on its streams: (n−1)·S (every member's Δ to every other) plus a 4-byte digest "
+         "token per member, 1× ideal for 2 peers, n/2× beyond. gasloc counts the exchanges a peer opened and those it "
+         "answered ('answered': the offers it answered per round, each S sent back). The hivemind "
+         "transport reports the formula 2·S·(n−1)/n for the group it formed, not a measurement. group: median "
+         "group size (gasloc: itself and the partners it mixed with, opened or answered); full groups: rounds "
+         "averaged by all n peers. daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
+         "before shutdown. On a shared machine (load average above the cores) compute seconds, the reference's "
+         "most, swing up to 3× between runs; utilisation, groups and bytes hardly move.")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _bytes_cell(r: dict[str, Any]) -> str:
+    if r.get("bytes_ratio") is None or r["bytes_basis"] != "S":
+        return _fmt(r.get("bytes_ratio"), ".3f")
+    return f"{r['bytes_ratio']:.3f} ÷ S ({r['answered']:.2f} answered)"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"# Loopback sync benchmark\n\n`{report['command']}`  \nmodel {s['model']}, batch {s['batch_size']} x "
+             f"{s['seq_len']} tokens, {s['rounds']} rounds x {s['inner_steps']} inner steps, {s['repeats']} run(s) "
+             f"per setup, sync.matchmaking_s {report['matchmaking_s']:g}, 1 torch thread per peer, "
+             f"{report['cpu_count']} CPU cores, load average {report['load_before']:.1f} before, "
+             f"{report['load_after']:.1f} after  \nwall {report['wall_s']:.0f} s, CPU of this process "
+             f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
+             "| setup | peers | utilisation | compute s | ref s, 1 alone | compute ÷ ref, n at once | blocked s "
+             "| round s | group | full groups | bytes ÷ ideal | codec | val loss | daemons CPU s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if r["setup"] == "reference":
+            who = "1 alone" if r["peers"] == 1 else f"{r['peers']} at once"
+            lines.append(f"| reference, {who} | {r['peers']} | 1 | {_fmt(r['compute_s'], '.3f')} "
+                         f"| | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
+            continue
+        trouble = " (timed out)" if r["timed_out"] else f" ({len(r['errors'])} errors)" if r["errors"] else ""
+        full = _fmt(r.get("full_groups"), ".0%")
+        lines.append(f"| {r['setup']}{trouble} | {r['peers']} | {_fmt(r.get('utilisation'), '.3f')} "
+                     f"| {_fmt(r.get('compute_s'), '.3f')} | {_fmt(r['reference_compute_s'], '.3f')} "
+                     f"| {_fmt(r.get('compute_vs_reference'), '.2f')} | {_fmt(r.get('blocked_s'), '.3f')} "
+                     f"| {_fmt(r.get('round_s'), '.3f')} | {_fmt(r.get('group_size'), 'g')} | {full} "
+                     f"| {_bytes_cell(r)} | {r.get('codec', '–')} | {_fmt(r['val_loss'], '.4f')} "
+                     f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines + ["", report["notes"]]) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", default=None, help=f"swarm sizes, comma-separated (default {defaults.peers})")
+    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"default {getattr(defaults, name)}")
+    parser.add_argument("--model", default=None, help=f"model preset (default {defaults.model})")
+    parser.add_argument("--setups", default=None, help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="CI size: 2 peers, 4 rounds")
+    parser.add_argument("--output", type=Path, default=RESULTS_PATH, help="where to write the JSON results")
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = dict(QUICK) if args.quick else {}
+    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats", "model"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    try:
+        if args.peers is not None:
+            values["peers"] = tuple(int(x) for x in args.peers.split(","))
+        if args.setups is not None:
+            values["setups"] = tuple(args.setups.split(","))
+        return Settings(**values), args.output
+    except ValueError as error:
+        parser.error(str(error))
+        raise
+
+
+def main() -> None:
+    settings, output = parse_args()
+    publish(run(settings, output, "python " + " ".join(sys.argv)), output, markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/loopback_sync.py: a --quick run (real peers on loopback) gives every row, the JSON, and the outcomes
+the setups must show: exchange DiLoCo averages its pairs at ideal cost, hivemind's fixed matchmaking wait shows."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+
+from benchmarks import loopback_sync  # noqa: E402
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+def test_quick_run(tmp_path: Path) -> None:
+    settings, _ = loopback_sync.parse_args(["--quick"])
+    assert settings.peers == (2,)
+    output = tmp_path / "loopback_sync.json"
+    report = loopback_sync.run(settings, output, command="pytest")
+    written = json.loads(output.read_text())  # strict JSON: non-finite figures are written as null
+    assert written["command"] == "pytest" and written["wall_s"] > 0
+    rows = {(row["setup"], row["peers"]): row for row in written["rows"]}
+    assert set(rows) == {("reference", 1), ("reference", 2)} | {(setup, 2) for setup in loopback_sync.SETUPS}
+
+    for key, row in rows.items():
+        assert row["val_loss"] is not None and math.isfinite(row["val_loss"]), key
+        assert row["val_loss"] < 5.4, key  # trained: ln 257 = 5.55 for a uniform guess over bytes
+        if key[0] != "reference":
+            assert not row["errors"] and not row["timed_out"], (key, row["errors"])
+            assert row["rounds_measured"] == 2 * (settings.rounds - 1), key  # every peer, every round but the first
+
+    exchange, hivemind = rows[("diloco-exchange", 2)], rows[("diloco-hivemind", 2)]
+    assert exchange["group_size"] == 2 and exchange["full_groups"] == 1.0
+    parameters = next(run["parameters"] for run in written["runs"] if run["setup"] == "diloco-exchange")
+    assert exchange["codec"] == "none" and exchange["payload_bytes"] == 4 * parameters  # fp32
+    assert 0.9 <= exchange["bytes_ratio"] <= 1.5  # a pair swaps one fp32 Δ each: the ideal all-reduce's bytes
+    assert hivemind["blocked_s"] >= 0.9 * written["matchmaking_s"]  # it waits the whole matchmaking window
+    assert exchange["utilisation"] > hivemind["utilisation"]
+    assert rows[("gasloc", 2)]["codec"] == "fp16" and rows[("gasloc", 2)]["bytes_ratio"] > 0
+
+    table = loopback_sync.markdown(report)
+    assert table.count("\n| diloco-exchange | 2 |") == table.count("\n| gasloc | 2 |") == 1
