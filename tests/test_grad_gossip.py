@@ -402,7 +402,9 @@ def topk_payload_bytes(shapes: Sequence[torch.Size], density: float, chunk_size:
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_factored_swarm_with_gossip_mix2_and_topk_trains() -> None:
-    config = tiny_config(f"mix2-{uuid.uuid4().hex[:6]}", run={"rounds": ROUNDS},
+    # 2 × ROUNDS rounds: a Mix2 partner must reach our round within matchmaking_s, which a loaded CI machine
+    # sometimes misses (seen: 3 exchanges in 4 rounds of 3 peers)
+    config = tiny_config(f"mix2-{uuid.uuid4().hex[:6]}", run={"rounds": 2 * ROUNDS},
                          sync={"mode": "factored", "mix2_transport": "gossip", "grad_codec": "topk"})
     density = config.sync.topk_density
     threads, histories = run_swarm(config, peers=3)
@@ -414,7 +416,7 @@ def test_a_factored_swarm_with_gossip_mix2_and_topk_trains() -> None:
     assert exact == pytest.approx(density * fp32_bytes * 3 / 4, rel=0.2)
     mix2_exchanges = 0
     for history in histories:
-        assert len(history) == ROUNDS
+        assert len(history) == 2 * ROUNDS
         assert history[-1].train_loss < history[0].train_loss
         assert min(m.val_loss for m in history[1:]) < history[0].val_loss
         for metrics in history:

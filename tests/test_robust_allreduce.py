@@ -281,7 +281,7 @@ class TamperingAverager:
         self.inner.shutdown()
 
 
-SWARM_ROUNDS = 6  # an invalid payload costs 1 of the ban score of 4 (it decays): banned in round 4 or 5
+SWARM_ROUNDS = 8  # a hard clip costs 1 of the ban score of 4 (it decays): banned after 4 or 5 rounds as a member
 HONEST = 3
 UNIFORM_GUESS_LOSS = math.log(257)  # the tiny model's loss when it guesses bytes uniformly (ByteTokenizer)
 
