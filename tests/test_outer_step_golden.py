@@ -132,6 +132,9 @@ class FakeAverager:
     def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: Sequence[str]) -> _Done:
         return _Done(self.average(delta, round_, weight, partners))
 
+    def forget_(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         self.swarm.closed[self.peer] = True
 

@@ -186,6 +186,9 @@ class FixedAverager:
     def result(self) -> AveragingResult:
         return self._pending
 
+    def forget_(self) -> None:
+        self.forgotten = getattr(self, "forgotten", 0) + 1
+
     def shutdown(self) -> None:
         pass
 
@@ -210,8 +213,10 @@ def test_diloco_applies_its_own_delta_instead_of_a_hostile_mean_unless_robust_is
     honest = honest_deltas(3, shared=1.0, own=0.5)
     hostile = exact_average(honest + [scaled(honest[0], -1000.0)])
     outer = outer_with_delta(honest[0])
-    sync = DilocoSync(outer, FixedAverager([hostile]), SyncConfig(robust=robust))  # type: ignore[arg-type]
+    averager = FixedAverager([hostile])
+    sync = DilocoSync(outer, averager, SyncConfig(robust=robust))  # type: ignore[arg-type]
     record = sync.finish_round(context())
+    assert getattr(averager, "forgotten", 0) == int(robust)  # a refused mean is not reported as ours next round
     applied = [-p.detach() for p in outer.params]  # θ_0 = 0, η = 1: θ_1 = −(applied outer gradient)
     expected = hostile if not robust else honest[0]
     assert distance(applied, expected) < 1e-5 * norm(expected)
@@ -276,6 +281,9 @@ class TamperingAverager:
 
     def launch(self, delta, round_, weight, partners):
         return self.inner.launch(scaled(list(delta), self.factor), round_, weight, partners)
+
+    def forget_(self) -> None:
+        self.inner.forget_()
 
     def shutdown(self) -> None:
         self.inner.shutdown()

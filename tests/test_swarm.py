@@ -90,3 +90,16 @@ def test_one_step_delay_overlap_trains_and_applies_the_swarm_average_one_round_l
         a, b = threads[0].params_after_round[last], threads[1].params_after_round[last]
         if all(m.peers_averaged == 2 for h in histories for m in h[1:]):
             assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) < AGREEMENT_TOLERANCE
+
+
+def test_a_peer_out_of_step_stays_so_until_it_adopts_a_state():
+    """`synced` is sticky: averaging with the others again does not make a peer's parameters theirs."""
+    import types
+
+    from p2ptrain.peer import TrainingPeer
+
+    peer = types.SimpleNamespace(synced=True, joined_this_round=False)
+    for group, joined, expected in ((3, False, True), (1, False, False), (3, False, False), (3, True, True)):
+        peer.joined_this_round = joined
+        TrainingPeer._record_step(peer, group_size=group, others_here=2)  # type: ignore[arg-type]
+        assert peer.synced is expected, (group, joined)

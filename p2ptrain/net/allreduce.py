@@ -162,5 +162,8 @@ class AllReduceAverager:
         claims = claimed_norms(gathered) if self.robust else []
         return AveragingResult(mean, len(gathered), traffic, traffic, time.monotonic() - started, claims)
 
+    def forget_(self) -> None:
+        pass  # nothing of a past round is kept
+
     def shutdown(self) -> None:
         self._averager.shutdown()

@@ -77,6 +77,8 @@ class DilocoSync:
         if self.delayed is None:
             result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
             result, refused = checked(result, delta, self.check, context.round)
+            if refused:
+                self.averager.forget_()
             if result.discarded:  # the members did not agree on the inputs: all keep the anchor they share
                 self.outer.restore_anchor_()
             else:
@@ -102,13 +104,17 @@ class DilocoSync:
         """The checked average of the previous round's Δ (None in the first round)."""
         if self.pending is None:
             return None, False
-        return checked(self.pending.result(), self.pending_own, self.check, self.pending_round)
+        result, refused = checked(self.pending.result(), self.pending_own, self.check, self.pending_round)
+        if refused:
+            self.averager.forget_()
+        return result, refused
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors()
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         self.outer.load_state_tensors_(tensors)
+        self.averager.forget_()
 
     def shutdown(self) -> None:
         if self.pending is not None:

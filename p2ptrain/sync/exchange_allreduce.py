@@ -319,5 +319,9 @@ class ExchangeAverager:
         own = [d.detach().float().cpu().clone() for d in delta]
         return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s)), own)
 
+    def forget_(self) -> None:
+        """Report no previous reduction next round: we do not hold what it left."""
+        self.exchange.previous = None
+
     def shutdown(self) -> None:
         pass

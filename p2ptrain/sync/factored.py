@@ -35,13 +35,15 @@ class AllReduceMix2:
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
         result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
         result, refused = checked(result, delta, self.check, context.round)
+        if refused:
+            self.averager.forget_()
         return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return []
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
-        pass
+        self.averager.forget_()  # a state adopted: the last Mix2's report is not ours any more
 
 
 class GossipMix2:

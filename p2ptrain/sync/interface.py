@@ -103,6 +103,10 @@ class Averager(Protocol):
     def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
                round_peers: Sequence[str]) -> PendingResult: ...
 
+    def forget_(self) -> None:
+        """Our parameters are no longer what the last all-reduce left (its mean refused, or a state adopted)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
