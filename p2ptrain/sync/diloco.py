@@ -51,6 +51,16 @@ def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanChe
     return dataclasses.replace(result, delta=[o.clone() for o in own_cpu], group_size=1), True
 
 
+def judged(averager: Averager, result: AveragingResult, own: Sequence[torch.Tensor], check: MeanCheck,
+           round_: int) -> tuple[AveragingResult, bool]:
+    """`checked`, and a refused mean forgotten by the averager: we did not apply it, so it is not ours to report in
+    the next round's agreement check."""
+    result, refused = checked(result, own, check, round_)
+    if refused:
+        averager.forget_()
+    return result, refused
+
+
 def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) -> RoundSync:
     """What an all-reduce did and cost, as the round's record (a refused mean counts as a failed exchange)."""
     return RoundSync(group_size=result.group_size, bytes_sent=result.bytes_sent,
@@ -76,9 +86,7 @@ class DilocoSync:
         delta = self.outer.outer_gradient()
         if self.delayed is None:
             result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
-            result, refused = checked(result, delta, self.check, context.round)
-            if refused:
-                self.averager.forget_()
+            result, refused = judged(self.averager, result, delta, self.check, context.round)
             if result.discarded:  # the members did not agree on the inputs: all keep the anchor they share
                 self.outer.restore_anchor_()
             else:
@@ -104,10 +112,7 @@ class DilocoSync:
         """The checked average of the previous round's Δ (None in the first round)."""
         if self.pending is None:
             return None, False
-        result, refused = checked(self.pending.result(), self.pending_own, self.check, self.pending_round)
-        if refused:
-            self.averager.forget_()
-        return result, refused
+        return judged(self.averager, self.pending.result(), self.pending_own, self.check, self.pending_round)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors()

@@ -139,9 +139,10 @@ class ExchangeAllReduce(GradGossip):
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
                      patience_s: float) -> AveragingResult:
-        """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost."""
+        """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost.
+        `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy)."""
         started = time.monotonic()
-        own = [d.detach().float().cpu().clone() for d in delta]
+        own = [d.detach().float().cpu() for d in delta]
         try:
             payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
         except ValueError as e:  # non-finite Δ: nothing can be sent

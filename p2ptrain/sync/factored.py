@@ -15,7 +15,7 @@ from p2ptrain.maths.robust import all_finite
 from p2ptrain.maths.robust_mean import MeanCheck
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.diloco import checked, round_sync_of
+from p2ptrain.sync.diloco import judged, round_sync_of
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import Averager, Mix2, RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
@@ -34,9 +34,7 @@ class AllReduceMix2:
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
         result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
-        result, refused = checked(result, delta, self.check, context.round)
-        if refused:
-            self.averager.forget_()
+        result, refused = judged(self.averager, result, delta, self.check, context.round)
         return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
