@@ -14,6 +14,10 @@ with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joi
    The candidate's validation loss on our held-out batches must not be worse than our own state's, nor than
    the median other peers announce (not the donor), by more than `sync.join_loss_tolerance`;
 4. applies the first state that passes; a donor whose state fails is penalised ("wrong_state": banned).
+
+With aligned rounds, a joiner that would arrive after its round's peers have read who is in the round waits for
+their next round first (`Joiner.round_to_join`): they would leave it out of the round's all-reduce and it would
+average alone, out of step (the exchange all-reduce fixes its group when its sync starts).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import math
 import random
 import secrets
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
@@ -51,6 +57,10 @@ WITNESSES = 3  # peers asked to corroborate a downloaded state
 # DiLoCo peers of one round differ by float rounding only (hivemind's all-reduce hands each peer avg − own): 5e-9
 # to 8e-9 relative on the tiny model, against 0.1–0.2 between rounds; a lie must come this close to pass
 ALIGNED_MAX_DISTANCE = 1e-3
+# a joiner's record must reach its round's peers before they read who is in the round: the time to publish it and
+# for them to read it, beyond the join itself (download and checks)
+RECORD_MARGIN_S = 1.0
+FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (tiny model on loopback: ~0.5 s)
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 
 
@@ -207,6 +217,7 @@ class Joiner:
         self.config = peer.config.sync
         self.rng = random.Random(secrets.randbits(64))
         self._suspects_logged: set[str] = set()
+        self.join_s = FIRST_JOIN_ESTIMATE_S  # how long our latest successful join took (download and checks)
 
     def choose(self, view: SwarmView) -> DonorChoice:
         peer = self.peer
@@ -225,7 +236,10 @@ class Joiner:
         """Adopt the first donor's state that passes the checks; True if one was applied."""
         peer = self.peer
         choice = self.choose(view)
+        if choice.donors and self.config.aligned_rounds:
+            choice = self.round_to_join(choice)
         own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
+        started = time.monotonic()
         for donor in choice.donors:
             snapshot = self._download(donor, choice)
             if snapshot is None:
@@ -237,6 +251,7 @@ class Joiner:
                     peer.reputation.penalise(donor.peer_id, "wrong_state", verdict.detail)
                 continue
             peer._apply_snapshot(snapshot)
+            self.join_s = time.monotonic() - started
             logger.info(f"joined round {peer.round} with the state of {donor.peer_id} ({verdict.detail})")
             peer.joined_ever, peer.synced = True, True
             return True
@@ -244,6 +259,31 @@ class Joiner:
             logger.warning("no peer could share a state that passed the checks; training on from ours")
         peer.joined_ever = peer.joined_ever or bool(view.others)
         return False
+
+    def round_to_join(self, choice: DonorChoice) -> DonorChoice:
+        """`choice`, or when its round's peers will have read who is in their round before we could be there, the
+        choice once they started their next round (waiting at most `sync.allreduce_timeout_s`; once, as rounds
+        shorter than a join would never leave room)."""
+        if not self._too_late_for(choice):
+            return choice
+        round_ = choice.donors[0].round
+        logger.info(f"round {round_} is about to sync: joining at its next round")
+        give_up_at = time.monotonic() + self.config.allreduce_timeout_s
+        while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
+            later = self.choose(self.peer.swarm())
+            if later.donors and later.donors[0].round > round_ and all(r.phase == "inner" for r in later.donors
+                                                                       if r.round == later.donors[0].round):
+                return later
+        return self.choose(self.peer.swarm())
+
+    def _too_late_for(self, choice: DonorChoice) -> bool:
+        """Whether the trusted peers of the first donor's round sync before our record could reach them."""
+        round_ = choice.donors[0].round
+        peers = [r for r in choice.trusted if r.round == round_]
+        if any(r.phase == "sync" for r in peers):
+            return True
+        etas = [r.round_eta for r in peers if r.round_eta > 0]
+        return bool(etas) and min(etas) - get_dht_time() < self.join_s + RECORD_MARGIN_S
 
     def _download(self, donor: PeerRecord, choice: DonorChoice) -> StateSnapshot | None:
         peer, timeout_s = self.peer, self.config.state_download_timeout_s

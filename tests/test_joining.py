@@ -8,6 +8,8 @@ import math
 import random
 import re
 import threading
+import time
+import types
 import uuid
 from collections.abc import Callable
 
@@ -15,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 from swarm_utils import PeerThread, replace_section, start_peer, tiny_config, wait_until
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.joining import (
     ALIGNED_MAX_DISTANCE,
+    Joiner,
     Witnessed,
     choose_donors,
     choose_witnesses,
@@ -32,7 +36,7 @@ from p2ptrain.joining import (
     snapshot_rounds,
 )
 from p2ptrain.metrics import RoundMetrics
-from p2ptrain.net.discovery import PeerRecord
+from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
     SKETCH_BLOCK,
     SKETCH_SIZE,
@@ -99,6 +103,47 @@ def test_the_usual_catching_up_cases_still_find_their_donor():
     assert donors_of([record("a", 5, synced=False), record("b", 5)], 5, in_step=False) == ["b"]  # fell out of a group
     assert donors_of([record("a", 5), record("b", 5)], 5) == []  # in step: nothing to do
     assert donors_of([record("a", 9)], 5, aligned=False) == []  # gossip peers never catch up after joining
+
+
+def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tuple[Joiner, list[int]]:
+    """A Joiner whose peer's swarm reads `views` in turn (the last one from then on); also the count of reads."""
+    reads = [0]
+
+    def swarm() -> SwarmView:
+        reads[0] += 1
+        return SwarmView("me", views[min(reads[0] - 1, len(views) - 1)])
+
+    config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
+                                 swarm=swarm, round=0, synced=True, joined_ever=False,
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned))
+    return Joiner(peer), reads  # type: ignore[arg-type]
+
+
+def syncing_in(seconds: float, round_: int, phase: str = "inner") -> list[PeerRecord]:
+    return [record(p, round_, phase=phase).copy(update={"round_eta": get_dht_time() + seconds}) for p in "ab"]
+
+
+def test_a_joiner_takes_a_round_with_time_left_at_once():
+    joiner, reads = joiner_seeing([])
+    choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing_in(60, 5))))
+    assert [r.round for r in choice.donors] == [5, 5] and reads[0] == 0
+
+
+@pytest.mark.parametrize("first", [syncing_in(0.5, 5), syncing_in(-1, 5, phase="sync")],
+                         ids=["about-to-sync", "syncing"])
+def test_a_joiner_too_late_for_its_round_waits_for_the_next(first):
+    """The round's peers would read who is in the round before our record reached them: we would average alone."""
+    joiner, reads = joiner_seeing([first, first, syncing_in(60, 6)])
+    choice = joiner.round_to_join(joiner.choose(SwarmView("me", first)))
+    assert [r.round for r in choice.donors] == [6, 6] and reads[0] == 3
+
+
+def test_a_joiner_waits_for_the_next_round_at_most_the_all_reduce_timeout():
+    joiner, _ = joiner_seeing([syncing_in(-1, 5, phase="sync")], timeout_s=0.5)
+    started = time.monotonic()
+    choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing_in(-1, 5, phase="sync"))))
+    assert [r.round for r in choice.donors] == [5, 5] and time.monotonic() - started < 5
 
 
 def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum():
