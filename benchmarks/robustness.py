@@ -34,8 +34,8 @@ clean run the defences cost at most 1 % of loss and of tokens/s, the latter judg
 spent in the defence calls (the measured ratio of tokens per CPU second is shown too: load swamps 1 % on a shared
 machine).
 
-The default run (6 honest peers, tiny model, 12 rounds x 10 inner steps, batch 8 x 64 tokens, 44 rows) takes about
-7 minutes of CPU time on one core (6.3 min measured, 12 ms an inner step), longer in wall time on a shared machine.
+The default run (6 honest peers, tiny model, 12 rounds x 20 inner steps (production's H), batch 8 x 64 tokens, 44
+rows) takes about 12 minutes of CPU time on one core, longer in wall time on a shared machine.
 
     python benchmarks/robustness.py            # default run
     python benchmarks/robustness.py --quick    # CI size, seconds
@@ -77,6 +77,7 @@ from benchmarks.sim.simulation import (  # noqa: E402
 )
 from p2ptrain.errors import ConfigError  # noqa: E402
 from p2ptrain.maths.centered_clip import centered_clip  # noqa: E402
+from p2ptrain.maths.inner import InnerConfig  # noqa: E402
 from p2ptrain.maths.mixing import consensus_distance, exact_average, pull_toward_, uniform_weight  # noqa: E402
 from p2ptrain.maths.outer_rules import propose  # noqa: E402
 from p2ptrain.maths.robust_mean import MeanCheck, own_scale  # noqa: E402
@@ -99,11 +100,12 @@ ATTACKER_CLAIM = 1e30  # DiLoCo: the ‖Δ‖ an attacker announces to the group
 LIMIT_PERCENT = {1: 5.0, 2: 10.0}  # attackers → the defended row's target gap vs clean
 COST_PERCENT = 1.0  # the clean run's loss and tokens/s with defences on vs off
 HONEST = 6
-DEFAULTS: dict[str, Any] = {"peers": HONEST, "rounds": 12, "inner_steps": 10}
+# H = production's default (inner.steps): the defences' cost is per round, so their share of CPU depends on H
+DEFAULTS: dict[str, Any] = {"peers": HONEST, "rounds": 12, "inner_steps": InnerConfig().steps}
 QUICK_SIZE = {**QUICK, "rounds": 3, "inner_steps": 2, "max_corpus_bytes": 800_000}  # enough documents for 6 shards
 FLAGS = {"rounds": int, "inner_steps": int, "model": str, "seq_len": int, "batch_size": int, "seed": int,
          "threads": int, "val_batches": int}
-CPU_BUDGET = "about 7 min of CPU time on one core"
+CPU_BUDGET = "about 12 min of CPU time on one core"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +377,7 @@ NOTES = ("Notes: one seed per row. Gaps are against the clean run with defences 
          "attack sets the plain mean itself, so its 1- and 2-attacker rows coincide; on: an aimed Δ lies beyond "
          "CenteredClip's radius like a sign-flipped one, and is clipped the same (the rows coincide). DiLoCo's "
          "defence calls are CenteredClip and the mean check, each peer every round: their share of CPU falls as "
-         "inner steps grow (10 here).")
+         "inner steps grow (production's default H here).")
 
 
 def run(settings: Settings, output: Path, command: str) -> dict[str, Any]:

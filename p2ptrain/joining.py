@@ -45,6 +45,8 @@ from p2ptrain.net.state_sharing import (
     SnapshotRefused,
     StateSnapshot,
     download_state,
+    parameter_norm,
+    parameter_sketch,
     request_sketch,
 )
 
@@ -238,6 +240,10 @@ class Joiner:
         choice = self.choose(view)
         if choice.donors and self.config.aligned_rounds:
             choice = self.round_to_join(choice)
+        if self._starts_alike(choice):
+            logger.info("the swarm is in round 0 and holds our initial state: nothing to download")
+            peer.joined_ever = True
+            return False
         own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
         started = time.monotonic()
         for donor in choice.donors:
@@ -275,6 +281,20 @@ class Joiner:
                                                                        if r.round == later.donors[0].round):
                 return later
         return self.choose(self.peer.swarm())
+
+    def _starts_alike(self, choice: DonorChoice) -> bool:
+        """Whether a fresh peer whose donors are all in round 0 already holds their state: every peer of a run builds
+        θ_0 from the same seed, so peers that start together need no download (one of the state costs a home link
+        minutes). Told from the sketches of up to WITNESSES round-0 peers under a seed of ours, most of which must
+        match our own (a misconfigured seed, or a liar, only costs the download that would have happened)."""
+        peer = self.peer
+        if peer.round != 0 or peer.joined_ever or not choice.donors or choice.donors[0].round != 0:
+            return False
+        seed = secrets.randbits(64)
+        answers = self._ask(choose_witnesses(choice.trusted, "", 0, WITNESSES, self.rng), seed)
+        own = Sketch(0, parameter_sketch(peer.params, seed), parameter_norm(peer.params))
+        alike = [a for a in answers if a.sketch.round == 0 and own.distance(a.sketch) <= ALIGNED_MAX_DISTANCE]
+        return bool(answers) and 2 * len(alike) > len(answers)
 
     def _too_late_for(self, choice: DonorChoice) -> bool:
         """Whether the trusted peers of the first donor's round sync before our record could reach them."""

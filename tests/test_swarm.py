@@ -5,7 +5,15 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from swarm_utils import PeerThread, max_param_difference, replace_section, run_swarm, start_peer, tiny_config
+from swarm_utils import (
+    PeerThread,
+    max_param_difference,
+    replace_section,
+    run_swarm,
+    start_peer,
+    tiny_config,
+    wait_until,
+)
 
 from p2ptrain.status import print_status
 
@@ -74,6 +82,27 @@ def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
         for peer in (a, b, joiner):
             if peer is not None:
                 peer.shutdown()
+
+
+def test_a_peer_that_finds_the_swarm_in_round_0_needs_no_state_download():
+    """Every peer builds θ_0 from the run's seed: a fresh peer whose swarm is in round 0 compares sketches instead
+    of downloading the state (a home link would spend minutes on it)."""
+    config = tiny_config(f"start-{uuid.uuid4().hex[:6]}", run={"rounds": 3}, inner={"steps": 300})
+    first = start_peer(config)
+    threads = [PeerThread(first).start()]
+    second = None
+    try:
+        wait_until(lambda: first._snapshot is not None, 60, "the first peer to announce round 0")
+        second = start_peer(config, first.maddrs)
+        threads.append(PeerThread(second).start())
+        histories = [thread.join(timeout_s=300) for thread in threads]
+    finally:
+        for peer in (first, second):
+            if peer is not None:
+                peer.shutdown()
+    assert histories[1][0].round == 0 and not histories[1][0].joined
+    assert max_param_difference(threads[0].params_after_round[2], threads[1].params_after_round[2]) \
+        < AGREEMENT_TOLERANCE
 
 
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])

@@ -53,16 +53,16 @@ def centered_clip(inputs: Sequence[Sequence[torch.Tensor]], multiplier: float = 
         raise ValueError("centered_clip needs at least one input")
     if multiplier <= 0:
         raise ValueError(f"the clipping multiplier must be > 0, got {multiplier}")
-    shapes = [t.shape for t in inputs[0]]
-    stacked = torch.stack([_flatten(x, shapes) for x in inputs])  # n × d
+    stacked = _stack(inputs)  # n × d
     gram = _gram(stacked)
     apart = _pairwise_distances(gram)
-    start = min(range(len(inputs)), key=lambda j: (_median_to_others(apart, j), j))
-    radius = multiplier * _median_to_others(apart, start)
+    medians = _medians_to_others(apart)
+    start = min(range(len(inputs)), key=lambda j: (medians[j], j))
+    radius = multiplier * medians[start]
     lengths = _finite(stacked.norm(dim=1))
     to_mean = _distances_to_mean(gram)
     if radius == 0:  # most inputs are the medoid itself: with τ = 0 nothing moves it
-        return RobustMean(_unflatten(stacked[start], inputs[0]), radius, _finite(apart[start]), lengths)
+        return RobustMean(_unflatten(stacked[start].clone(), inputs[0]), radius, _finite(apart[start]), lengths)
     if bool((to_mean <= radius).all()):  # nothing to clip around the plain mean: it is the fixed point
         return RobustMean(_unflatten(stacked.mean(dim=0), inputs[0]), radius, _finite(to_mean), lengths)
     centre = stacked[start].clone()
@@ -91,15 +91,22 @@ def _distances_to_mean(gram: torch.Tensor) -> torch.Tensor:
     return (gram.diagonal() - 2 * gram.mean(dim=1) + gram.mean()).clamp(min=0).sqrt()
 
 
-def _median_to_others(apart: torch.Tensor, j: int) -> float:
-    others = [float(apart[j, k]) for k in range(apart.shape[0]) if k != j]
-    return statistics.median(others) if others else 0.0
+def _medians_to_others(apart: torch.Tensor) -> list[float]:
+    """Each input's median distance to the other inputs (0 for a lone input)."""
+    rows = apart.tolist()
+    return [statistics.median([d for k, d in enumerate(row) if k != j]) if len(row) > 1 else 0.0
+            for j, row in enumerate(rows)]
 
 
-def _flatten(tensors: Sequence[torch.Tensor], shapes: list[torch.Size]) -> torch.Tensor:
-    if [t.shape for t in tensors] != shapes:
-        raise ValueError("centered_clip's inputs differ in shapes")
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+def _stack(inputs: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """The inputs as the rows of one n × d fp32 matrix, each copied once (straight into its row)."""
+    shapes = [t.shape for t in inputs[0]]
+    stacked = torch.empty((len(inputs), sum(s.numel() for s in shapes)), dtype=torch.float32)
+    for row, tensors in zip(stacked, inputs, strict=True):
+        if [t.shape for t in tensors] != shapes:
+            raise ValueError("centered_clip's inputs differ in shapes")
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=row)
+    return stacked
 
 
 def _finite(lengths: torch.Tensor) -> list[float]:
@@ -107,8 +114,9 @@ def _finite(lengths: torch.Tensor) -> list[float]:
 
 
 def _unflatten(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `vector` (a fresh tensor nothing else holds) in the shapes of `like`."""
     out, offset = [], 0
     for t in like:
-        out.append(vector[offset:offset + t.numel()].reshape(t.shape).clone())
+        out.append(vector[offset:offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out

@@ -32,7 +32,10 @@ import torch
 from p2ptrain.tensor_layout import distance
 
 MIN_PARTNERS_FOR_MEDIAN = 3  # below this many known partners, τ rests on own_scale alone
-HARD_CLIP_FACTOR = 4.0  # a partner farther than this × τ was not disagreeing: it counts as an offence
+# how far honest partners may be, × max(their median distance, own_scale): partners' distances are remembered up
+# to this × own_scale, so the median cannot ratchet τ up; HARD_CLIP_FACTOR × this is where an offence starts
+SPREAD = 2.0
+HARD_CLIP_FACTOR = 4.0
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -43,16 +46,25 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 class AdaptiveClip:
     """One peer's clipping radius for one kind of value (parameters, outer gradients), learnt per partner."""
 
-    def __init__(self, multiplier: float = 2.0, max_partners: int = 64):
-        if multiplier <= 0:
-            raise ValueError(f"the clipping multiplier must be > 0, got {multiplier}")
-        self.multiplier, self.max_partners = multiplier, max_partners
+    def __init__(self, multiplier: float = 2.0, max_partners: int = 64, spread: float = SPREAD):
+        if multiplier <= 0 or spread <= 0:
+            raise ValueError(f"the clipping multiplier and spread must be > 0, got {multiplier}, {spread}")
+        self.multiplier, self.spread, self.max_partners = multiplier, spread, max_partners
         self._distances: OrderedDict[str, float] = OrderedDict()  # partner → its latest (clipped) distance
 
-    def radius(self, own_scale: float) -> float:
+    def typical(self, own_scale: float) -> float:
+        """How far an honest partner is: the median of the partners' latest distances, at least `own_scale`."""
         known = list(self._distances.values())
-        typical = statistics.median(known) if len(known) >= MIN_PARTNERS_FOR_MEDIAN else 0.0
-        return self.multiplier * max(typical, own_scale)
+        return max(statistics.median(known) if len(known) >= MIN_PARTNERS_FOR_MEDIAN else 0.0, own_scale)
+
+    def radius(self, own_scale: float) -> float:
+        """τ: a partner farther than this is clipped to it."""
+        return self.multiplier * self.typical(own_scale)
+
+    def hard_radius(self, own_scale: float) -> float:
+        """A partner farther than this was not disagreeing (an offence): set by `spread`, not by τ, so a tight
+        τ (it bounds what an aimed attacker moves us by) does not make honest partners offenders."""
+        return HARD_CLIP_FACTOR * self.spread * self.typical(own_scale)
 
     def clip(self, partner_id: str, theirs: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
              own_scale: float) -> tuple[list[torch.Tensor], float, bool]:
@@ -61,16 +73,16 @@ class AdaptiveClip:
         The returned value stands in for the partner's in any mix: an exchange then moves us by at most w·τ.
         Raises ValueError for a non-finite partner value (nothing to clip toward).
         """
-        radius = self.radius(own_scale)
+        radius, hard_radius = self.radius(own_scale), self.hard_radius(own_scale)
         gap = distance(theirs, own)
         if not math.isfinite(gap):
             raise ValueError("partner's value is not finite")
-        self._remember(partner_id, min(gap, self.multiplier * own_scale))
+        self._remember(partner_id, min(gap, self.spread * own_scale))
         if gap <= radius:
             return [t.clone() for t in theirs], gap, False
         scale = radius / gap
         clipped = [o + (t - o) * scale for t, o in zip(theirs, own, strict=True)]
-        return clipped, gap, gap > HARD_CLIP_FACTOR * radius
+        return clipped, gap, gap > hard_radius
 
     def _remember(self, partner_id: str, value: float) -> None:
         self._distances.pop(partner_id, None)

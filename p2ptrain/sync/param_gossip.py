@@ -116,7 +116,7 @@ class ParamGossip:
         self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
         self.announced: dict[str, float] = {}  # peers' announced link speeds, as of our latest mix
         self.reputation = reputation if reputation is not None else Reputation()
-        self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
+        self.clip = AdaptiveClip(config.param_clip_multiplier) if config.robust else None
         self.own_scale: float | None = None  # the base's latest move as of our latest mix (see `yardstick`)
         self.offer_limit = OfferLimit(OPENS_PER_ROUND, OFFERS_PER_S, OFFER_BURST)
 
@@ -232,7 +232,8 @@ class ParamGossip:
         scale = max(known or 0.0, MIN_OWN_SCALE * norm(own))
         clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale)
         if hard and known is not None:
-            self.reputation.penalise(partner_id, "clipped", f"{gap:.3g} away, radius {self.clip.radius(scale):.3g}")
+            self.reputation.penalise(partner_id, "clipped",
+                                     f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
         return clipped
 
     # ---- initiator -----------------------------------------------------------------------------------------------
