@@ -56,6 +56,14 @@ def test_factored_mix1_overlaps_and_mix2_blocks() -> None:
     assert clock.ends[0] == [16.0, 7.0, 16.0, 25.0]
 
 
+def test_factored_with_overlap_runs_mix2_during_the_next_round() -> None:
+    graphs = ([PAIRS] * 3, [CYCLE] * 3)
+    blocking, delayed = _clock("factored-K1", graphs, rounds=3), _clock("factored-K1-delay1", graphs, rounds=3)
+    assert delayed.ends[0] == [2.0, 2.0, 5.0, 5.0]  # Mix1 only, which overlaps the 2 s of compute
+    assert delayed.ends[1] == blocking.ends[0]  # round 1 ends once round 0's Mix2 is done (compute is shorter)
+    assert max(delayed.ends[2]) < max(blocking.ends[2]) - 40
+
+
 def test_pacing_gives_the_straggler_fewer_steps() -> None:
     steps = paced_steps(ROW["gasloc-1peer-g0"], UNITS, 1.0, BANDWIDTH, 10)
     assert steps == [10, 10, 10, 6]  # ceil(10 + 0.5) − ceil(5 / 1)

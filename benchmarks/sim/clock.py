@@ -76,9 +76,14 @@ def round_end_times(row: Algorithm, units: Units, r: int, start: list[float], co
         return _wait_then_send(compute_end, graphs[0][r], units.param_bytes, bandwidth)
     mix1_done = _wait_then_send(start, graphs[0][r], units.param_bytes, bandwidth)  # overlaps the inner phase
     ready = [max(c, m) for c, m in zip(compute_end, mix1_done, strict=True)]
-    if (r + 1) % row.mix2_every:
-        return ready
-    return _wait_then_send(ready, graphs[1][r], units.delta_bytes, bandwidth)
+    mix2_done = ready if (r + 1) % row.mix2_every else _wait_then_send(ready, graphs[1][r], units.delta_bytes,
+                                                                       bandwidth)
+    if row.mix2_overlap == "none":
+        return mix2_done
+    # Mix2 of round r runs during round r + 1, whose end applies it: a round ends when both are done
+    ends = [max(e, carry.get(f"mix2_{i}", 0.0)) for i, e in enumerate(ready)]
+    carry.update({f"mix2_{i}": done for i, done in enumerate(mix2_done)})
+    return ends
 
 
 def simulate_clock(row: Algorithm, units: Units, steps: list[int], step_s: float, bandwidth: Sequence[float],

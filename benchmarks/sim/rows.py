@@ -55,6 +55,7 @@ class Algorithm:
     momentum: float = 0.9  # γ of gasloc, delayed and diloco rows (factored uses outer.momentum, 0.9)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
+    mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager), momentum as set
     eager: bool = False  # delayed: the eager variant
     sanity: bool = False  # a hidden check (not a table row)
 
@@ -68,6 +69,9 @@ ROWS = (
     Algorithm("gasloc-2peer-g0.9", "gasloc", graph="cycle", momentum=0.9),
     Algorithm("factored-K1", "factored", mix2_every=1),
     Algorithm("factored-K4", "factored", mix2_every=4),
+    # sync.overlap with factored: Mix2 runs during the next inner phase; γ = production's OVERLAP_MOMENTUM
+    Algorithm("factored-K1-delay1", "factored", mix2_overlap="delayed", momentum=0.0),
+    Algorithm("factored-K1-eager", "factored", mix2_overlap="eager", momentum=0.5),
     Algorithm("diloco-delay1", "delayed"),
     Algorithm("diloco-delay1-g0.5", "delayed", momentum=0.5),
     Algorithm("diloco-delay1-g0", "delayed", momentum=0.0),

@@ -94,7 +94,7 @@ class SimPeer:
 
 def make_peers(row: Algorithm, bench: Bench) -> list[SimPeer]:
     cfg, peers = bench.config, []
-    momentum = cfg.outer.momentum if row.kind == "factored" else row.momentum
+    momentum = cfg.outer.momentum if row.kind == "factored" and row.mix2_overlap == "none" else row.momentum
     for i in range(bench.settings.peers):
         model = build_model(cfg.model, bench.vocab_size, cfg.run.seed)  # the same θ_0 on every peer
         params = list(model.parameters())
@@ -104,8 +104,8 @@ def make_peers(row: Algorithm, bench: Bench) -> list[SimPeer]:
             peer.gasloc = GaslocState(peer.theta, momentum)
         else:
             peer.outer = OuterOptimizer(params, dataclasses.replace(cfg.outer, momentum=momentum))
-        if row.kind == "delayed":
-            peer.delayed = DelayedOuterGradient(row.eager)
+        if row.kind == "delayed" or row.mix2_overlap != "none":
+            peer.delayed = DelayedOuterGradient(row.eager or row.mix2_overlap == "eager")
         if row.codec == "topk":
             peer.feedback = ErrorFeedback(get_codec("topk", density=row.density), peer.theta)
         peers.append(peer)
@@ -209,21 +209,32 @@ def exchange_gasloc(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Tens
 
 def exchange_factored(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Tensors], r: int, graphs: Graphs,
                       bench: Bench, carry: dict) -> dict:
-    """θ⁺ = OuterStep(θ, mixed Δ) + Mix1's correction, in the order of p2ptrain/sync/factored.py."""
+    """θ⁺ = OuterStep(θ, mixed Δ) + Mix1's correction, in the order of p2ptrain/sync/factored.py; with
+    `mix2_overlap`, the step takes the Mix2 result of the round before (DelayedOuterGradient, as FactoredSync)."""
     present, matching, cycle = {p.index: p for p in peers}, graphs[0][r], graphs[1][r]
     frozen = {i: send_parameters(row.param_codec, p.theta, bench.theta0) for i, p in present.items()}
     mix2 = (r + 1) % row.mix2_every == 0
+    pending: dict[int, tuple[Tensors, float] | None] = carry.setdefault("pending", {})
     nbytes = {}
     for i, peer in present.items():
         partners, weights = _partners(matching, i, present)
         correction = mix1_pull(peer.theta, [frozen[j][0] for j in partners], weights)
-        mixed = _clone(deltas[i])
+        mixed, own_weight = _clone(deltas[i]), 1.0
         nbytes[i] = float(len(matching[i]) * frozen[i][1])
-        if mix2:  # blocking Mix2 of the (fp32) outer gradients on the round's 2-peer cycle
+        if mix2:  # Mix2 of the (fp32) outer gradients on the round's 2-peer cycle
             neighbours, mix_w = _partners(cycle, i, present)
             mix_(mixed, [deltas[j] for j in neighbours], mix_w)
+            own_weight -= sum(mix_w)
             nbytes[i] += len(cycle[i]) * payload_bytes(compress_all(get_codec("none"), deltas[i]))
-        outer_step_(peer, mixed)
+        if peer.delayed is None:
+            outer_step_(peer, mixed)
+        else:
+            previous = pending.get(i)
+            applied = peer.delayed.outer_gradient_(deltas[i], previous[0] if previous else None,
+                                                   previous[1] if previous else 1.0)
+            pending[i] = (mixed, own_weight) if mix2 else None
+            if applied is not None:
+                outer_step_(peer, applied)
         peer.theta = [t + c for t, c in zip(peer.theta, correction, strict=True)]
     return nbytes
 

@@ -34,7 +34,8 @@ class SyncConfig:
     # (n−1)·S bytes each); hivemind: its butterfly averager (2·S·(n−1)/n bytes, but any member sets the mean)
     allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
-    overlap: str = "none"  # diloco only: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
+    # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
+    overlap: str = "none"
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
     grad_codec: str = "none"  # outer gradients: none (fp32) | fp16 | topk (gossip Mix2 only, with error feedback)
@@ -76,8 +77,8 @@ class SyncConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.overlap != "none" and self.mode != "diloco":
-            raise ConfigError("sync.overlap applies to sync.mode diloco only (factored overlaps its Mix1 already)")
+        if self.overlap != "none" and self.mode not in ("diloco", "factored"):
+            raise ConfigError("sync.overlap applies to sync.mode diloco and factored (gasloc never blocks on others)")
         if self.overlap_momentum is not None and (self.overlap == "none" or not 0 <= self.overlap_momentum < 1):
             raise ConfigError("sync.overlap_momentum applies with sync.overlap delayed or eager and must be in [0, 1)")
         if self.gasloc_momentum is not None and (self.mode != "gasloc" or not 0 <= self.gasloc_momentum < 1):

@@ -1,9 +1,14 @@
 """Factored Gossip DiLoCo (ALGORITHMS.md §3): Mix1 gossips the round's parameters during the inner phase; Mix2
-mixes outer gradients every K rounds, by all-reduce in small groups or by compressed gossip with 1–2 peers."""
+mixes outer gradients every K rounds, by all-reduce in small groups or by compressed gossip with 1–2 peers.
+
+With `sync.overlap` (delayed or eager) Mix2 no longer blocks: DiLoCoX's one-step delay applied to it. Round r's Δ
+is mixed in the background during round r + 1 and its result applied at the end of r + 1 (maths/outer_rules.
+DelayedOuterGradient; a round without Mix2 counts as mixing with nobody)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -11,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.outer_rules import DelayedOuterGradient
 from p2ptrain.maths.robust import all_finite
 from p2ptrain.maths.robust_mean import MeanCheck
 from p2ptrain.net.event_loop import BackgroundLoop
@@ -73,6 +79,9 @@ class FactoredSync:
         self.closers = list(closers)
         self.mix1: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None
         self.frozen: list[torch.Tensor] = []
+        self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
+        self.pending: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None  # Mix2 of r − 1
+        self._mix2_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mix2")
 
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
@@ -92,8 +101,10 @@ class FactoredSync:
         if not all_finite(delta):  # a diverged inner phase: neither send nor apply it, keep Mix1's correction
             logger.warning(f"round {context.round}: the outer gradient is not finite; dropping it (no Mix2, no step)")
             self.outer.restore_anchor_()
+        elif self.delayed is not None:
+            stats.add_mix2_(self._step_one_round_late_(delta, context))
         else:
-            if context.round % self.config.mix2_every == 0:
+            if self._mixes(context):
                 delta, mix2 = self.mix2.mix(delta, context)
                 stats.add_mix2_(mix2)
             self.outer.step_(delta)
@@ -102,10 +113,42 @@ class FactoredSync:
         stats.exchange_s += time.monotonic() - started
         return stats.add_incoming_(self.mixer.take_incoming_stats())
 
+    def _mixes(self, context: RoundContext) -> bool:
+        return context.round % self.config.mix2_every == 0
+
+    def _step_one_round_late_(self, delta: list[torch.Tensor], context: RoundContext) -> RoundSync:
+        """Collect the Mix2 launched last round, launch this round's (every K rounds), step with the delayed (or
+        eager) outer gradient; returns what the collected Mix2 did (nothing in a round that follows none)."""
+        assert self.delayed is not None
+        previous, mix2 = self._collect_pending()
+        if self._mixes(context):
+            self.pending = self._mix2_thread.submit(self.mix2.mix, [d.clone() for d in delta], context)
+        own_weight = 1.0 / max(1, mix2.group_size) if previous is not None else 1.0
+        applied = self.delayed.outer_gradient_(delta, previous, own_weight)
+        if applied is None:
+            self.outer.restore_anchor_()
+        else:
+            self.outer.step_(applied)
+        return mix2
+
+    def _collect_pending(self) -> tuple[list[torch.Tensor] | None, RoundSync]:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None, RoundSync()
+        try:
+            return pending.result()
+        except Exception as e:  # a transport failure is a round mixed with nobody, as in the blocking path
+            logger.warning(f"the overlapped Mix2 failed ({e!r}); applying this peer's own outer gradient")
+            return None, RoundSync(failed=1)
+
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors() + self.mix2.state_tensors()
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Adopt a downloaded state: a Mix2 still in flight was of our old Δ, and is dropped with it."""
+        if self.delayed is not None:
+            self._collect_pending()
+            self.delayed = DelayedOuterGradient(eager=self.delayed.eager)
         count = len(self.outer.params)
         self.outer.load_state_tensors_(tensors[:count])
         self.mix2.load_state_tensors_(tensors[count:])
@@ -113,5 +156,9 @@ class FactoredSync:
     def shutdown(self) -> None:
         if self.mix1 is not None:
             self.mix1.cancel()
+        if self.pending is not None:
+            with contextlib.suppress(Exception):
+                self.pending.result(timeout=self.config.allreduce_timeout_s)
+        self._mix2_thread.shutdown(wait=False, cancel_futures=True)
         for close in self.closers:
             close()

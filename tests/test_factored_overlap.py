@@ -1,0 +1,125 @@
+"""Factored Gossip DiLoCo with `sync.overlap`: Mix2 runs in the background during the next inner phase (DiLoCoX's
+one-step delay applied to Mix2) and its result is applied one round late."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+import types
+import uuid
+from collections.abc import Sequence
+
+import pytest
+import torch
+from swarm_utils import run_swarm, tiny_config
+
+from p2ptrain.errors import ConfigError
+from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
+from p2ptrain.maths.outer_rules import DelayedOuterGradient
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.factored import FactoredSync
+from p2ptrain.sync.interface import RoundContext, RoundSync
+
+MIX2_S = 0.5  # how long the scripted Mix2 takes: a blocking Mix2 would hold finish_round this long
+
+
+class LoneMixer:
+    """Mix1 with no partner: the mixed value is the frozen one, no correction."""
+
+    round, budget_s, give_up_at = 0, 0.0, 0.0
+
+    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
+        self.base = [b.clone() for b in base]
+
+    async def mix(self, value: list[torch.Tensor], *_args: object, **_kwargs: object):
+        return value, RoundSync()
+
+    def take_correction_(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(b) for b in self.base]
+
+    def take_incoming_stats(self) -> RoundSync:
+        return RoundSync()
+
+
+class HalvingMix2:
+    """A Mix2 that takes MIX2_S and returns Δ/2 (a group of two whose other member sent zeros); records threads."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        self.threads.append(threading.current_thread().name)
+        time.sleep(MIX2_S)
+        return [d / 2 for d in delta], RoundSync(group_size=2)
+
+    def state_tensors(self) -> list:
+        return []
+
+    def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+
+def done(coroutine) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(asyncio.run(coroutine))
+    return future
+
+
+def context(round_: int) -> RoundContext:
+    return RoundContext(round_, 5, [], 0, 1.0, {})
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3))]
+    reference = [torch.nn.Parameter(params[0].detach().clone())]
+    config = SyncConfig(mode="factored", overlap=overlap)
+    mix2 = HalvingMix2()
+    sync = FactoredSync(OuterOptimizer(params, OuterConfig(momentum=0.0)), LoneMixer(), mix2,  # type: ignore[arg-type]
+                        types.SimpleNamespace(submit=done), config)  # type: ignore[arg-type]
+    outer = OuterOptimizer(reference, OuterConfig(momentum=0.0))
+    rule = DelayedOuterGradient(eager=overlap == "eager")
+    previous_mix = None
+    try:
+        for r in range(3):
+            sync.start_round(context(r))
+            step = torch.randn(4, 3) * 0.1
+            with torch.no_grad():
+                params[0].sub_(step)
+                reference[0].sub_(step)
+            time.sleep(1.5 * MIX2_S)  # the inner phase, during which the previous round's Mix2 ends
+            started = time.monotonic()
+            sync.finish_round(context(r))
+            assert time.monotonic() - started < 0.8 * MIX2_S, "Mix2 blocked the round"
+            delta = outer.outer_gradient()  # what the reference sees: apply the delayed rule by hand
+            applied = rule.outer_gradient_(delta, previous_mix, 0.5 if previous_mix is not None else 1.0)
+            previous_mix = [d / 2 for d in delta]
+            if applied is None:
+                outer.restore_anchor_()
+            else:
+                outer.step_(applied)
+            assert torch.allclose(params[0], reference[0], atol=1e-6), r
+    finally:
+        sync.shutdown()
+    assert mix2.threads and all(name.startswith("mix2") for name in mix2.threads)
+
+
+def test_overlap_is_refused_for_gasloc_with_one_line():
+    with pytest.raises(ConfigError, match="sync.overlap applies to sync.mode diloco and factored"):
+        SyncConfig(mode="gasloc", overlap="delayed")
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_factored_swarm_with_overlapped_mix2_trains_and_mixes():
+    config = tiny_config(f"factored-overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 6},
+                         sync={"mode": "factored", "overlap": "delayed"})
+    _threads, histories = run_swarm(config, peers=3)
+    for history in histories:
+        assert min(m.val_loss for m in history[1:]) < history[0].val_loss
+        # round r reports the Mix2 of round r − 1, collected at its end: the group of a mixed round holds others
+        assert sum(m.peers_averaged > 1 for m in history[1:]) >= 3
