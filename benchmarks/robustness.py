@@ -20,10 +20,11 @@ Defences on = production's code: in GASLoC each honest peer refuses a partner fa
 × its norm or not finite (ParamGossip.decode_partner's bound) and mixes the rest through ParamGossip.clip_partner
 (AdaptiveClip, own_scale = ‖y − θ‖ as ParamGossip.mix sets it), with its own weight 1/2; in DiLoCo, production's
 exchange all-reduce (sync/exchange_allreduce.py): each honest peer keeps the members' Δ that are finite and within
-±MAX_ABS_VALUE, takes their CenteredClip mean (maths/centered_clip.py), and passes it through
-p2ptrain.sync.diloco.checked (MeanCheck: not finite or too far from its own Δ → its own Δ). An attacker may send
-each honest peer a different Δ (aimed: each victim's own, reversed). Defences off = the plain mean: pull_toward_
-the sender's value, or hivemind's all-reduce, where the attackers' Δ enter one mean that every peer steps with.
+±MAX_ABS_VALUE, digests them (sync/allreduce_agreement.py), takes their CenteredClip mean (maths/centered_clip.py),
+and passes it through p2ptrain.sync.diloco.checked (MeanCheck: not finite or too far from its own Δ → its own Δ).
+An attacker may send each honest peer a different Δ (aimed: each victim's own, reversed). Defences off = the plain
+mean: pull_toward_ the sender's value, or hivemind's all-reduce, where the attackers' Δ enter one mean that every
+peer steps with.
 In GASLoC, production's `sync.robust: false` still keeps the fixed bound, which refuses sign_flip, scale and nan
 outright, while aimed sits inside it (its off row is what `robust: false` gets).
 
@@ -82,6 +83,7 @@ from p2ptrain.maths.mixing import consensus_distance, exact_average, pull_toward
 from p2ptrain.maths.outer_rules import propose  # noqa: E402
 from p2ptrain.maths.robust_mean import MeanCheck, own_scale  # noqa: E402
 from p2ptrain.net.allreduce import AveragingResult  # noqa: E402
+from p2ptrain.sync.allreduce_agreement import Reduction  # noqa: E402
 from p2ptrain.sync.config import SyncConfig  # noqa: E402
 from p2ptrain.sync.diloco import checked, mean_check  # noqa: E402
 from p2ptrain.sync.exchange_allreduce import MAX_ABS_VALUE  # noqa: E402
@@ -252,6 +254,7 @@ def diloco_round_(run: Run, deltas: dict[int, Tensors], r: int) -> None:
         started = time.process_time()  # off: MeanCheck(enabled=False) accepts every mean
         if run.case.defended:  # every member reduces the same inputs (the confirmation stage sees to it)
             inputs = honest + (sent * run.case.attackers if sent and received(sent[0]) else [])
+            Reduction.of(r, [(str(j), x) for j, x in enumerate(inputs)])  # the digest its members confirm
             robust = centered_clip(inputs, SYNC.clip_multiplier)
             mean, lengths = robust.mean, robust.lengths  # the exchange sees every input: their lengths, not claims
         result, refused = checked(AveragingResult(mean, len(lengths), claimed_norms=lengths), deltas[peer.index],
@@ -376,8 +379,9 @@ NOTES = ("Notes: one seed per row. Gaps are against the clean run with defences 
          "sender, and DiLoCo means refused (each honest peer's check, each round). DiLoCo, defences off: the aimed "
          "attack sets the plain mean itself, so its 1- and 2-attacker rows coincide; on: an aimed Δ lies beyond "
          "CenteredClip's radius like a sign-flipped one, and is clipped the same (the rows coincide). DiLoCo's "
-         "defence calls are CenteredClip and the mean check, each peer every round: their share of CPU falls as "
-         "inner steps grow (production's default H here).")
+         "defence calls are the SHA-256 digest of the inputs (the agreement check), CenteredClip and the mean "
+         "check, each peer every round: a few passes over the n inputs, whose share of CPU falls as the compute of "
+         "a round grows (inner steps × batch; production's default H and a small batch here).")
 
 
 def run(settings: Settings, output: Path, command: str) -> dict[str, Any]:

@@ -31,7 +31,9 @@ from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("diloco", "gasloc", "factored")
 # rows beyond the three, by name: the sync section they run with
-VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"}}
+VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"},
+            "factored-overlap": {"mode": "factored", "overlap": "delayed"},  # Mix2 during the next inner phase
+            "diloco-overlap": {"mode": "diloco", "overlap": "delayed"}}
 
 
 def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_steps: int) -> dict[str, Any]:
