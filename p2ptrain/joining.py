@@ -283,8 +283,8 @@ class Joiner:
         return self.choose(self.peer.swarm())
 
     def _starts_alike(self, choice: DonorChoice) -> bool:
-        """Whether a fresh peer whose donors are all in round 0 already holds their state: every peer of a run builds
-        θ_0 from the same seed, so peers that start together need no download (one of the state costs a home link
+        """Whether a fresh peer whose donors are all in round 0 already holds their state: every peer of a run
+        builds θ_0 from the same seed, so peers that start together need no download (which costs a home link
         minutes). Told from the sketches of up to WITNESSES round-0 peers under a seed of ours, most of which must
         match our own (a misconfigured seed, or a liar, only costs the download that would have happened)."""
         peer = self.peer

@@ -81,7 +81,8 @@ class FactoredSync:
         self.frozen: list[torch.Tensor] = []
         self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
         self.pending: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None  # Mix2 of r − 1
-        self._mix2_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mix2")
+        self._mix2_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mix2") if self.delayed \
+            else None
 
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
@@ -122,6 +123,7 @@ class FactoredSync:
         assert self.delayed is not None
         previous, mix2 = self._collect_pending()
         if self._mixes(context):
+            assert self._mix2_thread is not None
             self.pending = self._mix2_thread.submit(self.mix2.mix, [d.clone() for d in delta], context)
         own_weight = 1.0 / max(1, mix2.group_size) if previous is not None else 1.0
         applied = self.delayed.outer_gradient_(delta, previous, own_weight)
@@ -159,6 +161,7 @@ class FactoredSync:
         if self.pending is not None:
             with contextlib.suppress(Exception):
                 self.pending.result(timeout=self.config.allreduce_timeout_s)
-        self._mix2_thread.shutdown(wait=False, cancel_futures=True)
+        if self._mix2_thread is not None:
+            self._mix2_thread.shutdown(wait=False, cancel_futures=True)
         for close in self.closers:
             close()
