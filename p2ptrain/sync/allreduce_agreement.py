@@ -40,7 +40,7 @@ def value_hash(tensors: Sequence[torch.Tensor]) -> str:
     """SHA-256 of a member's decoded Δ (its fp32 bytes)."""
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(memoryview(t.detach().float().contiguous().numpy()))  # no copy of the bytes
+        digest.update(t.detach().float().contiguous().numpy().data)  # the buffer itself: no copy of the bytes
     return digest.hexdigest()
 
 
