@@ -134,11 +134,12 @@ def bootstrap(address_file: str | None, run_id: str | None, **kwargs: Any) -> No
 @click.option("--shard-index", type=click.IntRange(min=0), help="Training-data shard (default: from the peer id).")
 @click.option("--torch-threads", type=click.IntRange(min=0), help="CPU threads for this peer (0: torch default).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+@click.option("--plan", "show_plan", is_flag=True, help="Print this peer's memory plan and exit (p2ptrain plan).")
 @click.option("--red-team", "red_team", hidden=True, help="Testnets only: play an attack, KIND[@ROUND] "
                                                           "(p2ptrain/testnet/adversary.py).")
 @network_options
 def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
-         red_team: str | None, **kwargs: Any) -> None:
+         red_team: str | None, show_plan: bool, **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
     from p2ptrain.net.dht import parse_maddr
@@ -163,6 +164,12 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
     if no_progress:
         overrides["run.progress"] = False
     config = load_config(config_path, overrides)
+    if show_plan:
+        from p2ptrain.memory_plan import settings_of
+        from p2ptrain.memory_report import PlanRequest, plan_text
+
+        click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
+        return
     logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
     training_peer = TrainingPeer(config, peers, resume=resume)
     if attack is not None:
@@ -196,6 +203,37 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) ->
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
     print_status(config, split_peers(initial_peers))
+
+
+@cli.command()
+@click.option("--model", help="Model preset (tiny, small, base), local directory, or hub id with config.json cached.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="The peer's YAML or TOML config.")
+@click.option("--gpu-gb", multiple=True, type=float, help="A GPU's memory in GB as on the card; repeat for several "
+                                                          "(default: this machine's device).")
+@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+              help="Without --gpu-gb: which local device to plan for.")
+@click.option("--host-gb", type=float, help="Host memory in GB (default: this machine's).")
+@click.option("--batch-size", type=int, help="Samples per inner step (data.batch_size).")
+@click.option("--seq-len", type=int, help="Tokens per sample (data.seq_len).")
+@click.option("--micro-batches", type=int, help="Parts a step's batch is split into (inner.micro_batches).")
+@click.option("--checkpointing/--no-checkpointing", "activation_checkpointing", default=None,
+              help="Activation checkpointing (inner.activation_checkpointing).")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), help="inner.precision.")
+@click.option("--state-device", type=click.Choice(["auto", "host", "device"]), help="outer.state_device.")
+@click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync mode (sync.mode).")
+@click.option("--peers", default=4, show_default=True, type=int, help="Peers in an all-reduce round.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plan(model: str | None, config_path: str | None, gpu_gb: tuple[float, ...], device: str, host_gb: float | None,
+         sync: str | None, peers: int, as_json: bool, **settings: Any) -> None:
+    """Print the memory a peer needs per device and host, what fits, and the settings that would make it fit."""
+    from p2ptrain.config import load_config
+    from p2ptrain.memory_plan import settings_of
+    from p2ptrain.memory_report import PlanRequest, override_settings, plan_text
+
+    request = PlanRequest(gpu_gb, device, host_gb, peers)
+    overrides = {key: value for key, value in (("model.name", model), ("sync.mode", sync)) if value is not None}
+    config = load_config(config_path, overrides)
+    click.echo(plan_text(config, override_settings(settings_of(config), settings), request, as_json))
 
 
 @cli.command()
