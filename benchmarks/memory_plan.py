@@ -32,7 +32,6 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from p2ptrain.maths.inner import InnerConfig  # noqa: E402
 from p2ptrain.memory_measure import VOCAB_SIZE, measure  # noqa: E402
 from p2ptrain.memory_plan import GIB, MIB, MemoryPlan, Settings, fit, model_state_bytes, plan_memory  # noqa: E402,E501
 from p2ptrain.memory_shape import model_shape  # noqa: E402
@@ -44,7 +43,7 @@ GPU_GB = (8, 12, 24)
 
 
 def configurations(quick: bool) -> list[tuple[str, Settings]]:
-    """(preset, settings) to measure; micro-batches only where this version's InnerConfig has them."""
+    """(preset, settings) to measure."""
     grid = {"tiny": [(8, 128, "fp32", False), (64, 512, "fp32", False), (64, 512, "bf16", False)],
             "small": [(8, 128, "fp32", False), (32, 256, "fp32", False), (64, 256, "bf16", False),
                       (32, 256, "fp32", True), (64, 512, "bf16", True)],
@@ -52,9 +51,8 @@ def configurations(quick: bool) -> list[tuple[str, Settings]]:
                      (8, 256, "bf16", False), (8, 256, "fp32", True), (8, 256, "bf16", True)]}
     rows = [(name, Settings(b, s, precision=p, activation_checkpointing=c))
             for name, cases in grid.items() if name in PRESETS for b, s, p, c in cases]
-    if "micro_batches" in {f.name for f in dataclasses.fields(InnerConfig)}:
-        rows += [("base", Settings(16, 256, micro_batches=4, precision="fp32")),
-                 ("small", Settings(64, 256, micro_batches=4, precision="bf16"))]
+    rows += [("base", Settings(16, 256, micro_batches=4, precision="fp32")),
+             ("small", Settings(64, 256, micro_batches=4, precision="bf16"))]
     rows += [(name, Settings(64, 256)) for name in PRESETS if name not in grid]  # presets added since
     return rows[::3] if quick else rows
 

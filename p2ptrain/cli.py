@@ -13,6 +13,8 @@ from typing import Any
 import click
 
 from p2ptrain.errors import UserError
+from p2ptrain.maths.inner import PRECISIONS
+from p2ptrain.maths.outer_optimizer import STATE_DEVICES
 from p2ptrain.net.dht import ADMISSION_MODES
 from p2ptrain.sync.config import SYNC_MODES
 
@@ -218,8 +220,8 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) ->
 @click.option("--micro-batches", type=int, help="Parts a step's batch is split into (inner.micro_batches).")
 @click.option("--checkpointing/--no-checkpointing", "activation_checkpointing", default=None,
               help="Activation checkpointing (inner.activation_checkpointing).")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), help="inner.precision.")
-@click.option("--state-device", type=click.Choice(["auto", "host", "device"]), help="outer.state_device.")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="inner.precision.")
+@click.option("--state-device", type=click.Choice(STATE_DEVICES), help="outer.state_device.")
 @click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync mode (sync.mode).")
 @click.option("--peers", default=4, show_default=True, type=int, help="Peers in an all-reduce round.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -72,6 +72,11 @@ class PeerConfig:
     network: NetworkConfig = dataclasses.field(default_factory=NetworkConfig)
     reputation: ReputationConfig = dataclasses.field(default_factory=ReputationConfig)
 
+    def __post_init__(self) -> None:
+        if self.inner.micro_batches > self.data.batch_size:
+            raise ConfigError(f"inner.micro_batches ({self.inner.micro_batches}) must not exceed data.batch_size "
+                              f"({self.data.batch_size}): a micro-batch holds at least one sample")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -110,22 +110,10 @@ def measure_here(model_name: str, settings: Settings, steps: int = 2, live_rss: 
 
 
 def _trainer(model: torch.nn.Module, settings: Settings) -> tuple[InnerTrainer, dict[str, bool]]:
-    """An InnerTrainer with `settings`' inner knobs: through InnerConfig where this version has them; otherwise
-    checkpointing through transformers and autocast through the trainer's own hook (checked: `seen`)."""
-    fields = {f.name for f in dataclasses.fields(InnerConfig)}
-    wanted: dict[str, Any] = {"micro_batches": settings.micro_batches, "precision": settings.precision,
-                              "activation_checkpointing": settings.activation_checkpointing}
-    missing = {k: v for k, v in wanted.items() if k not in fields and v != dataclasses.asdict(Settings())[k]}
-    if "micro_batches" in missing:
-        raise UserError("this version's InnerTrainer has no inner.micro_batches: measure with one micro-batch")
-    config = InnerConfig(**{k: v for k, v in wanted.items() if k in fields})
-    if missing.get("activation_checkpointing"):
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+    """An InnerTrainer with `settings`' inner knobs, and whether its forward really ran under autocast (`seen`)."""
+    config = InnerConfig(micro_batches=settings.micro_batches, precision=settings.precision,
+                         activation_checkpointing=settings.activation_checkpointing)
     trainer = InnerTrainer(model, config, torch.device("cpu"))
-    if "precision" in missing and settings.precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
-        trainer._autocast = lambda: torch.autocast("cpu", dtype=dtype)  # type: ignore[method-assign]
     seen = {"autocast": False}
 
     def note_autocast(_module: Any, _args: Any) -> None:

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import BYTE_TOKENIZER
 from p2ptrain.errors import ConfigError
+from p2ptrain.maths.inner import PRECISIONS, autocast_dtype
+from p2ptrain.maths.outer_optimizer import STATE_DEVICES, state_device_for
 from p2ptrain.memory_buffers import Buffers, sync_buffers
 from p2ptrain.memory_shape import ModelShape
 
 MIB, GIB = 2**20, 2**30
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-STATE_DEVICES = ("auto", "host", "device")
 DEVICES = ("cpu", "cuda", "mps")
 # fixed device memory beyond the tensors: on CPU, autograd's and oneDNN's workspaces (measured: 24 MiB, 12 MiB more
 # under autocast); on CUDA/MPS, the context and library workspaces: an assumption, not measured (no GPU here)
@@ -73,10 +75,12 @@ class Settings:
 
     def autocast_16(self, device: str) -> bool:
         """Whether the forward runs in 16 bits (bf16 or fp16 autocast) on `device`."""
-        return self.precision in ("bf16", "fp16") or (self.precision == "auto" and device == "cuda")
+        return autocast_dtype(self.precision, torch.device(device)) is not None
 
     def state_on_device(self, device: str) -> bool:
-        return self.state_device == "device" or (self.state_device == "auto" and device == "cpu")
+        """Whether the outer state lives on the training device (else in host memory)."""
+        model_device = torch.device(device)
+        return state_device_for(model_device, self.state_device) == model_device
 
     def changes(self, other: Settings) -> dict[str, object]:
         """The fields `other` sets differently, by name."""
@@ -85,11 +89,10 @@ class Settings:
 
 
 def settings_of(config: PeerConfig) -> Settings:
-    """The memory settings a peer's config holds (inner.* and outer.state_device where this version has them)."""
-    inner, outer = config.inner, config.outer
-    return Settings(config.data.batch_size, config.data.seq_len, int(getattr(inner, "micro_batches", 1)),
-                    bool(getattr(inner, "activation_checkpointing", False)), str(getattr(inner, "precision", "auto")),
-                    str(getattr(outer, "state_device", "auto")))
+    """The memory settings a peer's config holds."""
+    inner = config.inner
+    return Settings(config.data.batch_size, config.data.seq_len, inner.micro_batches, inner.activation_checkpointing,
+                    inner.precision, config.outer.state_device)
 
 
 # ---- activations ------------------------------------------------------------------------------------------------

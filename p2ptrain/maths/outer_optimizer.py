@@ -1,4 +1,10 @@
-"""The outer step: the anchor θ_r, the outer gradient Δ = θ_r − θ_r', and DiLoCo's Nesterov update on mean Δ."""
+"""The outer step: the anchor θ_r, the outer gradient Δ = θ_r − θ_r', and DiLoCo's Nesterov update on mean Δ.
+
+The anchor and the outer momentum (the outer state) live where `outer.state_device` puts them: by default in host
+memory when the model trains on an accelerator, so the device holds only what plain training holds (model, AdamW's
+moments, gradients). The outer step runs on the state's device: Δ is formed there from a copy of the parameters,
+the Nesterov step updates the anchor in place, and the new anchor is copied back into the parameters (from pinned
+memory, asynchronously, on CUDA)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import torch
 from p2ptrain.errors import ConfigError
 from p2ptrain.tensor_layout import check_alike
 
+STATE_DEVICES = ("auto", "host", "device")
+
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
@@ -18,54 +26,87 @@ class OuterConfig:
     lr: float = 0.7  # η
     momentum: float = 0.9  # γ; 0 = plain averaging of the inner trajectories
     nesterov: bool = True
+    # where the anchor and the outer momentum live: auto (host memory when training on an accelerator, beside the
+    # model on CPU) | host | device (beside the model: 2 fp32 copies of the model more on the accelerator)
+    state_device: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.lr <= 2:
             raise ConfigError(f"outer.lr must be in (0, 2], got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"outer.momentum must be in [0, 1), got {self.momentum}")
+        if self.state_device not in STATE_DEVICES:
+            raise ConfigError(f"outer.state_device must be one of {', '.join(STATE_DEVICES)}, got "
+                              f"{self.state_device!r}")
+
+
+def state_device_for(model_device: torch.device, choice: str) -> torch.device:
+    """Where the outer state lives for a model on `model_device` (`outer.state_device`)."""
+    if choice == "device" or (choice == "auto" and model_device.type == "cpu"):
+        return model_device
+    return torch.device("cpu")
 
 
 class OuterOptimizer:
     """Holds the anchor (the parameters the inner phase started from) and the outer momentum.
 
-    A round is: `outer_gradient()` after the inner phase, then `step_(mean_delta)` which puts the parameters back
-    at the anchor, applies the Nesterov step, and makes the result the next anchor.
+    A round is: `outer_gradient()` after the inner phase, then `step_(mean_delta)` which applies the Nesterov step
+    to the anchor and puts the parameters at the result, the next round's anchor.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], config: OuterConfig):
         self.params = list(params)
         self.config = config
-        self.anchor = [p.detach().clone() for p in self.params]
+        model_device = self.params[0].device if self.params else torch.device("cpu")
+        self.state_device = state_device_for(model_device, config.state_device)
+        self._pinned = self.state_device.type == "cpu" and model_device.type == "cuda"
+        self.anchor = [self._state_copy(p) for p in self.params]
+        self._copy_done: torch.cuda.Event | None = None  # the last asynchronous anchor → parameters copy
+        # the anchor tensors are the outer SGD's own parameters: its step is the outer step, on the state's device
         self.optimizer = torch.optim.SGD(
-            self.params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov and config.momentum > 0
+            self.anchor, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov and config.momentum > 0
         )
+
+    def _state_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        copy = tensor.detach().to(self.state_device, copy=True)
+        return copy.pin_memory() if self._pinned else copy
+
+    def _wait_for_copies(self) -> None:
+        """The anchor is about to change: the copy from it into the parameters must have ended."""
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+            self._copy_done = None
 
     @torch.no_grad()
     def outer_gradient(self) -> list[torch.Tensor]:
-        """Δ = anchor − current parameters (DiLoCo's pseudo-gradient), as new float32 tensors."""
-        return [(a - p.detach()).float() for a, p in zip(self.anchor, self.params, strict=True)]
+        """Δ = anchor − current parameters (DiLoCo's pseudo-gradient), as new float32 tensors on the state's
+        device."""
+        return [(a - p.detach().to(a.device)).float() for a, p in zip(self.anchor, self.params, strict=True)]
 
     @torch.no_grad()
     def restore_anchor_(self) -> None:
         """Put the parameters back at the anchor (undoing the inner phase)."""
         for p, a in zip(self.params, self.anchor, strict=True):
-            p.copy_(a)
+            p.copy_(a, non_blocking=self._pinned)
+        if self._pinned:
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
 
     def step_(self, mean_delta: Sequence[torch.Tensor]) -> None:
-        """θ ← Nesterov-SGD(anchor, grad = mean Δ); the result becomes the new anchor."""
+        """anchor ← Nesterov-SGD(anchor, grad = mean Δ), and the parameters ← the new anchor."""
         if len(mean_delta) != len(self.params):
             raise ValueError(f"expected {len(self.params)} outer-gradient tensors, got {len(mean_delta)}")
-        self.restore_anchor_()
-        for p, d in zip(self.params, mean_delta, strict=True):
-            p.grad = d.to(device=p.device, dtype=p.dtype).clone()
+        self._wait_for_copies()
+        for a, d in zip(self.anchor, mean_delta, strict=True):
+            a.grad = d.to(device=a.device, dtype=a.dtype).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.reset_anchor_()
+        self.restore_anchor_()
 
     @torch.no_grad()
     def reset_anchor_(self) -> None:
-        """Make the current parameters the anchor (after a step, a state download or a checkpoint load)."""
+        """Make the current parameters the anchor (after a checkpoint load into the model)."""
+        self._wait_for_copies()
         for a, p in zip(self.anchor, self.params, strict=True):
             a.copy_(p.detach())
 
@@ -73,16 +114,17 @@ class OuterOptimizer:
     def set_params_(self, values: Sequence[torch.Tensor]) -> None:
         """Write new parameters (a mixed or downloaded state) and make them the anchor of the next round."""
         check_alike(self.params, values, "new parameters")
-        for p, v in zip(self.params, values, strict=True):
-            p.copy_(v.to(device=p.device, dtype=p.dtype))
-        self.reset_anchor_()
+        self._wait_for_copies()
+        for a, v in zip(self.anchor, values, strict=True):
+            a.copy_(v.to(device=a.device, dtype=a.dtype))
+        self.restore_anchor_()
 
     def momentum_buffers(self) -> list[torch.Tensor]:
-        """The momentum buffer of every parameter (zeros before the first step)."""
+        """The momentum buffer of every parameter (zeros before the first step), on the state's device."""
         buffers = []
-        for p in self.params:
-            buffer = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            buffers.append(buffer if buffer is not None else torch.zeros_like(p))
+        for a in self.anchor:
+            buffer = self.optimizer.state.get(a, {}).get("momentum_buffer")
+            buffers.append(buffer if buffer is not None else torch.zeros_like(a))
         return buffers
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -94,5 +136,5 @@ class OuterOptimizer:
         """Load one momentum buffer per parameter, in the order of `state_tensors()`; a count or shape that does
         not fit changes nothing (StateMismatchError)."""
         check_alike(self.params, buffers, "outer momentum")
-        for p, b in zip(self.params, buffers, strict=True):
-            self.optimizer.state[p]["momentum_buffer"] = b.to(device=p.device, dtype=p.dtype).clone()
+        for a, b in zip(self.anchor, buffers, strict=True):
+            self.optimizer.state[a]["momentum_buffer"] = b.to(device=a.device, dtype=a.dtype).clone()
