@@ -41,8 +41,21 @@ if [ -z "$initial_peers" ] && [ -n "${P2PTRAIN_BOOTSTRAP_ADDRESS_FILE:-}" ]; the
     initial_peers=$(grep -v -e '/ip4/127\.' -e '/ip6/::1/' "$address_file" | tr '\n' ' ')
 fi
 
-# Append our flags after the container's arguments, then rotate those arguments to the end.
+# Append our flags after the container's arguments, then rotate those arguments to the end (a flag given there
+# again, e.g. --checkpoint-dir, wins: the last one counts).
 num_user_args=$#
+# Identity and checkpoints live in /data, a volume per peer in docker-compose.yml: a restarted container comes back
+# with the same peer id and resumes from its latest checkpoint. An empty variable turns the flag off.
+identity=${P2PTRAIN_IDENTITY-/data/identity.key}
+checkpoint_dir=${P2PTRAIN_CHECKPOINT_DIR-/data/checkpoints}
+[ -n "$identity" ] && set -- "$@" --identity "$identity"
+if [ -n "$checkpoint_dir" ]; then
+    set -- "$@" --checkpoint-dir "$checkpoint_dir"
+    if [ -s "$checkpoint_dir/latest" ]; then
+        say "resuming from the latest checkpoint in $checkpoint_dir"
+        set -- "$@" --resume
+    fi
+fi
 for maddr in $(echo "$initial_peers" | tr ',' ' '); do
     set -- "$@" --initial-peers "$maddr"
 done

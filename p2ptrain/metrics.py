@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -70,19 +71,28 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class ProgressBar:
-    """A tqdm bar over rounds, with the inner step and live figures in its postfix; silent when disabled."""
+    """A tqdm bar over rounds, with the inner step and live figures in its postfix, on a terminal; one line per
+    round where stderr is not a terminal (a container's or a service's log); silent when disabled."""
 
-    def __init__(self, enabled: bool, total_rounds: int):
-        self._bar = tqdm(total=total_rounds or None, unit="round", disable=not enabled, dynamic_ncols=True)
+    def __init__(self, enabled: bool, total_rounds: int, stream: TextIO | None = None):
+        self._stream = stream or sys.stderr
+        self._lines = enabled and not self._stream.isatty()  # carriage-return frames would flood a log file
+        self._total, self._done = total_rounds, 0
+        self._bar = tqdm(total=total_rounds or None, unit="round", disable=not enabled or self._lines,
+                         dynamic_ncols=True, file=self._stream)
 
     def inner_step(self, round_: int, step: int, loss: float, peers: int) -> None:
         self._bar.set_postfix_str(f"round {round_} step {step} loss {loss:.3f} peers {peers}", refresh=False)
         self._bar.refresh()
 
     def round_done(self, metrics: RoundMetrics) -> None:
-        self._bar.set_postfix_str(
-            f"round {metrics.round} val {metrics.val_loss:.3f} {metrics.tokens_per_s:.0f} tok/s "
-            f"peers {metrics.peers_averaged}", refresh=False)
+        figures = f"val {metrics.val_loss:.3f} {metrics.tokens_per_s:.0f} tok/s peers {metrics.peers_averaged}"
+        self._done += 1
+        if self._lines:
+            of_total = f"/{self._total}" if self._total else ""
+            print(f"round {metrics.round} ({self._done}{of_total}) train {metrics.train_loss:.3f} {figures} "
+                  f"{metrics.round_s:.1f} s" + (" (joined)" if metrics.joined else ""), file=self._stream, flush=True)
+        self._bar.set_postfix_str(f"round {metrics.round} {figures}", refresh=False)
         self._bar.update(1)
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ BOOTSTRAP_ENTRYPOINT = DOCKER_DIR / "entrypoint-bootstrap.sh"
 ENTRYPOINTS = {"peer": PEER_ENTRYPOINT, "bootstrap": BOOTSTRAP_ENTRYPOINT}
 MADDR_A = "/ip4/172.20.0.2/tcp/31337/p2p/12D3KooWAAAA"
 MADDR_B = "/ip4/172.20.0.3/tcp/4001/p2p/12D3KooWBBBB"
+DATA_FLAGS = ["--identity", "/data/identity.key", "--checkpoint-dir", "/data/checkpoints"]  # a volume per peer
+GPU_COMPOSE_FILE = DOCKER_DIR / "docker-compose.gpu.yml"
 
 
 def _compose_services() -> dict[str, Any]:
@@ -100,16 +103,63 @@ def test_entrypoints_parse_as_posix_sh() -> None:
         assert checked.returncode == 0, checked.stderr
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+def _compose_config(*files: Path) -> dict[str, Any]:
+    """`docker compose config` of these files, as compose v2 resolves them (skips without compose v2)."""
     if shutil.which("docker") is None:
-        pytest.skip("docker CLI not installed, cannot run `docker compose config`")
+        pytest.skip("docker CLI not installed, cannot run `docker compose config` (.ci/docker-env up installs it)")
     version = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     if version.returncode != 0:
         reason = (version.stderr.strip().splitlines() or ["no output"])[0]
         pytest.skip(f"`docker compose` unavailable on this machine ({reason}); compose file checked as YAML only")
-    checked = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    argv = ["docker", "compose", *[arg for f in files for arg in ("-f", str(f))], "config", "--format", "json"]
+    checked = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stderr
+    config: dict[str, Any] = json.loads(checked.stdout)
+    return config
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    services = _compose_config(COMPOSE_FILE)["services"]
+    assert services["peer1"]["environment"]["P2PTRAIN_DEVICE"] == "cpu"
+
+
+def test_every_peer_keeps_identity_and_checkpoints_in_a_volume_of_its_own() -> None:
+    services = _compose_services()
+    volumes = yaml.safe_load(COMPOSE_FILE.read_text())["volumes"]
+    data = {name: [v.split(":")[0] for v in service.get("volumes", []) if v.split(":")[1] == "/data"]
+            for name, service in services.items()}
+    assert data == {"bootstrap": ["bootstrap-identity"], **{f"peer{i}": [f"peer{i}-data"] for i in range(1, 5)}}
+    assert set(volumes) >= {f"peer{i}-data" for i in range(1, 5)}
+
+
+def test_gpu_override_reserves_nvidia_gpus_for_every_peer_on_a_cuda_image() -> None:
+    services = _compose_config(COMPOSE_FILE, GPU_COMPOSE_FILE)["services"]
+    for name in ("peer1", "peer2", "peer3", "peer4"):
+        service = services[name]
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}], devices  # count: all
+        assert service["environment"]["P2PTRAIN_DEVICE"] == "cuda"
+        assert service["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+        assert "/whl/cu" in service["build"]["args"]["TORCH_INDEX_URL"]
+        assert service["image"] == "p2ptrain-peer:cuda" and "NET_ADMIN" in service["cap_add"]
+        assert any(v["target"] == "/data" for v in service["volumes"])  # the override keeps the base's volumes
+    assert "deploy" not in services["bootstrap"] and services["bootstrap"]["image"] == "p2ptrain-bootstrap:latest"
+
+
+def test_peer_entrypoint_resumes_from_the_volume_and_can_drop_the_data_flags(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    env = {"P2PTRAIN_CHECKPOINT_DIR": str(checkpoints), "P2PTRAIN_INITIAL_PEERS": MADDR_A}
+    done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, env)
+    assert "--resume" not in done.stdout.split("\n"), "no checkpoint yet: a fresh start"
+    (checkpoints / "latest").write_text("round-000004\n")
+    done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2:7] == ["--identity", "/data/identity.key", "--checkpoint-dir", str(checkpoints),
+                                             "--resume"]
+    assert "resuming from the latest checkpoint" in done.stderr
+    done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, {**env, "P2PTRAIN_IDENTITY": "", "P2PTRAIN_CHECKPOINT_DIR": ""})
+    assert done.stdout.splitlines() == ["p2ptrain", "peer", "--initial-peers", MADDR_A, "--no-nat-port-map"]
 
 
 def test_peer_entrypoint_execs_p2ptrain_peer_with_flags_from_env(tmp_path: Path) -> None:
@@ -118,8 +168,8 @@ def test_peer_entrypoint_execs_p2ptrain_peer_with_flags_from_env(tmp_path: Path)
     done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, env, "--rounds", "3", "two words")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "p2ptrain", "peer", "--initial-peers", MADDR_A, "--initial-peers", MADDR_B, "--run-id", "run 7",
-        "--config", "/config/peer.yaml", "--device", "cpu", "--no-nat-port-map", "--rounds", "3", "two words",
+        "p2ptrain", "peer", *DATA_FLAGS, "--initial-peers", MADDR_A, "--initial-peers", MADDR_B, "--run-id",
+        "run 7", "--config", "/config/peer.yaml", "--device", "cpu", "--no-nat-port-map", "--rounds", "3", "two words",
     ]  # fmt: skip
 
 
@@ -129,7 +179,7 @@ def test_peer_entrypoint_joins_through_the_bootstrap_address_file(tmp_path: Path
     env = {"P2PTRAIN_BOOTSTRAP_ADDRESS_FILE": str(address_file), "P2PTRAIN_NAT_PORT_MAP": "1"}
     done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["p2ptrain", "peer", "--initial-peers", MADDR_A]
+    assert done.stdout.splitlines() == ["p2ptrain", "peer", *DATA_FLAGS, "--initial-peers", MADDR_A]
 
 
 def test_peer_entrypoint_gives_up_on_a_missing_address_file(tmp_path: Path) -> None:
@@ -146,7 +196,8 @@ def test_peer_entrypoint_shapes_upload_with_tbf_before_starting(tmp_path: Path) 
     tc_argv = ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", "20000000bit", "burst", "16384",
                "limit", str(16384 + 125000)]  # fmt: skip
     assert (tmp_path / "bin" / "tc.argv").read_text().splitlines() == tc_argv
-    assert done.stdout.splitlines() == ["p2ptrain", "peer", "--initial-peers", MADDR_A, "--no-nat-port-map"]
+    assert done.stdout.splitlines() == ["p2ptrain", "peer", *DATA_FLAGS, "--initial-peers", MADDR_A,
+                                        "--no-nat-port-map"]
 
 
 def test_peer_entrypoint_stops_with_one_line_when_tc_fails(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -27,15 +26,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
 
 STATE_DIR = Path("/run/p2ptrain-netns")
 NAMESPACE_MARKER = "p2pt-"  # every namespace a testbed creates starts with this, so --cleanup can find orphans
 SUBNET_PREFIX = "10.213.0."  # hosts get .1, .2, ... /24; the subnet exists only inside the testbed's namespaces
 MAX_HOSTS = 250
-MIN_BURST_BYTES = 16 * 1024
-TBF_QUEUE_S = 0.05  # how much traffic tbf may queue, in seconds at the shaped rate
 PROCESS_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay for processes started with popen
-GUARD_POLL_S = 0.5  # owner-liveness poll when pidfd_open is unavailable
 
 _PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,23}$")
 _HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -51,29 +48,7 @@ class HostSpec:
     def __post_init__(self) -> None:
         if not _HOST_NAME_RE.match(self.name):
             raise ConfigError(f"host name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
-        _check_rate(self.rate_mbit)
-
-
-def _check_rate(rate_mbit: float | None) -> None:
-    if rate_mbit is not None and not 0.01 <= rate_mbit <= 100_000:
-        raise ConfigError(f"rate_mbit={rate_mbit}: give a rate between 0.01 and 100000 Mbit/s, or None for unshaped")
-
-
-def tbf_args(rate_mbit: float) -> list[str]:
-    """``tc`` arguments after ``tbf`` for a rate: burst >= one timer tick's worth (rate/250) and >= 16 KiB."""
-    rate_bytes_per_s = rate_mbit * 1e6 / 8
-    burst_bytes = max(int(rate_bytes_per_s / 250), MIN_BURST_BYTES)
-    limit_bytes = burst_bytes + int(rate_bytes_per_s * TBF_QUEUE_S)
-    return ["rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(burst_bytes), "limit", str(limit_bytes)]
-
-
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run an iproute2 command; a failure becomes a one-line UserError naming the command."""
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if check and done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise UserError(f"`{' '.join(argv)}` failed: {reason}")
-    return done
+        check_rate(self.rate_mbit)
 
 
 def require_netns_support() -> None:
@@ -83,16 +58,6 @@ def require_netns_support() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise UserError(f"`{'` and `'.join(missing)}` not found: install iproute2 (apt-get install iproute2)")
-
-
-def _process_start_ticks(pid: int) -> int | None:
-    """Start time of a live (non-zombie) process in clock ticks, which tells a pid from a reused one."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name in (...) may hold spaces
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:
@@ -110,7 +75,7 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
 
 def list_namespaces() -> list[str]:
     """Names of all network namespaces on the machine (``ip netns list``)."""
-    out = _run(["ip", "netns", "list"], check=False).stdout
+    out = run_tool(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -118,7 +83,7 @@ def _kill_namespace_processes(namespace: str, deadline_s: float = 5.0) -> None:
     """SIGKILL every process inside a namespace and wait until none is left (zombies no longer count)."""
     deadline = time.monotonic() + deadline_s
     while True:
-        out = _run(["ip", "netns", "pids", namespace], check=False).stdout
+        out = run_tool(["ip", "netns", "pids", namespace], check=False).stdout
         pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
         if not pids or time.monotonic() > deadline:
             return
@@ -135,7 +100,7 @@ def delete_namespaces(namespaces: list[str]) -> list[str]:
     for namespace in namespaces:
         if namespace in existing:
             _kill_namespace_processes(namespace)
-            _run(["ip", "netns", "del", namespace], check=False)  # also removes its veths, bridges and qdiscs
+            run_tool(["ip", "netns", "del", namespace], check=False)  # also removes its veths, bridges and qdiscs
             deleted.append(namespace)
     return deleted
 
@@ -152,7 +117,7 @@ def teardown_stale(prefix: str | None = None) -> list[str]:
     deleted: list[str] = []
     for path in sorted(STATE_DIR.glob("*.json" if prefix is None else f"{prefix}.json")):
         state = _read_state(path)
-        if state is None or _process_start_ticks(int(state["owner_pid"])) != state["owner_start_ticks"]:
+        if state is None or process_start_ticks(int(state["owner_pid"])) != state["owner_start_ticks"]:
             deleted += _teardown_state_file(path)
     return deleted
 
@@ -166,26 +131,12 @@ def cleanup_all() -> list[str]:
     return deleted + delete_namespaces(orphans)
 
 
-def _wait_for_exit(pid: int, start_ticks: int) -> None:
-    """Block until the process (pid, start time) has exited: pidfd when available, else a 0.5 s poll."""
-    try:
-        pidfd: int | None = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd support, or the owner is already gone
-        pidfd = None
-    if pidfd is not None:
-        if _process_start_ticks(pid) == start_ticks:  # the pidfd refers to the owner, not to a reused pid
-            select.select([pidfd], [], [])
-        os.close(pidfd)
-    while _process_start_ticks(pid) == start_ticks:
-        time.sleep(GUARD_POLL_S)
-
-
 def run_guard(state_path: Path, owner_pid: int) -> None:
     """Guard process body: wait for the owner to die, then tear down whatever the state file names."""
     state = _read_state(state_path)
     if state is None or int(state["owner_pid"]) != owner_pid:
         return
-    _wait_for_exit(owner_pid, int(state["owner_start_ticks"]))
+    wait_for_exit(owner_pid, int(state["owner_start_ticks"]))
     _teardown_state_file(state_path)
 
 
@@ -266,13 +217,12 @@ class Testbed:
         state = _read_state(self.state_path)
         if state is not None:
             raise UserError(f"testbed prefix {self.name_prefix!r} is in use by pid {state['owner_pid']}: pick another")
-        owner_start_ticks = _process_start_ticks(os.getpid())
+        owner_start_ticks = process_start_ticks(os.getpid())
         self._state = {"owner_pid": os.getpid(), "owner_start_ticks": owner_start_ticks, "namespaces": []}
         _write_state(self.state_path, self._state)
 
     def _start_guard(self) -> None:
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+        env = child_env()
         argv = [sys.executable, "-m", "p2ptrain.testnet.netns", "--guard", str(self.state_path), str(os.getpid())]
         quiet = subprocess.DEVNULL
         self._guard = subprocess.Popen(argv, env=env, start_new_session=True, stdin=quiet, stdout=quiet, stderr=quiet)
@@ -284,26 +234,26 @@ class Testbed:
             raise UserError(f"namespace {namespace} already exists: run `python -m p2ptrain.testnet.netns --cleanup`")
         self._state["namespaces"].append(namespace)
         _write_state(self.state_path, self._state)  # recorded before it exists, so a crash cannot leak it
-        _run(["ip", "netns", "add", namespace])
-        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
+        run_tool(["ip", "netns", "add", namespace])
+        run_tool(["ip", "-n", namespace, "link", "set", "lo", "up"])
 
     def _build_switch(self) -> None:
         sw = ["ip", "-n", self.switch_namespace, "link"]
         for bridge in ("brA", "brB"):
-            _run(sw + ["add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0"])
-            _run(sw + ["set", bridge, "up"])
-        _run(sw + ["add", "trA", "type", "veth", "peer", "name", "trB"])
-        _run(sw + ["set", "trA", "master", "brA", "up"])
-        _run(sw + ["set", "trB", "master", "brB", "up"])
+            run_tool(sw + ["add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0"])
+            run_tool(sw + ["set", bridge, "up"])
+        run_tool(sw + ["add", "trA", "type", "veth", "peer", "name", "trB"])
+        run_tool(sw + ["set", "trA", "master", "brA", "up"])
+        run_tool(sw + ["set", "trB", "master", "brB", "up"])
 
     def _build_host(self, host: _Host) -> None:
         port = f"v{host.index}"
         sw = ["ip", "-n", self.switch_namespace, "link"]
-        _run(sw + ["add", port, "type", "veth", "peer", "name", "eth0", "netns", host.namespace])
-        _run(sw + ["set", port, "master", "brA", "up"])
+        run_tool(sw + ["add", port, "type", "veth", "peer", "name", "eth0", "netns", host.namespace])
+        run_tool(sw + ["set", port, "master", "brA", "up"])
         in_host = ["ip", "-n", host.namespace]
-        _run(in_host + ["addr", "add", f"{self.address(host.spec.name)}/24", "dev", "eth0"])
-        _run(in_host + ["link", "set", "eth0", "up"])
+        run_tool(in_host + ["addr", "add", f"{self.address(host.spec.name)}/24", "dev", "eth0"])
+        run_tool(in_host + ["link", "set", "eth0", "up"])
         self._apply_rate(host)
 
     def teardown(self) -> None:
@@ -342,7 +292,7 @@ class Testbed:
 
     def set_rate(self, host: str, rate_mbit: float | None) -> None:
         """Change a host's upload and download rate live (None removes shaping)."""
-        _check_rate(rate_mbit)
+        check_rate(rate_mbit)
         target = self._host(host)
         target.rate_mbit = rate_mbit
         self._apply_rate(target)
@@ -351,21 +301,21 @@ class Testbed:
         for namespace, dev in ((host.namespace, "eth0"), (self.switch_namespace, f"v{host.index}")):  # up, down
             tc = ["tc", "-n", namespace, "qdisc"]
             if host.rate_mbit is None:
-                _run(tc + ["del", "dev", dev, "root"], check=False)  # fails harmlessly when there is none
+                run_tool(tc + ["del", "dev", dev, "root"], check=False)  # fails harmlessly when there is none
             else:
-                _run(tc + ["replace", "dev", dev, "root", "tbf", *tbf_args(host.rate_mbit)])
+                run_tool(tc + ["replace", "dev", dev, "root", "tbf", *tbf_args(host.rate_mbit)])
 
     def cut_partition(self, group_b_hosts: list[str]) -> None:
         """Put ``group_b_hosts`` on bridge B, the rest on bridge A, and cut the trunk between the bridges."""
         group_b = {self._host(name).index for name in group_b_hosts}
         for host in self._hosts.values():
             bridge = "brB" if host.index in group_b else "brA"
-            _run(["ip", "-n", self.switch_namespace, "link", "set", f"v{host.index}", "master", bridge])
-        _run(["ip", "-n", self.switch_namespace, "link", "set", "trA", "down"])
+            run_tool(["ip", "-n", self.switch_namespace, "link", "set", f"v{host.index}", "master", bridge])
+        run_tool(["ip", "-n", self.switch_namespace, "link", "set", "trA", "down"])
 
     def heal_partition(self) -> None:
         """Bring the trunk back up: all hosts reach each other again."""
-        _run(["ip", "-n", self.switch_namespace, "link", "set", "trA", "up"])
+        run_tool(["ip", "-n", self.switch_namespace, "link", "set", "trA", "up"])
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,386 @@
+"""The scenario engine behind every multi-host testnet backend: one run of a scenario, start to report.
+
+A backend (``HostControl``: ``netns_run.NetnsHosts`` or ``docker_run.DockerHosts``) only controls hosts: it starts
+``p2ptrain bootstrap|peer`` on a host, signals, pauses and reaps it, shapes a host's link and cuts or heals a
+partition. Everything else is here, the same for every backend: the peers' flags and rounds, the lives of each peer,
+the scenario's events on their timeline (kills, stops, restarts from checkpoint, rate changes, partitions, new
+peers, random churn), the metrics files, and at the end the report and its checks. Teardown always runs: in
+``finally`` on success, failure and SIGINT/SIGTERM/SIGHUP (and through the backend's guard if the launcher itself is
+killed). The workdir is shared with every host at the same path, so metrics and checkpoints are read from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from p2ptrain.checkpoint import latest_checkpoint
+from p2ptrain.config import build_config, read_config_file
+from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
+from p2ptrain.metrics import read_metrics
+from p2ptrain.testnet.hosttools import HostControl
+from p2ptrain.testnet.loopback import PeerSummary, format_summary
+from p2ptrain.testnet.report import EventRecord, Life, RunRecord, format_checks, run_checks, write_report
+from p2ptrain.testnet.scenario import Event, RunPlan, Scenario, Timeline, load_scenario, peer_index, plan_run
+
+PORT = 31337  # every host has its own network stack, so one fixed port serves all
+BOOTSTRAP_TIMEOUT_S = 120.0  # a container's first start on 2 busy cores takes ~20 s
+STOP_GRACE_S = 20.0  # SIGTERM -> SIGKILL: a peer finishes the averaging it is in, then writes a checkpoint
+PEER_FLAGS = ("--torch-threads", "1", "--no-progress", "--device", "cpu", "--no-nat-port-map", "--no-auto-nat",
+              "--no-relay")  # every peer of every backend, besides --config
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioOptions:
+    """What `p2ptrain testnet --backend netns|docker` was asked for; None defers to the scenario, then to defaults."""
+
+    num_peers: int | None = None
+    bandwidth: str | None = None  # "50mbit,50mbit,5mbit": one rate per peer, or one for all
+    scenario_path: str | None = None
+    rounds: int | None = None  # the run ends when every peer has logged round rounds-1 ...
+    duration_s: float | None = None  # ... or after this many seconds
+    model: str | None = None
+    config_path: str | None = None  # peer config file; the scenario's peer_config is merged over it
+    workdir: str | None = None  # logs, metrics, checkpoints (default: a temp dir)
+    report_dir: str | None = None  # report.json and plots (default: <workdir>/report)
+    timeout_s: float = 900.0
+    name_prefix: str | None = None  # names of the backend's namespaces or containers (default: from the pid)
+
+    def __post_init__(self) -> None:
+        if self.rounds is not None and self.duration_s is not None:
+            raise ConfigError("give --rounds or --duration, not both")
+        if self.timeout_s < 10:
+            raise ConfigError(f"--timeout must be >= 10 s, got {self.timeout_s}")
+
+
+def wait_exit(hosts: HostControl, host: str, timeout_s: float) -> int | None:
+    """Wait up to ``timeout_s`` for the host's process to exit; its exit code, or None if it still runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hosts.refresh()
+        code = hosts.exit_code(host)
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        time.sleep(min(0.1, hosts.poll_s))
+
+
+class Fleet:
+    """The bootstrap and the peers of one run: start, signal, restart, and follow their lives and metrics."""
+
+    def __init__(self, hosts: HostControl, workdir: Path, plan: RunPlan, peer_args: list[str], num_shards: int):
+        self.hosts, self.workdir, self.plan = hosts, workdir, plan
+        self.peer_args = peer_args  # the flags every peer gets
+        self.num_shards = num_shards
+        self.run_id = f"{hosts.kind}-{uuid.uuid4().hex[:8]}"
+        self.bootstrap_maddr = ""
+        self.lives: list[Life] = []
+        self.current: dict[str, Life] = {}
+        self.stopped: set[str] = set()  # peers now frozen
+        self.asked_to_stop: dict[str, float] = {}  # peers sent SIGTERM for reaching the last round -> deadline
+        self.round_budget: dict[str, int] = {}  # the --rounds each peer's current process was given
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+
+    def checkpoint_dir(self, peer: str) -> Path:
+        return self.workdir / "checkpoints" / peer
+
+    def _start(self, host: str, command: str, args: list[str]) -> int:
+        log = self.workdir / f"{host}.log"
+        with open(log, "ab") as out:
+            out.write(f"---- {time.strftime('%H:%M:%S')} p2ptrain {command} {' '.join(args)}\n".encode())
+        return self.hosts.start(host, command, args, log)
+
+    def start_bootstrap(self) -> None:
+        address_file = self.workdir / "bootstrap.addr"
+        address_file.unlink(missing_ok=True)
+        self._start("bootstrap", "bootstrap", [
+            "--identity", str(self.workdir / "bootstrap.key"), "--address-file", str(address_file),
+            "--no-nat-port-map", "--no-auto-nat", "--no-relay"])
+        deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+        while not (address_file.exists() and address_file.read_text().strip()):
+            self.hosts.refresh()
+            if self.hosts.exit_code("bootstrap") is not None:
+                raise UserError(f"the bootstrap node exited with code {self.hosts.exit_code('bootstrap')}; see "
+                                f"{self.workdir / 'bootstrap.log'}")
+            if time.monotonic() > deadline:
+                raise UserError(f"the bootstrap node did not start within {BOOTSTRAP_TIMEOUT_S:.0f} s; see "
+                                f"{self.workdir / 'bootstrap.log'}")
+            time.sleep(self.hosts.poll_s)
+        own = f"/ip4/{self.hosts.address('bootstrap')}/"
+        maddrs = address_file.read_text().split()
+        self.bootstrap_maddr = next((m for m in maddrs if m.startswith(own)), maddrs[0])
+
+    def start_peer(self, peer: str, resume: bool) -> str:
+        """Start a peer, from its latest checkpoint when ``resume`` and one exists; returns how it started."""
+        self._reap_exited()
+        checkpoint_round, note = None, "fresh start"
+        if resume:
+            try:
+                latest = latest_checkpoint(self.checkpoint_dir(peer))
+                checkpoint_round = None if latest is None else int(json.loads((latest / "meta.json").read_text())[
+                    "round"])
+            except (CheckpointError, OSError, ValueError, KeyError) as e:  # `--resume` would fail: start fresh
+                note = f"fresh start (unreadable checkpoint: {one_line(e)})"
+            if checkpoint_round is not None:
+                note = f"resumed from the checkpoint of round {checkpoint_round}"
+            elif note == "fresh start":
+                note = "fresh start (no checkpoint yet)"
+        rounds = 0 if self.plan.rounds is None else max(1, self.plan.rounds - (checkpoint_round or 0))
+        self.round_budget[peer] = rounds or 2**62
+        args = ["--initial-peers", self.bootstrap_maddr, "--run-id", self.run_id, "--rounds", str(rounds),
+                "--shard-index", str(peer_index(peer, "peer") % self.num_shards), "--metrics",
+                str(self.workdir / f"{peer}.jsonl"), "--checkpoint-dir", str(self.checkpoint_dir(peer)),
+                *self.peer_args]
+        if peer in self.plan.adversaries:
+            args += ["--red-team", self.plan.adversaries[peer]]
+        pid = self._start(peer, "peer", args + (["--resume"] if checkpoint_round is not None else []))
+        life = Life(peer, pid, time.time(), resumed_from_round=checkpoint_round)
+        self.lives.append(life)
+        self.current[peer] = life
+        self.rows.setdefault(peer, [])
+        self.asked_to_stop.pop(peer, None)
+        return note
+
+    def running(self, peer: str) -> bool:
+        return peer in self.current and self.hosts.exit_code(peer) is None
+
+    def end_life(self, peer: str, reason: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Signal a peer (waking it first unless SIGKILL), wait up to STOP_GRACE_S, then SIGKILL it."""
+        self.hosts.signal(peer, sig)
+        self.reap(peer, reason, STOP_GRACE_S)
+
+    def reap(self, peer: str, reason: str, grace_s: float) -> None:
+        """Wait for a signalled peer to exit and close its life; past ``grace_s`` it is SIGKILLed."""
+        code = wait_exit(self.hosts, peer, grace_s)
+        if code is None:
+            self.hosts.signal(peer, signal.SIGKILL)
+            code = wait_exit(self.hosts, peer, STOP_GRACE_S)
+            reason = "killed_at_teardown"
+        clean = code in (0, -signal.SIGTERM)  # -SIGTERM: stopped before its handler was installed
+        self._close_life(peer, "crashed" if reason == "stopped_at_end" and not clean else reason, code)
+
+    def _close_life(self, peer: str, reason: str, code: int | None) -> None:
+        life = self.current.pop(peer)
+        life.ended, life.exit_code, life.end_reason = time.time(), code, reason
+        self.stopped.discard(peer)
+
+    def pause(self, peer: str, pause: bool) -> None:
+        self.hosts.pause(peer, pause)
+        (self.stopped.add if pause else self.stopped.discard)(peer)
+
+    def poll(self) -> None:
+        """Close the lives of exited peers, reload metrics, and stop peers that are past the last round."""
+        self._reap_exited()
+        for peer in self.rows:
+            path = self.workdir / f"{peer}.jsonl"
+            self.rows[peer] = read_metrics(path) if path.exists() else []
+        if self.plan.rounds is None:
+            return
+        for peer, life in self.current.items():
+            rows = [row for row in self.rows[peer] if row["time"] >= life.started]
+            done_by_itself = len(rows) >= self.round_budget[peer]  # it exits on its own after its --rounds
+            if rows and rows[-1]["round"] >= self.plan.rounds - 1 and not done_by_itself \
+                    and peer not in self.asked_to_stop:
+                self.hosts.signal(peer, signal.SIGTERM)  # it jumped ahead by joining the swarm: its count is not done
+                self.asked_to_stop[peer] = time.monotonic() + STOP_GRACE_S
+        for peer, deadline in list(self.asked_to_stop.items()):
+            if peer in self.current and time.monotonic() > deadline:
+                self.reap(peer, "finished", grace_s=0.0)  # hung on the way out: SIGKILL, killed_at_teardown
+
+    def _reap_exited(self) -> None:
+        self.hosts.refresh()
+        for peer in list(self.current):
+            code = self.hosts.exit_code(peer)
+            if code is not None:
+                self._close_life(peer, "finished" if code == 0 else "crashed", code)
+
+    def last_rounds(self) -> dict[str, int]:
+        return {peer: rows[-1]["round"] for peer, rows in self.rows.items() if rows}
+
+    def any_active(self) -> bool:
+        return any(self.running(peer) and peer not in self.stopped for peer in self.current)
+
+    def stop_all(self) -> None:
+        """Wake and SIGTERM every peer once, give them STOP_GRACE_S together to checkpoint, SIGKILL the rest."""
+        peers = list(self.current)
+        for peer in peers:
+            self.hosts.signal(peer, signal.SIGCONT if peer in self.asked_to_stop else signal.SIGTERM)  # 2nd TERM aborts
+        deadline = time.monotonic() + STOP_GRACE_S
+        for peer in peers:
+            self.reap(peer, "stopped_at_end", max(0.1, deadline - time.monotonic()))
+
+
+def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
+    """Carry out one event; (False, why) when it cannot apply now (e.g. the peer is not running)."""
+    peer, hosts = event.peer or "", fleet.hosts
+    needs_running = event.action in ("kill", "stop", "continue")
+    if needs_running and not fleet.running(peer):
+        return False, f"{peer} is not running"
+    if event.action == "kill":
+        fleet.end_life(peer, "killed")
+    elif event.action in ("stop", "continue"):
+        fleet.pause(peer, event.action == "stop")
+    elif event.action == "restart":
+        if fleet.running(peer):
+            fleet.end_life(peer, "restarted", signal.SIGTERM)
+        return True, fleet.start_peer(peer, resume=True)
+    elif event.action == "add_peer":
+        return True, fleet.start_peer(peer, resume=False)
+    elif event.action == "set_rate":
+        hosts.set_rate(peer, event.rate_mbit)
+    elif event.action == "partition":
+        hosts.cut_partition(list(event.group))
+    elif event.action == "heal":
+        hosts.heal_partition()
+    return True, ""
+
+
+def unfired_events(script: Timeline) -> list[str]:
+    return [f"{e.describe()} ({e.trigger})" for e in script.pending]
+
+
+def drive(fleet: Fleet, plan: RunPlan, timeout_s: float, events: list[EventRecord], script: Timeline) -> str:
+    """Fire events until the run's bound and return the outcome; ``script`` (the scenario's own events) is left
+    holding those never fired, also when an interrupt ends the run early."""
+    timelines = {"script": script, "churn": Timeline(plan.churn_events)}
+    churn_down: set[str] = set()  # peers a churn kill took down: only those get the churn restart
+    started = time.monotonic()
+    while True:
+        fleet.poll()
+        elapsed = time.monotonic() - started
+        for source, timeline in timelines.items():
+            for event in timeline.due(elapsed, fleet.last_rounds()):
+                if source == "churn" and event.action == "restart" and event.peer not in churn_down:
+                    ok, detail = False, f"{event.peer} was not taken down by churn"
+                else:
+                    ok, detail = _apply_safely(fleet, event)
+                if source == "churn" and ok:
+                    (churn_down.add if event.action == "kill" else churn_down.discard)(str(event.peer))
+                events.append(EventRecord(time.time(), event.action, event.describe(), event.trigger, source, ok,
+                                          detail))
+                click.echo(f"testnet: t={elapsed:5.1f}s {event.describe()} ({event.trigger})"
+                           + ("" if ok and not detail else f": {detail}"))
+        if plan.duration_s is not None and elapsed >= plan.duration_s:
+            return "duration"
+        if plan.duration_s is None and not fleet.any_active():
+            return "done"
+        if elapsed > timeout_s:
+            click.echo(f"testnet: timed out after {timeout_s:g} s", err=True)
+            return "timeout"
+        time.sleep(fleet.hosts.poll_s)
+
+
+def _apply_safely(fleet: Fleet, event: Event) -> tuple[bool, str]:
+    try:
+        return apply_event(fleet, event)
+    except UserError as e:  # an `ip`/`tc`/`docker` command failed: record it, the run goes on
+        return False, one_line(e)
+
+
+def merged_peer_config(options: ScenarioOptions, plan: RunPlan, workdir: Path) -> tuple[Path, int]:
+    """Write --config with the scenario's peer_config merged over it; validated here, before any host exists."""
+    values = read_config_file(options.config_path) if options.config_path else {}
+    for section, settings in plan.peer_config.items():
+        if isinstance(settings, dict) and isinstance(values.get(section), dict):
+            values[section] = {**values[section], **settings}
+        else:
+            values[section] = settings
+    if options.model:
+        values.setdefault("model", {})["name"] = options.model
+    config = build_config(values)
+    path = workdir / "peer_config.yaml"
+    path.write_text(yaml.safe_dump(values, sort_keys=True))
+    return path, config.data.num_shards
+
+
+@contextlib.contextmanager
+def _signals(handler: Any) -> Iterator[None]:
+    """Install ``handler`` for SIGINT/SIGTERM/SIGHUP for the block (main thread only), then restore the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def prepare_run(options: ScenarioOptions, check_backend: Callable[[], None]) -> tuple[RunPlan, Path,
+                                                                                     dict[str, float | None]]:
+    """The plan, the workdir and every host's rate (bootstrap unshaped); the scenario is checked first, then the
+    backend (``check_backend`` raises a one-line UserError), before anything is written."""
+    scenario = load_scenario(options.scenario_path) if options.scenario_path else Scenario()
+    plan = plan_run(scenario, options.num_peers, options.bandwidth, options.rounds, options.duration_s)
+    check_backend()
+    workdir = Path(options.workdir or tempfile.mkdtemp(prefix="p2ptrain-testnet-")).resolve()  # hosts share the path
+    workdir.mkdir(parents=True, exist_ok=True)
+    rates: dict[str, float | None] = {"bootstrap": None, **dict(zip(plan.initial_peers, plan.peer_rates_mbit,
+                                                                    strict=True))}
+    rates.update({str(e.peer): e.rate_mbit for e in plan.events if e.action == "add_peer"})
+    return plan, workdir, rates
+
+
+def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, workdir: Path,
+                 rates: Mapping[str, float | None], where: str) -> bool:
+    """Run a planned scenario on a backend's hosts; True when every check passed."""
+    config_path, num_shards = merged_peer_config(options, plan, workdir)
+    fleet = Fleet(hosts, workdir, plan, ["--config", str(config_path), *PEER_FLAGS], num_shards)
+    bound = f"{plan.rounds} rounds" if plan.rounds is not None else f"{plan.duration_s:g} s"
+    click.echo(f"testnet: bootstrap + {len(plan.initial_peers)} peers {where}, {bound}, {len(plan.events)} "
+               f"scripted + {len(plan.churn_events)} churn events, logs in {workdir}")
+    events: list[EventRecord] = []
+    outcome, error, started, script = "error", None, time.time(), Timeline(plan.events)
+    with _signals(_interrupt):
+        try:
+            hosts.create()
+            fleet.start_bootstrap()
+            started = time.time()
+            for peer in plan.initial_peers:
+                fleet.start_peer(peer, resume=False)
+            outcome = drive(fleet, plan, options.timeout_s, events, script)
+        except BaseException as e:  # KeyboardInterrupt (Ctrl-C, SIGTERM, SIGHUP) included: report, then re-raise
+            outcome, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "error"), e
+        finally:
+            with _signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the teardown short
+                click.echo("testnet: stopping peers and tearing down the testbed")
+                try:
+                    fleet.stop_all()
+                finally:
+                    hosts.teardown()
+    checkpoint_dirs = {peer: str(fleet.checkpoint_dir(peer)) for peer in fleet.rows}
+    peer_rates = {host: rate for host, rate in rates.items() if host != "bootstrap"}
+    record = RunRecord(started, time.time(), fleet.rows, fleet.lives, events, unfired_events(script), checkpoint_dirs,
+                       peer_rates, outcome, dataclasses.asdict(plan))
+    return _report(record, plan, Path(options.report_dir or workdir / "report"), error)
+
+
+def _report(record: RunRecord, plan: RunPlan, report_dir: Path, error: BaseException | None) -> bool:
+    results = run_checks(record, plan.checks)
+    paths = write_report(record, results, report_dir)
+    summaries = [PeerSummary(peer, record.lives_of(peer)[-1].exit_code if record.lives_of(peer) else None, rows)
+                 for peer, rows in record.rows.items()]
+    click.echo(format_summary(summaries))
+    click.echo("checks:\n" + format_checks(results))
+    click.echo(f"testnet: report in {paths[0]} (plots: {', '.join(p.name for p in paths[1:])})")
+    if error is not None:
+        raise error
+    ok = all(r.passed for r in results)
+    click.echo("testnet: every check passed" if ok else "testnet: FAILED — see the checks above")
+    return ok
