@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
@@ -137,13 +138,16 @@ def bootstrap(address_file: str | None, run_id: str | None, **kwargs: Any) -> No
 @click.option("--torch-threads", type=click.IntRange(min=0), help="CPU threads for this peer (0: torch default).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
 @click.option("--plan", "show_plan", is_flag=True, help="Print this peer's memory plan and exit (p2ptrain plan).")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes of this node, one per GPU, training as one peer "
+                                                           "(starts itself under torchrun; default 1).")
 @click.option("--red-team", "red_team", hidden=True, help="Testnets only: play an attack, KIND[@ROUND] "
                                                           "(p2ptrain/testnet/adversary.py).")
 @network_options
 def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
-         red_team: str | None, show_plan: bool, **kwargs: Any) -> None:
+         red_team: str | None, show_plan: bool, workers: int | None, **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
+    from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.net.dht import parse_maddr
     from p2ptrain.peer import TrainingPeer
 
@@ -172,8 +176,18 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
 
         click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
         return
+    start_node_processes(workers)
+    node = NodeGroup.from_environment(config.run.device, config.run.node_timeout_s)
+    if not node.is_leader:
+        from p2ptrain.node_worker import NodeWorker
+
+        try:
+            NodeWorker(config, node).run()
+        finally:
+            node.close()
+        return
     logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
-    training_peer = TrainingPeer(config, peers, resume=resume)
+    training_peer = TrainingPeer(config, peers, resume=resume, node=node)
     if attack is not None:
         install_attack(training_peer, attack)
     install_stop_handlers(training_peer.stop)
@@ -188,6 +202,20 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
                        f"{history[0].val_loss:.3f} -> {history[-1].val_loss:.3f}")
     finally:
         training_peer.shutdown()
+
+
+def start_node_processes(workers: int | None) -> None:
+    """`--workers N`: run this same command as the N processes of a node (it returns only inside them)."""
+    from p2ptrain.maths.data_parallel import node_size_from_environment
+
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (by us, or by the user)
+        if workers is not None and workers != node_size_from_environment():
+            raise click.UsageError(f"--workers {workers} under torchrun with {os.environ['WORLD_SIZE']} processes")
+        return
+    if workers is not None and workers > 1:
+        from p2ptrain.node_launcher import run_node
+
+        sys.exit(run_node(workers, sys.argv[1:]))
 
 
 @cli.command()
@@ -276,27 +304,40 @@ def admit(peer_id: str, key_path: str, out_path: str, run_id: str | None) -> Non
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go (default: a temp dir).")
 @click.option("--timeout", "timeout_s", default=900, show_default=True, type=click.IntRange(min=10),
               help="Seconds before the testnet gives up.")
-@click.option("--backend", default="loopback", show_default=True, type=click.Choice(["loopback", "netns"]),
-              help="loopback: processes on 127.0.0.1; netns: one network namespace per host (root).")
-@click.option("--bandwidth", default=None, help="netns: per-peer rates, e.g. 50mbit,50mbit,5mbit (or one for all).")
-@click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False), help="netns: scenario YAML file.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=1), help="netns: run this many seconds.")
-@click.option("--report", "report_dir", type=click.Path(file_okay=False), help="netns: where the report goes.")
+@click.option("--backend", default="loopback", show_default=True, type=click.Choice(["loopback", "netns", "docker"]),
+              help="loopback: processes on 127.0.0.1; netns: one network namespace per host (root); docker: one "
+                   "container of the real images per host.")
+@click.option("--bandwidth", default=None, help="netns/docker: per-peer rates, e.g. 50mbit,50mbit,5mbit (or one for "
+                                                "all).")
+@click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False), help="netns/docker: scenario YAML file.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=1), help="netns/docker: run this many seconds.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), help="netns/docker: where the report goes.")
+@click.option("--peer-image", default="p2ptrain-peer:latest", show_default=True, help="docker: the peer image.")
+@click.option("--bootstrap-image", default="p2ptrain-bootstrap:latest", show_default=True,
+              help="docker: the bootstrap image.")
 def testnet(backend: str, bandwidth: str | None, scenario_path: str | None, duration_s: float | None,
-            report_dir: str | None, **kwargs: Any) -> None:
+            report_dir: str | None, peer_image: str, bootstrap_image: str, **kwargs: Any) -> None:
     """Start a bootstrap and N peers, train, and print a summary; exit 1 if training did not happen."""
-    if backend == "netns":
-        from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
+    if backend in ("netns", "docker"):
+        from p2ptrain.testnet.engine import ScenarioOptions
 
         if kwargs.pop("sync"):
             raise click.UsageError("--sync is for the loopback backend; set sync.mode in --config or the scenario")
-        ok = run_netns_testnet(NetnsTestnetOptions(bandwidth=bandwidth, scenario_path=scenario_path,
-                                                   duration_s=duration_s, report_dir=report_dir, **kwargs))
+        options = ScenarioOptions(bandwidth=bandwidth, scenario_path=scenario_path, duration_s=duration_s,
+                                  report_dir=report_dir, **kwargs)
+        if backend == "netns":
+            from p2ptrain.testnet.netns_run import run_netns_testnet
+
+            ok = run_netns_testnet(options)
+        else:
+            from p2ptrain.testnet.docker_run import run_docker_testnet
+
+            ok = run_docker_testnet(options, peer_image, bootstrap_image)
     else:
         from p2ptrain.testnet.loopback import TestnetOptions, run_testnet
 
         if bandwidth or scenario_path or duration_s or report_dir:
-            raise click.UsageError("--bandwidth, --scenario, --duration and --report need --backend netns")
+            raise click.UsageError("--bandwidth, --scenario, --duration and --report need --backend netns or docker")
         kwargs["num_peers"] = kwargs["num_peers"] or 4
         ok = run_testnet(TestnetOptions(**kwargs))
     sys.exit(0 if ok else 1)

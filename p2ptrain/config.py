@@ -45,6 +45,9 @@ class RunConfig:
     checkpoint_every: int = 10  # rounds between checkpoints (also written on Ctrl-C)
     metrics_path: str = ""  # JSON lines, one per round; empty = none
     progress: bool = True  # show a progress bar
+    # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
+    # rounds (rank 0's sync, joins and checkpoints included) before the node stops; a dead worker is seen at once
+    node_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " ./:"):
@@ -55,6 +58,8 @@ class RunConfig:
             raise ConfigError(f"run.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"run.checkpoint_every must be >= 1 round, got {self.checkpoint_every}")
+        if not 10 <= self.node_timeout_s <= 86400:
+            raise ConfigError(f"run.node_timeout_s must be in [10, 86400] seconds, got {self.node_timeout_s}")
         if self.torch_threads < 0:
             raise ConfigError(f"run.torch_threads must be >= 0, got {self.torch_threads}")
 

@@ -23,9 +23,10 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
-from p2ptrain.data import TextShards, build_tokenizer, shard_for_peer
+from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
 from p2ptrain.joining import Joiner, split_by_quorum
+from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.pacing import inner_steps_for_link
@@ -37,6 +38,7 @@ from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatche
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
+from p2ptrain.node_worker import NodeStart, node_batches, node_data
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
 from p2ptrain.tensor_layout import check_tensors, layout_of
@@ -59,14 +61,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 class TrainingPeer:
-    """One volunteer's training client. `run()` trains until `config.run.rounds` or `stop()`."""
+    """One volunteer's training client. `run()` trains until `config.run.rounds` or `stop()`. On a node of several
+    processes (`node`), this is rank 0: the others train beside it (node_worker.py)."""
 
-    def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False):
+    def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False,
+                 node: NodeGroup | None = None):
         self.config = config
         self.stop_event = threading.Event()
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
-        self.device = resolve_device(config.run.device)
+        self.node = node or NodeGroup(device=resolve_device(config.run.device))
+        self.device = self.node.device
         self.tokenizer = build_tokenizer(config.data)
         self.model = build_model(config.model, self.tokenizer.vocab_size, config.run.seed)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to
@@ -75,7 +80,7 @@ class TrainingPeer:
         self.fingerprint = model_fingerprint(self.model)
         logger.info(f"model {config.model.name}: {count_parameters(self.model):,} parameters on {self.device}")
         self.initial_params = [p.detach().float().cpu().clone() for p in self.params]  # θ_0: gossip's reference
-        self.inner = InnerTrainer(self.model, config.inner, self.device)
+        self.inner = InnerTrainer(self.model, config.inner, self.device, self.node)
         self.outer = OuterOptimizer(self.params, dataclasses.replace(
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.round, self.synced, self.joined_this_round = 0, True, False
@@ -89,8 +94,9 @@ class TrainingPeer:
             self._apply_sync_state(checkpoint)
         shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
             self.peer_id, config.data.num_shards)
-        self.data = TextShards(config.data, self.tokenizer, shard)
-        self.batches = self.data.train_batches(seed=hash((config.run.seed, shard)) % 2**31)
+        self.data = node_data(config, self.tokenizer, shard, self.node.world_size)
+        self.batches = node_batches(config, self.data, shard)
+        self.node.broadcast_object(NodeStart(shard, self.inner.state_dict() if checkpoint is not None else None))
         self.val_batches: list[torch.Tensor] = self.data.validation_batches()
         self.metrics_log = MetricsLog(config.run.metrics_path or None)
         self.round_callbacks: list[Callable[[TrainingPeer, RoundMetrics], None]] = []  # called after each round
@@ -157,6 +163,11 @@ class TrainingPeer:
                     callback(self, metrics)
                 if self.config.run.checkpoint_dir and self.round % self.config.run.checkpoint_every == 0:
                     self.save_checkpoint()
+            self.node.command(STOP)  # the node's other workers end with us
+        except NodeError:  # a worker of this node died: keep the round's anchor, checkpoint it, leave the swarm
+            self.outer.restore_anchor_()
+            self.stop_event.set()
+            raise
         finally:
             bar.close()
             if self.stop_event.is_set() and self.config.run.checkpoint_dir:
@@ -173,6 +184,8 @@ class TrainingPeer:
         self.sync.start_round(self._context(view, inner_steps=0))
         deadline = self._inner_deadline(view)
         peers_in_round = 1 + len(view.at_round(round_))
+        self.node.command(TRAIN)
+        self.node.broadcast_(self.params)  # the round's parameters, on every worker of the node
         phase = self.inner.run_phase(
             self.batches, self._inner_steps(), deadline,
             on_step=lambda step, loss: self._on_inner_step(bar, round_, step, loss, peers_in_round),
@@ -346,7 +359,8 @@ class TrainingPeer:
 
     def shutdown(self) -> None:
         closers = (self.announcer.stop, self.watcher.stop, self.sync.shutdown,
-                   lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown)
+                   lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown,
+                   self.node.close)
         for close in closers:
             try:
                 close()
