@@ -77,16 +77,14 @@ from benchmarks.sim.simulation import (  # noqa: E402
     validation_loss,
 )
 from p2ptrain.errors import ConfigError  # noqa: E402
-from p2ptrain.maths.centered_clip import centered_clip  # noqa: E402
 from p2ptrain.maths.inner import InnerConfig  # noqa: E402
 from p2ptrain.maths.mixing import consensus_distance, exact_average, pull_toward_, uniform_weight  # noqa: E402
 from p2ptrain.maths.outer_rules import propose  # noqa: E402
 from p2ptrain.maths.robust_mean import MeanCheck, own_scale  # noqa: E402
 from p2ptrain.net.allreduce import AveragingResult  # noqa: E402
-from p2ptrain.sync.allreduce_agreement import Reduction  # noqa: E402
 from p2ptrain.sync.config import SyncConfig  # noqa: E402
 from p2ptrain.sync.diloco import checked, mean_check  # noqa: E402
-from p2ptrain.sync.exchange_allreduce import MAX_ABS_VALUE  # noqa: E402
+from p2ptrain.sync.exchange_allreduce import MAX_ABS_VALUE, robust_reduction  # noqa: E402
 from p2ptrain.sync.param_gossip import ParamGossip  # noqa: E402
 from p2ptrain.tensor_layout import distance, norm  # noqa: E402
 
@@ -250,15 +248,19 @@ def diloco_round_(run: Run, deltas: dict[int, Tensors], r: int) -> None:
     claims = [norm(d) for d in honest] + [ATTACKER_CLAIM] * run.case.attackers  # hivemind: announced ‖Δ‖
     sent = [diloco_attack(run, honest, honest_mean, claims)] if run.case.attackers else []
     mean, lengths = exact_average(honest + sent * run.case.attackers), claims
-    for peer, check in zip(run.peers, run.checks, strict=True):
+    for position, (peer, check) in enumerate(zip(run.peers, run.checks, strict=True)):
         started = time.process_time()  # off: MeanCheck(enabled=False) accepts every mean
+        measured: dict[str, float] = {}
         if run.case.defended:  # every member reduces the same inputs (the confirmation stage sees to it)
-            inputs = honest + (sent * run.case.attackers if sent and received(sent[0]) else [])
-            Reduction.of(r, [(str(j), x) for j, x in enumerate(inputs)])  # the digest its members confirm
-            robust = centered_clip(inputs, SYNC.clip_multiplier)
+            # attackers choose their peer ids: theirs sort first, ahead of the honest members'
+            inputs = (sent * run.case.attackers if sent and received(sent[0]) else []) + honest
+            # the digest its members confirm, and the CenteredClip mean (ExchangeAllReduce._reduce)
+            robust = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], r, SYNC.clip_multiplier)[0]
             mean, lengths = robust.mean, robust.lengths  # the exchange sees every input: their lengths, not claims
-        result, refused = checked(AveragingResult(mean, len(lengths), claimed_norms=lengths), deltas[peer.index],
-                                  check, r)
+            ours = len(inputs) - len(honest) + position
+            measured = {"own_norm": robust.lengths[ours], "own_deviation": robust.distances[ours]}
+        result, refused = checked(AveragingResult(mean, len(lengths), claimed_norms=lengths, **measured),
+                                  deltas[peer.index], check, r)
         run.defence_cpu_s += time.process_time() - started
         if run.case.defended:
             run.count("means")
@@ -378,8 +380,9 @@ NOTES = ("Notes: one seed per row. Gaps are against the clean run with defences 
          "non-finite value (its loss is then nan). 'defences acted' counts GASLoC exchanges refused or clipped, by "
          "sender, and DiLoCo means refused (each honest peer's check, each round). DiLoCo, defences off: the aimed "
          "attack sets the plain mean itself, so its 1- and 2-attacker rows coincide; on: an aimed Δ lies beyond "
-         "CenteredClip's radius like a sign-flipped one, and is clipped the same (the rows coincide). DiLoCo's "
-         "defence calls are the SHA-256 digest of the inputs (the agreement check), CenteredClip and the mean "
+         "CenteredClip's radius like a sign-flipped one, and is clipped the same (the rows coincide); the attackers' Δ "
+         "sort first among the members' (a peer id is its owner's to choose). DiLoCo's "
+         "defence calls are the BLAKE3 digest of the inputs (the agreement check), CenteredClip and the mean "
          "check, each peer every round: a few passes over the n inputs, whose share of CPU falls as the compute of "
          "a round grows (inner steps × batch; production's default H and a small batch here).")
 

@@ -80,3 +80,57 @@ def test_huge_but_bounded_values_keep_the_mean_finite():
     result = centered_clip(honest + [hostile])
     assert all(bool(torch.isfinite(t).all()) for t in result.mean)
     assert math.isinf(result.distances[3]) is False and result.far_inputs() == [3]
+
+
+@pytest.mark.parametrize("value", [1e6, 1e15])
+def test_a_huge_input_is_clipped_wherever_it_sorts(value):
+    """Members' inputs are sorted by peer id, which a member chooses: one that sorts first must not become the point
+    the arithmetic is taken from (distances of honest inputs measured from 1e15 away are lost to cancellation)."""
+    honest = honest_deltas(5)
+    hostile = [torch.full(s, value) for s in SHAPES]
+    first, last = centered_clip([hostile] + honest), centered_clip(honest + [hostile])
+    assert first.far_inputs() == [0] and last.far_inputs() == [5]
+    assert first.radius == pytest.approx(last.radius, rel=1e-4) and first.radius > 0
+    assert distance(first.mean, last.mean) <= 1e-4 * norm(last.mean)
+    assert distance(first.mean, exact_average(honest)) <= first.radius / 5 + 1e-6
+
+
+def reference(inputs: list[list[torch.Tensor]], multiplier: float = 2.0) -> tuple[torch.Tensor, float]:
+    """CenteredClip written out plainly in fp64 (pairwise distances one by one): the mean, flattened, and τ."""
+    x = torch.stack([torch.cat([t.double().reshape(-1) for t in value]) for value in inputs])
+    apart = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist")
+    n = len(x)
+    others = n - 1
+    medians = [float(torch.cat([apart[j, :j], apart[j, j + 1:]]).sort().values[(others - 1) // 2:others // 2 + 1]
+                     .mean()) for j in range(n)]
+    start = medians.index(min(medians))
+    radius = multiplier * medians[start]
+    if bool(((x - x.mean(dim=0)).norm(dim=1) <= radius).all()):
+        return x.mean(dim=0), radius
+    centre = x[start].clone()
+    for _ in range(8):
+        gaps = x - centre
+        centre = centre + (gaps * (radius / gaps.norm(dim=1)).clamp(max=1.0)[:, None]).sum(dim=0) / n
+    return centre, radius
+
+
+@pytest.mark.parametrize("case", ["spread", "near_identical", "huge_first"])
+def test_the_mean_and_radius_match_a_plain_fp64_computation(case):
+    """The fp32 Gram matrix is used as it is only where it is precise: near-identical inputs (their distances are a
+    millionth of their lengths, lost to cancellation in ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩) are measured again from
+    the shortest input."""
+    gen = torch.Generator().manual_seed(5)
+    if case == "near_identical":
+        base = [100 * torch.randn(s, generator=gen) for s in SHAPES]
+        inputs = [[b + 1e-4 * torch.randn(s, generator=gen) for b, s in zip(base, SHAPES, strict=True)]
+                  for _ in range(5)]
+    else:
+        inputs = honest_deltas(5, seed=5)
+    if case == "huge_first":
+        inputs = [[torch.full(s, -1e15) for s in SHAPES]] + inputs
+    expected, radius = reference(inputs)
+    result = centered_clip(inputs)
+    flat = torch.cat([t.double().reshape(-1) for t in result.mean])
+    assert result.radius == pytest.approx(radius, rel=1e-3)
+    # within a thousandth of the inputs' spread, or of fp32's own precision at their length
+    assert float((flat - expected).norm()) <= max(1e-3 * radius, 1e-6 * float(expected.norm()))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
 
+from p2ptrain.maths.centered_clip import stack
 from p2ptrain.maths.codecs import compress_all
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.net.exchange import serve_exchanges
@@ -24,7 +25,9 @@ from p2ptrain.sync.allreduce_agreement import (
     Reduction,
     confirmation_verdict,
     equivocators,
+    is_digest,
     outvoted,
+    value_hash,
 )
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound, round_groups
@@ -62,6 +65,14 @@ def test_a_reduction_digest_depends_on_every_member_and_value_and_parses_back():
     assert first.digest != Reduction.of(3, [("a", deltas(0)), ("c", deltas(1))]).digest
     assert first.digest != Reduction.of(3, [("a", deltas(0)), ("b", deltas(2))]).digest
     assert Reduction.parse(first.header()) == first
+
+
+def test_a_row_of_the_stacked_inputs_hashes_like_the_input_itself():
+    """The exchange hashes the rows of the matrix CenteredClip reduces (one copy of the inputs, not two)."""
+    inputs = [deltas(0), deltas(1)]
+    rows = stack(inputs)
+    assert [value_hash([row]) for row in rows] == [value_hash(x) for x in inputs]
+    assert value_hash(deltas(0)) != value_hash(deltas(1)) and is_digest(value_hash(deltas(0)))
 
 
 @pytest.mark.parametrize("header", [

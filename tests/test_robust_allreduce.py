@@ -18,6 +18,7 @@ from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.allreduce import AveragingResult, claimed_norms
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.diloco import DilocoSync, mean_check
+from p2ptrain.sync.exchange_allreduce import robust_reduction
 from p2ptrain.sync.factored import AllReduceMix2
 from p2ptrain.sync.interface import RoundContext
 from p2ptrain.tensor_layout import distance, norm
@@ -148,6 +149,25 @@ def test_one_member_cannot_move_the_announced_scale_beyond_the_honest_claims():
     mean = exact_average(honest + [scaled(honest[0], -1000.0)])
     liar = [norm(d) for d in honest] + [1000.0 * norm(honest[0])]  # the attacker announces its true length
     assert not any(MeanCheck(MULTIPLIER).judge_(mean, own, liar).accepted for own in honest)
+
+
+@pytest.mark.parametrize("attacker", [False, True])
+def test_the_exchanges_measurements_of_our_input_are_what_the_check_would_measure(attacker):
+    """The exchange all-reduce hands the check ‖own‖ and ‖mean − own‖ as CenteredClip measured them (no second pass
+    over the vector); they agree with the check's own measurement, with or without a far input sorting first."""
+    honest = honest_deltas(5, shared=1.0, own=0.5)
+    inputs = ([scaled(honest[0], -1000.0)] if attacker else []) + honest
+    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    ours = len(inputs) - 1
+    assert result.lengths[ours] == pytest.approx(norm(inputs[ours]), rel=1e-5)
+    assert result.distances[ours] == pytest.approx(distance(result.mean, inputs[ours]), rel=1e-4)
+    own = inputs[ours]
+    measured = MeanCheck(MULTIPLIER).judge_(result.mean, own, result.lengths, result.lengths[ours],
+                                            result.distances[ours])
+    itself = MeanCheck(MULTIPLIER).judge_(result.mean, own, result.lengths)
+    assert measured.accepted and itself.accepted
+    assert (measured.deviation, measured.radius) == pytest.approx((itself.deviation, itself.radius), rel=1e-4)
+    assert not MeanCheck(MULTIPLIER).judge_(own, own, deviation=1e6).accepted  # the measured deviation is what counts
 
 
 def test_only_well_formed_claims_of_the_gathered_records_count():

@@ -83,15 +83,17 @@ class MeanCheck:
         typical = statistics.median(known) if len(known) >= MIN_HISTORY_ROUNDS else 0.0
         return self.multiplier * max(typical, scale)
 
-    def judge_(self, mean: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
-               claimed_norms: Sequence[float] = ()) -> MeanVerdict:
+    def judge_(self, mean: Sequence[torch.Tensor], own: Sequence[torch.Tensor], claimed_norms: Sequence[float] = (),
+               own_norm: float | None = None, deviation: float | None = None) -> MeanVerdict:
         """Whether `mean` may be applied in place of `own`; an accepted deviation joins the history.
 
-        `claimed_norms`: the ‖Δ‖ the group's members announced, ours included (unverified; may be empty)."""
+        `claimed_norms`: the ‖Δ‖ the group's members announced, ours included (unverified; may be empty).
+        `own_norm`, `deviation`: ‖own‖ and ‖mean − own‖ where our own code already measured them (the exchange
+        all-reduce's CenteredClip, from the inputs it reduced); measured here otherwise."""
         if not self.enabled:
             return MeanVerdict(True, math.nan, math.inf)
-        scale = own_scale(norm(own), claimed_norms)
-        deviation = distance(mean, own)
+        scale = own_scale(norm(own) if own_norm is None else own_norm, claimed_norms)
+        deviation = distance(mean, own) if deviation is None else deviation
         if not math.isfinite(deviation) or not math.isfinite(scale):
             return MeanVerdict(False, math.inf, self.radius(scale), "not finite")
         radius = self.radius(scale)

@@ -61,6 +61,10 @@ class AveragingResult:
     bytes_received: int = 0
     seconds: float = 0.0
     claimed_norms: list[float] = dataclasses.field(default_factory=list)  # ‖Δ‖ the members announced (robust only)
+    # ‖our input‖ and ‖mean − our input‖ where the all-reduce measured them (the exchange's CenteredClip does, for
+    # every input); None: the check of the mean measures them itself (sync/diloco.checked)
+    own_norm: float | None = None
+    own_deviation: float | None = None
     discarded: bool = False  # the members could not agree on the inputs: nobody applies anything this round
 
 

@@ -42,7 +42,7 @@ def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanChe
     if result.group_size <= 1 or result.discarded:  # our own Δ, or nothing to apply: no mean to judge
         return result, False
     own_cpu = [o.detach().float().cpu() for o in own]
-    verdict = check.judge_(result.delta, own_cpu, result.claimed_norms)
+    verdict = check.judge_(result.delta, own_cpu, result.claimed_norms, result.own_norm, result.own_deviation)
     if verdict.accepted:
         return result, False
     logger.warning(f"round {round_}: refused the mean of {result.group_size} peers' outer gradients "

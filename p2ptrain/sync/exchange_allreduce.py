@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from p2ptrain.maths.centered_clip import centered_clip
+from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all, decode_all
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AveragingResult
@@ -73,6 +73,16 @@ def round_groups(members: Sequence[str], round_: int, group_size: int | None, se
     size = min(group_size or MAX_MEMBERS, MAX_MEMBERS)
     random.Random(hashlib.sha256(f"{seed}/{round_}".encode()).digest()).shuffle(ordered)
     return [sorted(ordered[i:i + size]) for i in range(0, len(ordered), size)]
+
+
+def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round_: int,
+                     multiplier: float) -> tuple[RobustMean, Reduction]:
+    """What every member computes from a round's inputs (sorted by peer id): their CenteredClip mean, and what was
+    reduced (each input's hash, their digest). The inputs are copied once, into the rows of one matrix, which is
+    hashed row by row and then reduced in place."""
+    stacked = stack([x for _, x in inputs])
+    reduction = Reduction.of(round_, [(peer, [row]) for (peer, _), row in zip(inputs, stacked, strict=True)])
+    return centered_clip_rows_(stacked, inputs[0][1], multiplier), reduction
 
 
 class GatherRound(Mix2Round):
@@ -165,15 +175,17 @@ class ExchangeAllReduce(GradGossip):
         if out_of_step or len(inputs) == 1:
             self.previous = None
             return result(own, 1)
-        mean, lengths, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce, inputs,
-                                                                                   round_)
+        mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce,
+                                                                                              inputs, round_)
         verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, round_, patience_s,
                                       stats)
         logger.debug(f"round {round_}: {len(inputs)} inputs (expected {len(rnd.expected) + 1}), {verdict}, "
                      f"{time.monotonic() - started:.2f} s")
         self.previous = reduction if verdict == APPLY else reduction.discarded() if verdict == DISCARD else None
         if verdict == APPLY:
-            return result(mean, len(inputs), claimed_norms=lengths)
+            ours = [peer for peer, _ in inputs].index(self.own_id)  # what the check of the mean needs, measured
+            return result(mean, len(inputs), claimed_norms=lengths, own_norm=lengths[ours],
+                          own_deviation=distances[ours] if distances else None)
         if verdict == DISCARD:  # nobody applies this round: every member keeps the anchor it shares with the others
             return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
         return result(own, 1)  # out of step: applies its own, catches up next round
@@ -205,9 +217,21 @@ class ExchangeAllReduce(GradGossip):
         return verdict
 
     def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
-                round_: int) -> tuple[list[torch.Tensor], list[float], Reduction]:
-        """(the robust mean, each input's length, what was reduced): the work of a round, off the event loop."""
-        return *self._robust_mean(inputs, round_), Reduction.of(round_, inputs)
+                round_: int) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
+        """(the mean, each input's length, each input's distance from the mean, what was reduced): the work of a
+        round, off the event loop. The mean is CenteredClip's (without `sync.robust`: the plain mean, distances not
+        measured); members far beyond τ are penalised."""
+        if not self.config.robust:
+            values = [x for _, x in inputs]
+            return ([torch.stack(parts).mean(dim=0) for parts in zip(*values, strict=True)], [norm(x) for x in values],
+                    [], Reduction.of(round_, inputs))
+        result, reduction = robust_reduction(inputs, round_, self.config.clip_multiplier)
+        for j in result.far_inputs():
+            peer = inputs[j][0]
+            if peer != self.own_id:
+                self.reputation.penalise(peer, "clipped", f"round {round_}: outer gradient {result.distances[j]:.3g} "
+                                                          f"from the group's robust mean (τ {result.radius:.3g})")
+        return result.mean, result.lengths, result.distances, reduction
 
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
     def header_extra(self) -> dict[str, Any]:
@@ -273,21 +297,6 @@ class ExchangeAllReduce(GradGossip):
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
-
-    def _robust_mean(self, inputs: list[tuple[str, list[torch.Tensor]]],
-                     round_: int) -> tuple[list[torch.Tensor], list[float]]:
-        """CenteredClip of the inputs (the plain mean without `sync.robust`) and each input's length; members far
-        beyond τ are penalised."""
-        values = [x for _, x in inputs]
-        if not self.config.robust:
-            return [torch.stack(parts).mean(dim=0) for parts in zip(*values, strict=True)], [norm(x) for x in values]
-        result = centered_clip(values, self.config.clip_multiplier)
-        for j in result.far_inputs():
-            peer = inputs[j][0]
-            if peer != self.own_id:
-                self.reputation.penalise(peer, "clipped", f"round {round_}: outer gradient {result.distances[j]:.3g} "
-                                                          f"from the group's robust mean (τ {result.radius:.3g})")
-        return result.mean, result.lengths
 
 
 class PendingGather:
