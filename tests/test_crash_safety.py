@@ -17,8 +17,8 @@ import psutil
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.errors import UserError
-from p2ptrain.net.dht import JOIN_TIMEOUT_S, NetworkConfig, start_dht
+from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.net.dht import NetworkConfig, start_dht
 
 pytestmark = [pytest.mark.network]
 
@@ -135,7 +135,30 @@ def test_only_dead_initial_peers_fail_in_one_line_within_15_s(dead: str, tmp_pat
         for listener in listeners:
             listener.close()
     print(f"{dead}: failed after {failed_s:.1f} s: {error.value}")
-    assert failed_s < FAIL_WITHIN_S and (dead == "closed" or failed_s >= JOIN_TIMEOUT_S - 1)
+    assert failed_s < FAIL_WITHIN_S and (dead == "closed" or failed_s >= NetworkConfig().join_timeout_s - 1)
     assert "\n" not in str(error.value) and str(error.value).startswith("cannot join the swarm through")
     _gone, alive = psutil.wait_procs(daemons_of(psutil.Process()), timeout=GONE_WITHIN_S)
     assert alive == [], "a p2pd daemon outlived the failed start"
+
+
+@pytest.mark.slow
+def test_the_join_timeout_is_the_configured_one(tmp_path: Path) -> None:
+    """network.join_timeout_s, not a constant, bounds the wait for initial peers (a larger startup_timeout_s used to
+    be capped at 12 s whatever it said)."""
+    listeners = list(silent_listeners(4))
+    try:
+        peers = [address(s.getsockname()[1], tmp_path, f"id{i}") for i, s in enumerate(listeners)]
+        started = time.monotonic()
+        with pytest.raises(UserError, match="within 3 s"):
+            start_dht(NetworkConfig.loopback(join_timeout_s=3.0, startup_timeout_s=60.0), peers)
+        failed_s = time.monotonic() - started
+    finally:
+        for listener in listeners:
+            listener.close()
+    assert 2.0 <= failed_s < 8.0, failed_s
+
+
+@pytest.mark.parametrize("fields", [{"join_timeout_s": 0.0}, {"join_timeout_s": 40.0, "startup_timeout_s": 30.0}])
+def test_a_join_timeout_beyond_the_startup_timeout_is_refused(fields: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match="network.join_timeout_s"):
+        NetworkConfig(**fields)

@@ -24,10 +24,6 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 ADMISSION_MODES = ("open", "signed")
-# How long joining through initial peers may take. p2pd dials them one after another and gives each that accepts a
-# connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers took 20 s to fail. This
-# leaves room for two of them ahead of a live one (and hivemind's 3 s ping), while a healthy join takes under 1 s.
-JOIN_TIMEOUT_S = 12.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +39,12 @@ class NetworkConfig:
     client_mode: bool = False  # outbound connections only (behind a strict NAT)
     heartbeat_s: float = 1.0  # how often the peer record is refreshed
     record_ttl_s: float = 8.0  # a peer whose record is older than this is gone
-    startup_timeout_s: float = 30.0  # time to start the daemon and reach the initial peers
+    startup_timeout_s: float = 30.0  # time to start the daemon (seconds), and for its processes to answer
+    # seconds to reach the initial peers (at most startup_timeout_s). p2pd dials them one after another and gives each
+    # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers took
+    # 20 s to fail. 12 leaves room for two of them ahead of a live one (and hivemind's 3 s ping); a healthy join takes
+    # under 1 s. Raise it for a long list of initial peers of which many may be down
+    join_timeout_s: float = 12.0
     # who may take part: open (anyone) | signed (peers holding a ticket from the organiser's key; net/admission.py)
     admission: str = "open"
     organiser_key: str = ""  # signed runs: the organiser's public key file (every peer checks tickets with it)
@@ -58,6 +59,9 @@ class NetworkConfig:
             raise ConfigError(f"network.admission must be one of {', '.join(ADMISSION_MODES)}, got {self.admission!r}")
         if self.admission == "signed" and not self.organiser_key:
             raise ConfigError("network.admission signed needs network.organiser_key (the organiser's public key file)")
+        if not 0 < self.join_timeout_s <= self.startup_timeout_s:
+            raise ConfigError(f"network.join_timeout_s must be > 0 and at most network.startup_timeout_s, got "
+                              f"{self.join_timeout_s} and {self.startup_timeout_s} s: raise startup_timeout_s too")
         if not 0 < self.heartbeat_s < self.record_ttl_s:
             raise ConfigError(f"network.heartbeat_s must be > 0 and < network.record_ttl_s, got "
                               f"{self.heartbeat_s} and {self.record_ttl_s}")
@@ -113,9 +117,9 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
 
 def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
             dht_kwargs: dict[str, object]) -> SwarmDHT:
-    """Start the node and wait until it is ready, within `JOIN_TIMEOUT_S` when it joins through initial peers; any
+    """Start the node and wait until it is ready, within `join_timeout_s` when it joins through initial peers; any
     failure is a one-line UserError, and leaves neither the node's process nor its p2pd behind."""
-    ready_s = min(config.startup_timeout_s, JOIN_TIMEOUT_S) if initial_peers else config.startup_timeout_s
+    ready_s = config.join_timeout_s if initial_peers else config.startup_timeout_s
     failure = f"cannot join the swarm through {', '.join(initial_peers)}" if initial_peers else \
         f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}"
     try:
