@@ -64,6 +64,11 @@ ALIGNED_MAX_DISTANCE = 1e-3
 RECORD_MARGIN_S = 1.0
 FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (tiny model on loopback: ~0.5 s)
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
+# a fresh gossip peer whose every donor failed (refused, or the download failed) tries again, at most JOIN_RETRIES
+# times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
+# it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
+JOIN_RETRIES = 4
+JOIN_RETRY_ROUNDS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,11 +225,21 @@ class Joiner:
         self.rng = random.Random(secrets.randbits(64))
         self._suspects_logged: set[str] = set()
         self.join_s = FIRST_JOIN_ESTIMATE_S  # how long our latest successful join took (download and checks)
+        self.failed_joins = 0  # fresh joins (first or retried) whose every donor failed
+        self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
+
+    def fresh(self) -> bool:
+        """Whether we hold no state of the swarm's yet and should take one: a new process (round 0, never joined),
+        or in gossip modes a peer whose join failed and is due to try again (any trusted round will do then)."""
+        peer = self.peer
+        return (peer.round == 0 and not peer.joined_ever) or (self.retry_round is not None
+                                                               and peer.round >= self.retry_round)
 
     def choose(self, view: SwarmView) -> DonorChoice:
         peer = self.peer
-        fresh = peer.round == 0 and not peer.joined_ever
-        choice = choose_donors(view.others, peer.round, peer.synced, fresh, self.config.aligned_rounds,
+        fresh = self.fresh()
+        own_round = 0 if fresh else peer.round  # a retrying peer's round counts its own rounds alone
+        choice = choose_donors(view.others, own_round, peer.synced, fresh, self.config.aligned_rounds,
                                self.config.join_max_round_lead, peer.reputation.is_banned)
         for suspect in choice.suspects:
             if suspect.peer_id not in self._suspects_logged:
@@ -245,7 +260,7 @@ class Joiner:
             peer.joined_ever = True
             return False
         own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
-        started = time.monotonic()
+        fresh, started = self.fresh(), time.monotonic()
         for donor in choice.donors:
             snapshot = self._download(donor, choice)
             if snapshot is None:
@@ -259,12 +274,22 @@ class Joiner:
             peer._apply_snapshot(snapshot)
             self.join_s = time.monotonic() - started
             logger.info(f"joined round {peer.round} with the state of {donor.peer_id} ({verdict.detail})")
-            peer.joined_ever, peer.synced = True, True
+            peer.joined_ever, peer.synced, self.retry_round = True, True, None
             return True
         if choice.donors:
-            logger.warning("no peer could share a state that passed the checks; training on from ours")
+            logger.warning(f"no peer could share a state that passed the checks; training on from ours"
+                           f"{self._retry_later() if fresh and not self.config.aligned_rounds else ''}")
         peer.joined_ever = peer.joined_ever or bool(view.others)
         return False
+
+    def _retry_later(self) -> str:
+        """Schedule a fresh peer's next try (JOIN_RETRIES, backing off); what the log line says of it."""
+        self.failed_joins += 1
+        if self.failed_joins > JOIN_RETRIES:
+            self.retry_round = None
+            return f" (gave up after {self.failed_joins} tries)"
+        self.retry_round = self.peer.round + JOIN_RETRY_ROUNDS * 2 ** (self.failed_joins - 1)
+        return f" until round {self.retry_round}, then tries again"
 
     def round_to_join(self, choice: DonorChoice) -> DonorChoice:
         """`choice`, or when its round's peers will have read who is in their round before we could be there, the

@@ -24,7 +24,9 @@ from p2ptrain.config import PeerConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.joining import (
     ALIGNED_MAX_DISTANCE,
+    JOIN_RETRIES,
     Joiner,
+    Verdict,
     Witnessed,
     choose_donors,
     choose_witnesses,
@@ -144,6 +146,51 @@ def test_a_joiner_waits_for_the_next_round_at_most_the_all_reduce_timeout():
     started = time.monotonic()
     choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing_in(-1, 5, phase="sync"))))
     assert [r.round for r in choice.donors] == [5, 5] and time.monotonic() - started < 5
+
+
+def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace, list[int]]:
+    """A fresh GASLoC peer's Joiner whose every candidate state is refused `refusals` times, then accepted (to
+    round 40); also the rounds at which it tried."""
+    tries: list[int] = []
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="gasloc")), round=0, synced=True,
+                                 joined_ever=False, reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)))
+    joiner = Joiner(peer)  # type: ignore[arg-type]
+
+    def corroborate(*_args: object) -> Verdict:
+        tries.append(peer.round)
+        return Verdict(len(tries) > refusals, "by hand", blame=False)
+
+    def apply(_snapshot: object) -> None:
+        peer.round = 40
+
+    joiner._download = lambda donor, choice: object()  # type: ignore[method-assign]
+    joiner._corroborate = corroborate  # type: ignore[method-assign]
+    peer._apply_snapshot = apply
+    return joiner, peer, tries
+
+
+def run_rounds(joiner: Joiner, peer: types.SimpleNamespace, rounds: int) -> None:
+    """The peer's round loop, as far as joining goes: try to catch up, then count the round (gossip peers' rounds
+    are their own)."""
+    view = SwarmView("me", [record("a", 30), record("b", 31)])
+    for _ in range(rounds):
+        joiner.catch_up_(view)
+        peer.round += 1
+
+
+def test_a_fresh_gossip_peer_that_refused_every_donor_tries_again_later_and_joins():
+    joiner, peer, tries = gossip_joiner_refusing(refusals=4)  # two donors, both refused at each of two tries
+    run_rounds(joiner, peer, 6)
+    assert tries[:2] == [0, 0] and tries[2:4] == [1, 1] and tries[4] == 3  # backing off: rounds 0, 1, 3
+    assert len(tries) == 5 and peer.round > 40 and joiner.retry_round is None
+
+
+def test_a_fresh_gossip_peer_gives_up_after_its_retries():
+    joiner, peer, tries = gossip_joiner_refusing(refusals=10_000)
+    run_rounds(joiner, peer, 40)
+    assert sorted(set(tries)) == [0, 1, 3, 7, 15] and len(tries) == 2 * (JOIN_RETRIES + 1)
+    assert joiner.retry_round is None and peer.round == 40
 
 
 def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum():
