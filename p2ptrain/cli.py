@@ -149,7 +149,7 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
     from p2ptrain.config import load_config
     from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.net.dht import parse_maddr
-    from p2ptrain.peer import TrainingPeer
+    from p2ptrain.peer import TrainingPeer, resolve_device
 
     attack = None
     if red_team is not None:
@@ -176,8 +176,9 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
 
         click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
         return
+    device = resolve_device(config.run.device)  # before the node starts: a bad device fails once, in one line
     start_node_processes(workers)
-    node = NodeGroup.from_environment(config.run.device, config.run.node_timeout_s)
+    node = NodeGroup.from_environment(device, config.run.node_timeout_s)
     if not node.is_leader:
         from p2ptrain.node_worker import NodeWorker
 

@@ -112,6 +112,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                                 "corrupt"),
     "resume another model": (lambda d: [*TINY, "--resume", "--checkpoint-dir", str(d / "other-model-ckpt")],
                              "another model"),
+    "no workers": (lambda d: ["peer", "--workers", "0"], "--workers"),
+    "a node on a missing GPU": (lambda d: [*TINY, "--workers", "2", "--device", "cuda"], "CUDA is not available"),
 }
 HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"]]
 

@@ -47,19 +47,24 @@ class NodeGroup:
         self.device = device or torch.device("cpu")
 
     @classmethod
-    def from_environment(cls, device_name: str, timeout_s: float) -> NodeGroup:
+    def from_environment(cls, device: torch.device, timeout_s: float) -> NodeGroup:
         """This process's place in a torchrun node (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), joining the
-        node's process group: NCCL with one GPU per rank on CUDA, gloo on CPU."""
+        node's process group: NCCL with one GPU per rank (`cuda:<local rank>`) on CUDA, gloo on CPU. A process
+        started alone is a node of one on `device`."""
         world_size = node_size_from_environment()
         if world_size == 1:
-            return cls()
+            return cls(device=device)
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        if cuda:
+        if device.type == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise UserError(f"worker {rank} of this node wants GPU {local_rank}, but this machine has "
+                                f"{torch.cuda.device_count()}: start at most one worker per GPU")
+            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
+        elif device.type != "cpu":
+            raise UserError(f"a node of several processes trains on cuda or cpu, not {device.type}")
         try:
-            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as e:  # the rendezvous failed: torchrun's env or a worker is missing
             raise NodeError(f"worker {rank} of this node could not join the others: {one_line(e)}") from None
