@@ -39,8 +39,10 @@ from p2ptrain.joining import (
 )
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.state_sharing import (
     SKETCH_BLOCK,
+    SKETCH_BURST,
     SKETCH_SIZE,
     Sketch,
     SnapshotExpectation,
@@ -429,6 +431,37 @@ def test_a_banned_peer_gets_neither_the_state_nor_a_sketch():
     downloaded, answer = asyncio.run(asyncio.wait_for(serve_and_fetch(served(7), banned=True, seed=1), 60))
     assert isinstance(downloaded, WireError) and "0 metadata blocks" in str(downloaded)
     assert isinstance(answer, WireError) and "refused" in str(answer)
+
+
+@pytest.mark.network
+def test_sketch_requests_beyond_the_rate_are_refused_and_a_flood_gets_its_sender_banned():
+    async def scenario() -> tuple[list[object], bool, list[object]]:
+        a, b = await start_pair()
+        try:
+            reputation = Reputation()
+            server = StateServer(lambda: served(7), reputation.refuses, reputation.penalise)
+            await server.add_p2p_handlers(a, namespace="run")
+            answers = await asyncio.gather(*(request_sketch(b, a.peer_id, "run", seed, 5.0)
+                                             for seed in range(2 * SKETCH_BURST)), return_exceptions=True)
+            banned = reputation.is_banned(b.peer_id.to_base58())
+            c = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            try:  # another peer is served as usual
+                others = [await request_sketch(c, a.peer_id, "run", 1, 5.0)]
+            finally:
+                await c.shutdown()
+            return answers, banned, others
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    answers, banned, others = asyncio.run(asyncio.wait_for(scenario(), 60))
+    served_count = sum(isinstance(x, Sketch) for x in answers)
+    refused = [x for x in answers if not isinstance(x, Sketch)]
+    # a burst the size of a few joins is served (one more token may come back while the requests arrive)
+    assert SKETCH_BURST <= served_count <= SKETCH_BURST + 2, answers
+    assert all(isinstance(x, WireError) and "refused a sketch" in str(x) for x in refused)
+    assert banned  # 6 or more refused requests: offences of weight 1, past the default ban score of 4
+    assert isinstance(others[0], Sketch)
 
 
 # ---- real peers on loopback with a liar ---------------------------------------------------------------------------

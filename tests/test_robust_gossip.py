@@ -26,9 +26,10 @@ from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
 from p2ptrain.maths import codecs
 from p2ptrain.maths.codecs import relative_encode
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
-from p2ptrain.maths.robust import OfferLimit, all_finite
+from p2ptrain.maths.robust import all_finite
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.exchange import ExchangeRefused, push_pull, serve_exchanges
+from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync import build
 from p2ptrain.sync.config import SyncConfig

@@ -15,17 +15,17 @@ within [multiplier, multiplier²] × own_scale. Recording clipped distances at �
 partners, an attacker (always at τ) and one honest partner clipped once made the median τ and doubled it, and an
 aimed attacker then pushed its victim by ever more (tiny GASLoC swarm of 3 + 1: honest loss 4.2 against 2.8 clean).
 
-Clipping bounds what an exchange does; `OfferLimit` bounds how often one partner may open one with us (an exchange
-opened and never committed shows the opener our exact value, and costs us an encode of the whole model).
+Clipping bounds what an exchange does; `net.responder_limits.OfferLimit` bounds how often one partner may open one
+with us (an exchange opened and never committed shows the opener our exact value, and costs us an encode of the
+whole model).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -91,39 +91,3 @@ class AdaptiveClip:
             self._distances.popitem(last=False)
 
 
-class OfferLimit:
-    """How often each partner may open exchanges with us: at most `per_round` accepted offers in one of our rounds,
-    and offers of any outcome at `rate_per_s` on average with bursts of `burst` (a token bucket per partner).
-
-    Partners are keyed by what libp2p authenticated; the least recently seen are forgotten past `max_partners`."""
-
-    def __init__(self, per_round: int, rate_per_s: float, burst: float, max_partners: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic):
-        if per_round < 1 or rate_per_s <= 0 or burst < 1:
-            raise ValueError(f"need per_round >= 1, rate_per_s > 0 and burst >= 1, got {per_round}, {rate_per_s}, "
-                             f"{burst}")
-        self.per_round, self.rate_per_s, self.burst = per_round, rate_per_s, burst
-        self.max_partners, self.clock = max_partners, clock
-        self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # partner → (tokens, as of when)
-        self._accepted: dict[str, tuple[int, int]] = {}  # partner → (our round, offers accepted in it)
-
-    def offer(self, partner: str) -> bool:
-        """Take one token for an offer from `partner`; False when it has none left (the offer is to be refused)."""
-        now = self.clock()
-        tokens, then = self._tokens.pop(partner, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - then) * self.rate_per_s)
-        allowed = tokens >= 1.0
-        self._tokens[partner] = (tokens - allowed, now)
-        while len(self._tokens) > self.max_partners:
-            forgotten, _ = self._tokens.popitem(last=False)
-            self._accepted.pop(forgotten, None)
-        return allowed
-
-    def accept(self, partner: str, round_: int) -> bool:
-        """Count an offer about to be accepted in our round `round_`; False when `partner` has used its share."""
-        counted_round, count = self._accepted.get(partner, (round_, 0))
-        count = count if counted_round == round_ else 0
-        if count >= self.per_round:
-            return False
-        self._accepted[partner] = (round_, count + 1)
-        return True

@@ -28,6 +28,7 @@ OFFENCES: dict[str, float] = {
     "slow_send": 1.0,  # a stream that stalled mid-payload while holding one of our slots
     "uncommitted": 0.5,  # an exchange it opened, read our value from, and never committed
     "too_many_opens": 1.0,  # more offers or streams at once (or per round) than a peer may make
+    "too_many_requests": 1.0,  # more requests for a sketch of our state than a joiner makes (state_sharing)
     "malformed": 1.0,  # a message we could not parse, or metadata of the wrong types
     "invalid_payload": 1.0,  # tensors that do not decode, do not fit, or are not finite
     "clipped": 1.0,  # a value more than HARD_CLIP_FACTOR (4) × the clipping radius away: not disagreement

@@ -1,9 +1,13 @@
-"""What a responder grants initiators it does not know: deadlines from the bytes at stake, and slots per peer."""
+"""What a responder grants initiators it does not know: deadlines from the bytes at stake, slots per peer, and how
+often each peer may ask (exchanges it opens, sketches of our state it requests)."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +48,60 @@ class Slots:
         self.held[peer] -= 1
         if not self.held[peer]:
             del self.held[peer]
+
+
+class RateLimit:
+    """A token bucket per peer: requests at `rate_per_s` on average, in bursts of up to `burst`. Peers are keyed by
+    what libp2p authenticated; the least recently seen are forgotten past `max_peers` (memory stays bounded)."""
+
+    def __init__(self, rate_per_s: float, burst: float, max_peers: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic):
+        if rate_per_s <= 0 or burst < 1 or max_peers < 1:
+            raise ValueError(f"need rate_per_s > 0, burst >= 1 and max_peers >= 1, got {rate_per_s}, {burst}, "
+                             f"{max_peers}")
+        self.rate_per_s, self.burst, self.max_peers, self.clock = rate_per_s, burst, max_peers, clock
+        self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer → (tokens, as of when)
+
+    def take(self, peer: str) -> bool:
+        """Take one token for a request from `peer`; False when it has none left (the request is to be refused)."""
+        now = self.clock()
+        tokens, then = self._tokens.pop(peer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate_per_s)
+        allowed = tokens >= 1.0
+        self._tokens[peer] = (tokens - allowed, now)
+        while len(self._tokens) > self.max_peers:
+            self.forget_(next(iter(self._tokens)))
+        return allowed
+
+    def forget_(self, peer: str) -> None:
+        self._tokens.pop(peer, None)
+
+
+class OfferLimit(RateLimit):
+    """How often each partner may open exchanges with us: at most `per_round` accepted offers in one of our rounds,
+    and offers of any outcome at `rate_per_s` on average with bursts of `burst` (the token bucket)."""
+
+    def __init__(self, per_round: int, rate_per_s: float, burst: float, max_partners: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic):
+        if per_round < 1:
+            raise ValueError(f"need per_round >= 1, got {per_round}")
+        super().__init__(rate_per_s, burst, max_partners, clock)
+        self.per_round = per_round
+        self._accepted: dict[str, tuple[int, int]] = {}  # partner → (our round, offers accepted in it)
+
+    def offer(self, partner: str) -> bool:
+        """Take one token for an offer from `partner`; False when it has none left (the offer is to be refused)."""
+        return self.take(partner)
+
+    def forget_(self, peer: str) -> None:
+        super().forget_(peer)
+        self._accepted.pop(peer, None)
+
+    def accept(self, partner: str, round_: int) -> bool:
+        """Count an offer about to be accepted in our round `round_`; False when `partner` has used its share."""
+        counted_round, count = self._accepted.get(partner, (round_, 0))
+        count = count if counted_round == round_ else 0
+        if count >= self.per_round:
+            return False
+        self._accepted[partner] = (round_, count + 1)
+        return True

@@ -8,7 +8,7 @@ before anything is applied: never half-applied.
 A downloaded state is then corroborated by other peers (joining.py) through `rpc_state_sketch`: a peer answers
 with a sketch of its own snapshot's parameters under a seed the asker drew after the download (SKETCH_SIZE
 Rademacher projections, float64) and their norm, so a donor cannot shape a lie to match what honest peers will
-answer. Banned peers are served neither snapshots nor sketches.
+answer. Banned peers are served neither snapshots nor sketches, and each peer only so many sketches a second.
 """
 
 # No `from __future__ import annotations` here: hivemind's ServicerBase reads the rpc_* annotations at runtime
@@ -28,6 +28,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
 from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames)
+from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
@@ -38,6 +39,10 @@ SKETCHED_PREFIX = "param:"  # the snapshot tensors a sketch covers: the model pa
 SKETCH_SIZE = 16
 SKETCH_BLOCK = 2**16  # elements projected at a time: SKETCH_SIZE × this × 8 bytes of signs (4 MiB) at most
 MAX_SEED = 2**64  # seeds are 64-bit (PCG64)
+# sketch requests one peer may make: a joiner asks each witness once per candidate state (a few per join, a join per
+# round at most); beyond the bucket a request is refused and is an offence ("too_many_requests")
+SKETCHES_PER_S = 2.0
+SKETCH_BURST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +162,17 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 class StateServer(ServicerBase):
     """Serves the latest snapshot (`rpc_download_state`) and sketches of it (`rpc_state_sketch`) to any peer
-    that `refuses` does not name (banned or not admitted; libp2p-authenticated peer ids, base58)."""
+    that `refuses` does not name (banned or not admitted; libp2p-authenticated peer ids, base58). Sketches are
+    served one at a time, and to each peer at most SKETCHES_PER_S (bursts of SKETCH_BURST): a request beyond is
+    refused and reported to `penalise` (peer, offence, detail), usually `Reputation.penalise`."""
 
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
-                 refuses: Callable[[str], bool] = lambda _peer: False):
+                 refuses: Callable[[str], bool] = lambda _peer: False,
+                 penalise: Callable[[str, str, str], None] = lambda _peer, _offence, _detail: None):
         self.get_snapshot = get_snapshot
-        self.refuses = refuses
+        self.refuses, self.penalise = refuses, penalise
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
+        self.sketch_limit = RateLimit(SKETCHES_PER_S, SKETCH_BURST)
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -187,8 +196,13 @@ class StateServer(ServicerBase):
             seed = decode_metadata(request.metadata).get("seed")
         except WireError:
             seed = None
-        if snapshot is None or self.refuses(context.remote_id.to_base58()):
+        peer = context.remote_id.to_base58()
+        if snapshot is None or self.refuses(peer):
             return _sketch_refusal("no snapshot to sketch")
+        if not self.sketch_limit.take(peer):
+            self.penalise(peer, "too_many_requests", f"more than {SKETCH_BURST:g} sketch requests at once or "
+                                                     f"{SKETCHES_PER_S:g} a second")
+            return _sketch_refusal(f"at most {SKETCHES_PER_S:g} sketch requests a second")
         if not _is_int(seed) or not 0 <= seed < MAX_SEED:
             return _sketch_refusal("the seed must be an integer in [0, 2**64)")
         async with self._sketching:

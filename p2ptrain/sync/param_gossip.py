@@ -31,10 +31,11 @@ from hivemind.p2p import P2P, PeerID
 from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
-from p2ptrain.maths.robust import AdaptiveClip, OfferLimit, all_finite
+from p2ptrain.maths.robust import AdaptiveClip, all_finite
 from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
