@@ -227,13 +227,19 @@ class Joiner:
         self.join_s = FIRST_JOIN_ESTIMATE_S  # how long our latest successful join took (download and checks)
         self.failed_joins = 0  # fresh joins (first or retried) whose every donor failed
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
+        # gossip modes: a process resumed from a checkpoint (its round, never joined) holds parameters its partners
+        # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
+        # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first, when
+        # one is better than its own (the loss check); DiLoCo's round catches it up anyway
+        self.resumed = not self.config.aligned_rounds and peer.round > 0 and not peer.joined_ever
 
     def fresh(self) -> bool:
         """Whether we hold no state of the swarm's yet and should take one: a new process (round 0, never joined),
-        or in gossip modes a peer whose join failed and is due to try again (any trusted round will do then)."""
+        in gossip modes one resumed from a checkpoint, or one whose join failed and is due to try again (any
+        trusted round will do then)."""
         peer = self.peer
-        return (peer.round == 0 and not peer.joined_ever) or (self.retry_round is not None
-                                                               and peer.round >= self.retry_round)
+        return ((peer.round == 0 or self.resumed) and not peer.joined_ever) or (
+            self.retry_round is not None and peer.round >= self.retry_round)
 
     def choose(self, view: SwarmView) -> DonorChoice:
         peer = self.peer

@@ -616,3 +616,47 @@ def test_a_gasloc_joiner_refuses_a_liars_state_and_takes_an_honest_one():
     assert first.joined and first.val_loss < HONEST_LOSS
     if honest_params is not None:
         assert relative_distance(joiner_params, honest_params) < 0.5
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tmp_path):
+    """A volunteer that comes back from a checkpoint many rounds old holds parameters its partners have long moved
+    away from: gossiping them as they are got it hard-clipped (and would get it banned) by honest neighbours, and had
+    it clip theirs. It takes a corroborated state of the swarm's instead, when its own is worse."""
+    config = tiny_config(f"resume-gasloc-{uuid.uuid4().hex[:6]}", run={"rounds": 0}, sync={"mode": "gasloc"})
+    a = start_peer(config)
+    b = start_peer(config, a.maddrs)
+    away = replace_section(config, "run", rounds=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    threads = [PeerThread(a), PeerThread(b)]
+    resumed = None
+    try:
+        for thread in threads:
+            thread.start()
+        first = start_peer(away, a.maddrs)
+        try:
+            (_, left) = PeerThread(first).start().join(timeout_s=120)  # a checkpoint at the end of its 2 rounds
+        finally:
+            first.shutdown()  # gone from the swarm (its record expires) until it comes back
+        threads[0].wait_for_round(left.round + 16, timeout_s=300)
+        resumed = TrainingPeer(replace_section(away, "run", rounds=6), a.maddrs, resume=True)
+        back = PeerThread(resumed).start().join(timeout_s=180)
+        threads[0].wait_for_round(max(threads[0].params_after_round) + 1, timeout_s=60)  # exchanges with it ran
+        offences = [p.reputation.offences() for p in (a, b, resumed)]
+        resumed_id, banned = resumed.peer_id, [p.reputation.banned() for p in (a, b)]
+    finally:
+        for peer in (a, b):
+            peer.stop()
+        for thread in threads:
+            thread.thread.join(timeout=60)
+        for peer in (a, b, resumed):
+            if peer is not None:
+                peer.shutdown()
+    print("resumed peer's rounds:", [(m.round, m.joined, round(m.val_loss, 3)) for m in back], "offences:", offences)
+    assert [found.get(resumed_id, {}).get("clipped", 0) for found in offences[:2]] == [0, 0], offences
+    assert not any(resumed_id in found for found in banned), banned
+    # nor did it count its partners' distances against them: any it penalised, the others found far as well (two
+    # honest GASLoC peers of the tiny model a few rounds apart under load do hard-clip each other now and then)
+    assert set(offences[2]) <= {peer for found in offences[:2] for peer in found}, offences
+    assert back[0].joined and back[-1].val_loss < left.val_loss  # it took the swarm's state and trained on

@@ -37,7 +37,7 @@ from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import RoundContext
-from p2ptrain.sync.param_gossip import OPENS_PER_ROUND, TOO_MANY_OFFERS, ParamGossip
+from p2ptrain.sync.param_gossip import JUMP_GRACE_ROUNDS, OPENS_PER_ROUND, TOO_MANY_OFFERS, ParamGossip
 from p2ptrain.tensor_layout import distance, norm
 
 Tensors = list[torch.Tensor]
@@ -281,6 +281,27 @@ def test_a_prober_gets_a_bounded_number_of_opens_per_round_and_is_penalised() ->
             await shutdown([a, b])
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_after_its_round_jumps_a_mixer_clips_far_partners_but_penalises_them_only_after_a_grace() -> None:
+    """A peer that adopted a state (or resumed a checkpoint) jumps rounds; its first steps from there are no yardstick
+    of how far honest partners are, so for JUMP_GRACE_ROUNDS it clips them without counting offences."""
+    gossip = ParamGossip(None, RUN, FINGERPRINT, "gasloc", reference(), config(), seed=0)  # type: ignore[arg-type]
+    far = plus(reference(), random_direction(7, 100 * STEP))  # far beyond the hard radius of a STEP-long step
+
+    def round_with_far_partner(round_: int) -> float:
+        gossip.round = round_
+        gossip.set_base_(reference())
+        gossip.set_base_(plus(reference(), honest_step(round_, 0)))  # our step: τ's yardstick
+        own = public_value(gossip)
+        return distance(gossip.clip_partner("far", far, own), own)
+
+    counts = []
+    for round_ in (0, 10, 11, 12):  # 0 → 10: a jump (a state adopted)
+        moved = round_with_far_partner(round_)
+        assert moved <= gossip.clip_radius(public_value(gossip)) * (1 + 1e-5)  # clipped all along
+        counts.append(gossip.reputation.offences().get("far", {}).get("clipped", 0))
+    assert JUMP_GRACE_ROUNDS == 2 and counts == [1, 1, 1, 2]
 
 
 def test_offers_beyond_the_token_bucket_are_refused_until_it_refills() -> None:

@@ -26,6 +26,7 @@ import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -91,3 +92,21 @@ class AdaptiveClip:
             self._distances.popitem(last=False)
 
 
+
+
+def own_move(new: Sequence[torch.Tensor], old: Sequence[torch.Tensor], shift: Sequence[torch.Tensor] | None) -> float:
+    """How far our own step moved our value: ‖new − (old + shift)‖, `shift` being what mixing moved it by meanwhile
+    (a partner could otherwise inflate our yardstick, hence τ, round after round). One tensor at a time (no copy of
+    the whole model)."""
+    if shift is None:
+        return distance(new, old)
+    total = math.fsum(distance([n], [o + s]) ** 2 for n, o, s in zip(new, old, shift, strict=True))
+    return math.sqrt(total)
+
+
+def agreed_weight(offered: float, answered: Any) -> float:
+    """The weight an initiator mixes with: the smaller of its own and the one the responder says it used (the
+    receiver chooses: no sender's claim can raise it)."""
+    if not isinstance(answered, float) or not 0 < answered <= 0.5:
+        raise ValueError(f"partner answered the mixing weight {answered!r}")
+    return min(offered, answered)

@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, PeerID
 from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
-from p2ptrain.maths.robust import AdaptiveClip, all_finite
+from p2ptrain.maths.robust import AdaptiveClip, agreed_weight, all_finite, own_move
 from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
@@ -39,7 +39,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.tensor_layout import distance, norm
+from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ TOO_MANY_OFFERS = "too many offers"
 OPENS_PER_ROUND = 2
 OFFERS_PER_S = 2 / ROUND_RETRY_S
 OFFER_BURST = 32
+# rounds after a jump of our round (`round`) in which partners we clip hard (still clipped) are not penalised: our first
+JUMP_GRACE_ROUNDS = 2  # steps from an adopted or resumed state are no yardstick yet (tests/test_joining.py)
 # The floor of τ's yardstick, × our value's norm: before our first step (a joiner, a GASLoC responder in its first
 # inner phase) partners are clipped to 2e-3 of our norm, and fp16 round-off between equal values (≤ 2⁻¹¹ of
 # ‖θ − θ_0‖) always passes
@@ -101,7 +103,7 @@ class ParamGossip:
         self.raw_bytes = sum(t.numel() * 4 for t in self.reference)
         self.max_payload_bytes = self.raw_bytes + 2**20
         self.rng = random.Random(seed)
-        self.round = 0
+        self._round, self._quiet_until = 0, 0  # our round; penalties for hard clips resume at `_quiet_until`
         self._lock = threading.Lock()
         self._base = [t.clone() for t in self.reference]
         self._base_moved: float | None = None  # how far the latest `set_base_` moved the base (None: first one)
@@ -121,6 +123,19 @@ class ParamGossip:
         self.own_scale: float | None = None  # the base's latest move as of our latest mix (see `yardstick`)
         self.offer_limit = OfferLimit(OPENS_PER_ROUND, OFFERS_PER_S, OFFER_BURST)
 
+    @property
+    def round(self) -> int:
+        return self._round
+
+    @round.setter
+    def round(self, value: int) -> None:
+        """Our round; one that jumps (a state adopted, a checkpoint resumed) restarts us as a new mixer (no yardstick
+        until our next step) and holds back penalties for JUMP_GRACE_ROUNDS. Set by the round loop."""
+        if value not in (self._round, self._round + 1):
+            with self._lock:
+                self._base_set, self._quiet_until = False, value + JUMP_GRACE_ROUNDS
+        self._round = value
+
     # ---- the public value ----------------------------------------------------------------------------------------
     def set_base_(self, base: Sequence[torch.Tensor]) -> None:
         """Set the base of our public value (called by the round loop only). Remembers how far our own step moved
@@ -129,7 +144,7 @@ class ParamGossip:
         new = [t.detach().float().cpu().clone() for t in base]
         with self._lock:
             old, shift = self._base, self._mix_shift
-        moved = _distance_from(new, old, shift) if self._base_set else math.inf
+        moved = own_move(new, old, shift) if self._base_set else math.inf
         with self._lock:
             self._base, self._base_set, self._mix_shift = new, True, None
             self._base_moved = moved if math.isfinite(moved) else None
@@ -232,7 +247,7 @@ class ParamGossip:
         known = self.yardstick()
         scale = max(known or 0.0, MIN_OWN_SCALE * norm(own))
         clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale)
-        if hard and known is not None:
+        if hard and known is not None and self._round >= self._quiet_until:
             self.reputation.penalise(partner_id, "clipped",
                                      f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
         return clipped
@@ -383,18 +398,3 @@ class ParamGossip:
             return lambda: received.append((theirs, used))
 
         return validate
-
-
-def _distance_from(new: list[torch.Tensor], old: list[torch.Tensor], shift: list[torch.Tensor] | None) -> float:
-    """‖new − (old + shift)‖, one tensor at a time (no copy of the whole model)."""
-    if shift is None:
-        return distance(new, old)
-    total = math.fsum(distance([n], [o + s]) ** 2 for n, o, s in zip(new, old, shift, strict=True))
-    return math.sqrt(total)
-
-
-def agreed_weight(offered: float, answered: Any) -> float:
-    """The weight an initiator mixes with: the smaller of its own and the one the responder says it used."""
-    if not isinstance(answered, float) or not 0 < answered <= 0.5:
-        raise ValueError(f"partner answered the mixing weight {answered!r}")
-    return min(offered, answered)
