@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +78,18 @@ class PeerThread:
         if self.error is not None:
             raise self.error
         return self.history
+
+
+def stop_and_shut_down(running: list[PeerThread], others: Sequence[TrainingPeer | None] = ()) -> None:
+    """Stop the peers running in `running`, wait for their threads, then shut them and `others` down (None: a peer
+    that was never started)."""
+    for thread in running:
+        thread.peer.stop()
+    for thread in running:
+        thread.thread.join(timeout=60)
+    for peer in [thread.peer for thread in running] + list(others):
+        if peer is not None:
+            peer.shutdown()
 
 
 def start_peer(config: PeerConfig, initial_peers: list[str] | None = None) -> TrainingPeer:

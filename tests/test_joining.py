@@ -18,7 +18,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
-from swarm_utils import PeerThread, replace_section, start_peer, tiny_config, wait_until
+from swarm_utils import PeerThread, replace_section, start_peer, stop_and_shut_down, tiny_config, wait_until
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import ConfigError
@@ -548,13 +548,7 @@ def run_with_liar(config: PeerConfig, lie: Callable[[list[int]], int], rounds_be
         joiner_params = [p.detach().clone() for p in joiner.params]
         banned = [sorted(p.reputation.banned()) for p in (a, b, joiner)]
     finally:
-        for peer in (a, b):
-            peer.stop()
-        for thread in threads:
-            thread.thread.join(timeout=60)
-        for peer in (a, b, joiner):
-            if peer is not None:
-                peer.shutdown()
+        stop_and_shut_down(threads, [joiner])
         liar_id = liar.peer.peer_id
         liar.close()
     return metrics, first, joiner_params, honest_params, liar_id, banned
@@ -646,13 +640,7 @@ def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tm
         offences = [p.reputation.offences() for p in (a, b, resumed)]
         resumed_id, banned = resumed.peer_id, [p.reputation.banned() for p in (a, b)]
     finally:
-        for peer in (a, b):
-            peer.stop()
-        for thread in threads:
-            thread.thread.join(timeout=60)
-        for peer in (a, b, resumed):
-            if peer is not None:
-                peer.shutdown()
+        stop_and_shut_down(threads, [resumed])
     print("resumed peer's rounds:", [(m.round, m.joined, round(m.val_loss, 3)) for m in back], "offences:", offences)
     assert [found.get(resumed_id, {}).get("clipped", 0) for found in offences[:2]] == [0, 0], offences
     assert not any(resumed_id in found for found in banned), banned
