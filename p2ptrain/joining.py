@@ -229,8 +229,8 @@ class Joiner:
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
         # gossip modes: a process resumed from a checkpoint (its round, never joined) holds parameters its partners
         # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
-        # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first, when
-        # one is better than its own (the loss check); DiLoCo's round catches it up anyway
+        # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first (one
+        # the loss check finds no worse than its own); DiLoCo's round catches it up anyway
         self.resumed = not self.config.aligned_rounds and peer.round > 0 and not peer.joined_ever
 
     def fresh(self) -> bool:
