@@ -1,7 +1,8 @@
 """Codecs for what peers send, built on hivemind's ``CompressionBase``, plus error feedback and the adaptive choice.
 
 Codecs, least lossy first: ``none`` (fp32), ``fp16`` (hivemind's Float16Compression), ``int8`` (ours: per-chunk
-absmax scale), ``topk`` (ours: chunked top-k with 8-bit values). Each documents its error bound.
+absmax scale), ``topk`` (ours: chunked top-k with 8-bit values and uint16 indices), ``sparse`` (ours, in
+``sparse_codec``: chunked top-k with 1–8-bit values and Elias–Fano indices). Each documents its error bound.
 
 Not hivemind's ``Uniform8BitQuantization``: its ``extract`` crashes under numpy 2, it clips beyond ±3σ (no
 per-element bound) and uses one scale per tensor. Our formats travel in ``runtime_pb2.Tensor`` with
@@ -11,11 +12,10 @@ per-element bound) and uses one scale per tensor. Our formats travel in ``runtim
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -24,27 +24,22 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.tensor_descr import TensorDescriptor
 
 from p2ptrain.errors import ConfigError
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
-MAX_CHUNK_SIZE = 65536  # elements per chunk of the int8 and topk codecs: indices within a chunk travel as uint16
-Payload: TypeAlias = runtime_pb2.Tensor  # one encoded tensor, as hivemind's P2P handlers and serializer carry it
-Payloads: TypeAlias = list[runtime_pb2.Tensor]
-Tensors: TypeAlias = Sequence[torch.Tensor]  # one tensor per model parameter, in the same order everywhere
-
-
-def _prepare_input(tensor: torch.Tensor) -> torch.Tensor:
-    """Detached CPU copy-free view, bfloat16 widened to float32; rejects non-float and non-finite tensors."""
-    if not torch.is_floating_point(tensor):
-        raise ValueError(f"codecs take floating-point tensors, got {tensor.dtype}")
-    tensor = tensor.detach().cpu()
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError("refusing to compress a tensor with NaN or inf values")
-    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
-
-
-def _numel(msg: runtime_pb2.Tensor) -> int:
-    return math.prod(int(s) for s in msg.size)
+from p2ptrain.maths.codec_format import (
+    DTYPES,
+    ITEMSIZE,
+    MAX_CHUNK_SIZE,
+    Payload,
+    Payloads,
+    Tensors,
+    as_chunks,
+    chunk_layout,
+    chunked_payload,
+    payload_numel,
+    read_array,
+    read_scales,
+)
+from p2ptrain.maths.codec_format import prepare_input as _prepare_input  # patched by tests/test_robust_gossip.py
+from p2ptrain.maths.sparse_codec import SparseCodec
 
 
 class NoneCodec(NoCompression):
@@ -56,7 +51,7 @@ class NoneCodec(NoCompression):
         return super().compress(_prepare_input(tensor), info, allow_inplace)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        _check_dense_length(serialized_tensor, _ITEMSIZE.get(serialized_tensor.dtype, 0))
+        _check_dense_length(serialized_tensor, ITEMSIZE.get(serialized_tensor.dtype, 0))
         return super().extract(serialized_tensor).detach().clone()
 
 
@@ -73,31 +68,18 @@ class Fp16Codec(Float16Compression):
         return super().compress(_prepare_input(tensor), info, allow_inplace)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        _check_dense_length(serialized_tensor, 2 if serialized_tensor.dtype in _ITEMSIZE else 0)
+        _check_dense_length(serialized_tensor, 2 if serialized_tensor.dtype in ITEMSIZE else 0)
         return super().extract(serialized_tensor).detach().clone()
 
 
 def _check_dense_length(msg: runtime_pb2.Tensor, itemsize: int) -> None:
     if itemsize == 0:
         raise ValueError(f"payload declares unsupported dtype {msg.dtype!r}")
-    if len(msg.buffer) != _numel(msg) * itemsize:
-        raise ValueError(f"payload holds {len(msg.buffer)} bytes, its shape needs {_numel(msg) * itemsize}")
+    if len(msg.buffer) != payload_numel(msg) * itemsize:
+        raise ValueError(f"payload holds {len(msg.buffer)} bytes, its shape needs {payload_numel(msg) * itemsize}")
 
 
 # ---- our chunked formats ------------------------------------------------------------------------------------------
-
-
-def _chunk_layout(numel: int, chunk_size: int) -> tuple[int, int]:
-    """(chunk, n_chunks): chunks of ``chunk_size`` elements, smaller for tensors shorter than one chunk."""
-    chunk = max(1, min(chunk_size, numel))
-    return chunk, -(-numel // chunk)
-
-
-def _as_chunks(flat: torch.Tensor, chunk: int, n_chunks: int) -> torch.Tensor:
-    """(n_chunks, chunk) float32 view of ``flat``, zero-padded at the end."""
-    padded = torch.zeros(n_chunks * chunk, dtype=torch.float32)
-    padded[: flat.numel()] = flat.float()
-    return padded.view(n_chunks, chunk)
 
 
 def _quantize_absmax(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,26 +88,6 @@ def _quantize_absmax(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     quantized = torch.round(values / safe[:, None]).clamp_(-127, 127).to(torch.int8)
     return quantized, scales
-
-
-def _chunked_payload(source: torch.Tensor, parts: Sequence[bytes]) -> runtime_pb2.Tensor:
-    """Our formats' envelope: compression NONE (hivemind cannot decode them), the original dtype and shape."""
-    dtype = str(source.dtype).removeprefix("torch.")
-    return runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=b"".join(parts), size=source.shape, dtype=dtype)
-
-
-def _read(buffer: bytes, offset: int, dtype: type, count: int) -> np.ndarray:
-    nbytes = np.dtype(dtype).itemsize * count
-    if offset + nbytes > len(buffer):
-        raise ValueError(f"payload truncated: needs {offset + nbytes} bytes, has {len(buffer)}")
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-
-
-def _read_scales(buffer: bytes, offset: int, n_chunks: int) -> torch.Tensor:
-    scales = torch.from_numpy(_read(buffer, offset, np.float32, n_chunks).copy())
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise ValueError("payload holds negative or non-finite scales")
-    return scales
 
 
 class Int8Codec(CompressionBase):
@@ -147,29 +109,29 @@ class Int8Codec(CompressionBase):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         source = _prepare_input(tensor)
-        chunk, n_chunks = _chunk_layout(source.numel(), self.chunk_size)
-        quantized, scales = _quantize_absmax(_as_chunks(source.reshape(-1), chunk, n_chunks))
+        chunk, n_chunks = chunk_layout(source.numel(), self.chunk_size)
+        quantized, scales = _quantize_absmax(as_chunks(source.reshape(-1), chunk, n_chunks))
         header = self._HEADER.pack(self._MAGIC, chunk, source.numel())
         values = quantized.reshape(-1)[: source.numel()]
-        return _chunked_payload(source, (header, scales.numpy().tobytes(), values.numpy().tobytes()))
+        return chunked_payload(source, (header, scales.numpy().tobytes(), values.numpy().tobytes()))
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        buffer, numel = serialized_tensor.buffer, _numel(serialized_tensor)
-        magic, chunk, declared = self._HEADER.unpack_from(_read(buffer, 0, np.uint8, self._HEADER.size).tobytes())
+        buffer, numel = serialized_tensor.buffer, payload_numel(serialized_tensor)
+        magic, chunk, declared = self._HEADER.unpack_from(read_array(buffer, 0, np.uint8, self._HEADER.size).tobytes())
         if magic != self._MAGIC or declared != numel or not 1 <= chunk <= MAX_CHUNK_SIZE:
             raise ValueError(f"not an int8 payload for shape {list(serialized_tensor.size)}")
-        n_chunks = _chunk_layout(numel, chunk)[1]
-        scales = _read_scales(buffer, self._HEADER.size, n_chunks)
+        n_chunks = chunk_layout(numel, chunk)[1]
+        scales = read_scales(buffer, self._HEADER.size, n_chunks)
         offset = self._HEADER.size + 4 * n_chunks
-        values = torch.from_numpy(_read(buffer, offset, np.int8, numel).copy())
+        values = torch.from_numpy(read_array(buffer, offset, np.int8, numel).copy())
         if offset + numel != len(buffer):
             raise ValueError(f"int8 payload has {len(buffer) - offset - numel} trailing bytes")
-        chunks = _as_chunks(values, chunk, n_chunks).mul_(scales[:, None])
+        chunks = as_chunks(values, chunk, n_chunks).mul_(scales[:, None])
         return chunks.reshape(-1)[:numel].reshape(tuple(serialized_tensor.size))
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         numel = max(1, info.descriptor.numel())
-        chunk, n_chunks = _chunk_layout(numel, self.chunk_size)
+        chunk, n_chunks = chunk_layout(numel, self.chunk_size)
         return (numel + 4 * n_chunks) / (numel * torch.finfo(info.descriptor.dtype).bits / 8)
 
 
@@ -200,26 +162,27 @@ class TopKCodec(CompressionBase):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         source = _prepare_input(tensor)
-        chunk, n_chunks = _chunk_layout(source.numel(), self.chunk_size)
-        k, chunks = self._k(chunk), _as_chunks(source.reshape(-1), chunk, n_chunks)
+        chunk, n_chunks = chunk_layout(source.numel(), self.chunk_size)
+        k, chunks = self._k(chunk), as_chunks(source.reshape(-1), chunk, n_chunks)
         indices = chunks.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         quantized, scales = _quantize_absmax(chunks.gather(1, indices))
         header = self._HEADER.pack(self._MAGIC, chunk, k, source.numel())
         index_bytes = indices.numpy().astype(np.uint16).tobytes()
-        return _chunked_payload(source, (header, scales.numpy().tobytes(), index_bytes, quantized.numpy().tobytes()))
+        return chunked_payload(source, (header, scales.numpy().tobytes(), index_bytes, quantized.numpy().tobytes()))
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        buffer, numel = serialized_tensor.buffer, _numel(serialized_tensor)
-        magic, chunk, k, declared = self._HEADER.unpack(_read(buffer, 0, np.uint8, self._HEADER.size).tobytes())
+        buffer, numel = serialized_tensor.buffer, payload_numel(serialized_tensor)
+        magic, chunk, k, declared = self._HEADER.unpack(read_array(buffer, 0, np.uint8, self._HEADER.size).tobytes())
         if magic != self._MAGIC or declared != numel or not 1 <= k <= chunk <= MAX_CHUNK_SIZE:
             raise ValueError(f"not a topk payload for shape {list(serialized_tensor.size)}")
-        n_chunks = _chunk_layout(numel, chunk)[1]
+        n_chunks = chunk_layout(numel, chunk)[1]
         if len(buffer) != self._HEADER.size + n_chunks * (4 + 3 * k):
             raise ValueError(f"topk payload holds {len(buffer)} bytes, its header needs {n_chunks * (4 + 3 * k) + 20}")
-        scales = _read_scales(buffer, self._HEADER.size, n_chunks)
+        scales = read_scales(buffer, self._HEADER.size, n_chunks)
         offset = self._HEADER.size + 4 * n_chunks
-        indices = torch.from_numpy(_read(buffer, offset, np.uint16, n_chunks * k).astype(np.int64)).view(n_chunks, k)
-        values = torch.from_numpy(_read(buffer, offset + 2 * n_chunks * k, np.int8, n_chunks * k).copy())
+        raw_indices = read_array(buffer, offset, np.uint16, n_chunks * k)
+        indices = torch.from_numpy(raw_indices.astype(np.int64)).view(n_chunks, k)
+        values = torch.from_numpy(read_array(buffer, offset + 2 * n_chunks * k, np.int8, n_chunks * k).copy())
         if bool((indices >= chunk).any()) or bool((indices[:, 1:] <= indices[:, :-1]).any()):
             raise ValueError("topk payload holds out-of-range or unsorted indices")
         chunks = torch.zeros(n_chunks, chunk, dtype=torch.float32)
@@ -228,21 +191,24 @@ class TopKCodec(CompressionBase):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         numel = max(1, info.descriptor.numel())
-        chunk, n_chunks = _chunk_layout(numel, self.chunk_size)
+        chunk, n_chunks = chunk_layout(numel, self.chunk_size)
         return n_chunks * (4 + 3 * self._k(chunk)) / (numel * torch.finfo(info.descriptor.dtype).bits / 8)
 
 
 # ---- registry: the wire layer encodes with get_codec(...) and decodes with decode(name, msg) ----------------------
 
-Codec = NoneCodec | Fp16Codec | Int8Codec | TopKCodec
-CODEC_NAMES = ("none", "fp16", "int8", "topk")  # least lossy first
+Codec = NoneCodec | Fp16Codec | Int8Codec | TopKCodec | SparseCodec
+CODEC_NAMES = ("none", "fp16", "int8", "topk", "sparse")  # dense ones least lossy first, then the sparse ones
+SPARSE_CODECS = ("sparse", "topk")  # sized by density; the adaptive choice takes the first available that fits
 ADAPTIVE_CODECS = ("fp16", "int8", "topk")  # fp16 is lossless in practice for outer gradients (OpenDiLoCo)
-_CODEC_TYPES: dict[str, type[Codec]] = {"none": NoneCodec, "fp16": Fp16Codec, "int8": Int8Codec, "topk": TopKCodec}
+_CODEC_TYPES: dict[str, type[Codec]] = {"none": NoneCodec, "fp16": Fp16Codec, "int8": Int8Codec, "topk": TopKCodec,
+                                        "sparse": SparseCodec}
 _DECODERS: dict[str, Codec] = {name: codec_type() for name, codec_type in _CODEC_TYPES.items()}
 
 
 def get_codec(name: str, **kwargs: Any) -> Codec:
-    """A codec by name; ``topk`` takes ``density`` and ``chunk_size``, ``int8`` takes ``chunk_size``."""
+    """A codec by name; ``topk`` takes ``density`` and ``chunk_size``, ``sparse`` also ``bits``, ``int8``
+    ``chunk_size``."""
     if name not in _CODEC_TYPES:
         raise ConfigError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     try:
@@ -261,7 +227,7 @@ def decode(name: str, msg: runtime_pb2.Tensor, expected_shape: Sequence[int] | N
     codec = _DECODERS[name]
     if expected_shape is not None and tuple(msg.size) != tuple(expected_shape):
         raise ValueError(f"payload has shape {list(msg.size)}, expected {list(expected_shape)}")
-    if msg.compression != codec.compression_type or msg.dtype not in _DTYPES:
+    if msg.compression != codec.compression_type or msg.dtype not in DTYPES:
         raise ValueError(f"payload is not a {name} tensor (compression {msg.compression}, dtype {msg.dtype!r})")
     try:
         tensor = codec.extract(msg)
@@ -269,7 +235,7 @@ def decode(name: str, msg: runtime_pb2.Tensor, expected_shape: Sequence[int] | N
         raise ValueError(f"malformed {name} payload: {error}") from None
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"{name} payload holds NaN or inf values")
-    return tensor.to(_DTYPES[msg.dtype])
+    return tensor.to(DTYPES[msg.dtype])
 
 
 def compress_all(codec: Codec, tensors: Tensors, role: TensorRole = TensorRole.UNSPECIFIED) -> Payloads:
@@ -353,11 +319,11 @@ def relative_decode(msgs: Sequence[Payload], reference: Tensors, codec: str = "f
 @dataclass(frozen=True)
 class CodecChoice:
     name: str  # a codec name from CODEC_NAMES
-    density: float = 1.0  # fraction of entries kept (topk only)
+    density: float = 1.0  # fraction of entries kept (SPARSE_CODECS only)
 
     def make(self, chunk_size: int = 4096) -> Codec:
-        topk = self.name == "topk"
-        return get_codec(self.name, **({"density": self.density, "chunk_size": chunk_size} if topk else {}))
+        sparse = self.name in SPARSE_CODECS
+        return get_codec(self.name, **({"density": self.density, "chunk_size": chunk_size} if sparse else {}))
 
 
 def estimated_payload_bytes(codec: Codec, raw_bytes: int) -> float:
@@ -369,11 +335,9 @@ def estimated_payload_bytes(codec: Codec, raw_bytes: int) -> float:
 def choose_codec_for_link(
     raw_bytes: int, throughput_bytes_per_s: float, budget_s: float, available: Sequence[str] = ADAPTIVE_CODECS
 ) -> CodecChoice:
-    """The least lossy available codec whose payload fits ``budget_s`` on the link; else top-k sized to fit.
-
-    Top-k's density is the largest that fits: about ``clamp((bytes_budget/raw_bytes − 1/chunk)·4/3)``
-    (3 bytes per kept fp32 entry plus a 4-byte scale per chunk), at least one entry per chunk. Without top-k,
-    the most compressive available codec is returned even if it does not fit.
+    """The least lossy available dense codec whose payload fits ``budget_s`` on the link; else the first available
+    of SPARSE_CODECS at the largest density that fits (at least one entry per chunk). Without a sparse codec, the
+    most compressive available codec is returned even if it does not fit.
     """
     if raw_bytes <= 0 or not throughput_bytes_per_s > 0.0 or not budget_s > 0.0:
         raise ValueError(
@@ -383,12 +347,23 @@ def choose_codec_for_link(
     if not names:
         raise ConfigError(f"no known codec in {list(available)}; choose among {', '.join(CODEC_NAMES)}")
     budget_bytes = throughput_bytes_per_s * budget_s
-    dense = [name for name in names if name != "topk"]
+    dense = [name for name in names if name not in SPARSE_CODECS]
     for name in dense:
         if estimated_payload_bytes(get_codec(name), raw_bytes) <= budget_bytes:
             return CodecChoice(name)
-    if "topk" in names:
-        chunk = _chunk_layout(max(1, raw_bytes // 4), TopKCodec().chunk_size)[0]
-        k = math.floor((4.0 * chunk * budget_bytes / raw_bytes - 4.0) / 3.0)
-        return CodecChoice("topk", density=max(1, min(chunk, k)) / chunk)
+    sparse = [name for name in SPARSE_CODECS if name in names]
+    if sparse:
+        return _densest_fitting(sparse[0], raw_bytes, budget_bytes)
     return CodecChoice(min(dense, key=lambda name: estimated_payload_bytes(get_codec(name), raw_bytes)))
+
+
+def _densest_fitting(name: str, raw_bytes: int, budget_bytes: float) -> CodecChoice:
+    """``name`` with the most entries per chunk whose payload fits ``budget_bytes`` (bisection: bytes grow with k)."""
+    chunk = chunk_layout(max(1, raw_bytes // 4), MAX_CHUNK_SIZE)[0]
+    chunk = min(chunk, get_codec(name).chunk_size)  # type: ignore[union-attr]
+    low, high = 1, chunk
+    while low < high:
+        k = (low + high + 1) // 2
+        fits = estimated_payload_bytes(get_codec(name, density=k / chunk, chunk_size=chunk), raw_bytes) <= budget_bytes
+        low, high = (k, high) if fits else (low, k - 1)
+    return CodecChoice(name, density=low / chunk)
