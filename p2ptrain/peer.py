@@ -116,8 +116,8 @@ class TrainingPeer:
         self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
-        self.loop.run(StateServer(lambda: self._snapshot, self.reputation.refuses).add_p2p_handlers(
-            self.p2p, namespace=cfg.run.run_id))
+        state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise)
+        self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         self.joiner = Joiner(self)
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),

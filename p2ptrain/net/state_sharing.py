@@ -168,7 +168,7 @@ class StateServer(ServicerBase):
 
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
                  refuses: Callable[[str], bool] = lambda _peer: False,
-                 penalise: Callable[[str, str, str], None] = lambda _peer, _offence, _detail: None):
+                 penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None):
         self.get_snapshot = get_snapshot
         self.refuses, self.penalise = refuses, penalise
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
