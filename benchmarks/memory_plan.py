@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from p2ptrain.memory_measure import VOCAB_SIZE, measure  # noqa: E402
-from p2ptrain.memory_plan import GIB, MIB, MemoryPlan, Settings, fit, model_state_bytes, plan_memory  # noqa: E402,E501
-from p2ptrain.memory_shape import model_shape  # noqa: E402
+from p2ptrain.memory.measure import VOCAB_SIZE, measure  # noqa: E402
+from p2ptrain.memory.plan import GIB, MIB, MemoryPlan, Settings, fit, model_state_bytes, plan_memory  # noqa: E402,E501
+from p2ptrain.memory.shape import model_shape  # noqa: E402
 from p2ptrain.models import PRESETS, ModelConfig  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

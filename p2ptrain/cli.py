@@ -171,8 +171,8 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
         overrides["run.progress"] = False
     config = load_config(config_path, overrides)
     if show_plan:
-        from p2ptrain.memory_plan import settings_of
-        from p2ptrain.memory_report import PlanRequest, plan_text
+        from p2ptrain.memory.plan import settings_of
+        from p2ptrain.memory.report import PlanRequest, plan_text
 
         click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
         return
@@ -180,7 +180,7 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
     start_node_processes(workers)
     node = NodeGroup.from_environment(device, config.run.node_timeout_s)
     if not node.is_leader:
-        from p2ptrain.node_worker import NodeWorker
+        from p2ptrain.node.worker import NodeWorker
 
         try:
             NodeWorker(config, node).run()
@@ -214,7 +214,7 @@ def start_node_processes(workers: int | None) -> None:
             raise click.UsageError(f"--workers {workers} under torchrun with {os.environ['WORLD_SIZE']} processes")
         return
     if workers is not None and workers > 1:
-        from p2ptrain.node_launcher import run_node
+        from p2ptrain.node.launcher import run_node
 
         sys.exit(run_node(workers, sys.argv[1:]))
 
@@ -258,8 +258,8 @@ def plan(model: str | None, config_path: str | None, gpu_gb: tuple[float, ...], 
          sync: str | None, peers: int, as_json: bool, **settings: Any) -> None:
     """Print the memory a peer needs per device and host, what fits, and the settings that would make it fit."""
     from p2ptrain.config import load_config
-    from p2ptrain.memory_plan import settings_of
-    from p2ptrain.memory_report import PlanRequest, override_settings, plan_text
+    from p2ptrain.memory.plan import settings_of
+    from p2ptrain.memory.report import PlanRequest, override_settings, plan_text
 
     request = PlanRequest(gpu_gb, device, host_gb, peers)
     overrides = {key: value for key, value in (("model.name", model), ("sync.mode", sync)) if value is not None}

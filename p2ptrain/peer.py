@@ -38,7 +38,7 @@ from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatche
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
-from p2ptrain.node_worker import NodeStart, node_batches, node_data
+from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
 from p2ptrain.tensor_layout import check_tensors, layout_of
@@ -62,7 +62,7 @@ def resolve_device(name: str) -> torch.device:
 
 class TrainingPeer:
     """One volunteer's training client. `run()` trains until `config.run.rounds` or `stop()`. On a node of several
-    processes (`node`), this is rank 0: the others train beside it (node_worker.py)."""
+    processes (`node`), this is rank 0: the others train beside it (node/worker.py)."""
 
     def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False,
                  node: NodeGroup | None = None):

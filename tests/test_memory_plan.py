@@ -13,10 +13,10 @@ from test_cli_errors import Outcome, assert_one_line_user_error, finish, start_c
 from transformers import LlamaConfig
 
 from p2ptrain.errors import UserError
-from p2ptrain.memory_buffers import allreduce_round, sync_buffers
-from p2ptrain.memory_measure import VOCAB_SIZE, measure, measure_here
-from p2ptrain.memory_plan import GIB, Settings, fit, model_state_bytes, plan_memory
-from p2ptrain.memory_shape import ModelShape, model_shape
+from p2ptrain.memory.buffers import allreduce_round, sync_buffers
+from p2ptrain.memory.measure import VOCAB_SIZE, measure, measure_here
+from p2ptrain.memory.plan import GIB, Settings, fit, model_state_bytes, plan_memory
+from p2ptrain.memory.shape import ModelShape, model_shape
 from p2ptrain.models import ModelConfig
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS
 from p2ptrain.sync.config import SyncConfig

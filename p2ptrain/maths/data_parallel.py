@@ -4,7 +4,7 @@ runs data-parallel over `torch.distributed`, and only rank 0 talks to the swarm.
 Every rank takes its slice of the node's batch; DDP averages the gradients in the backward, so all ranks hold the
 same parameters and AdamW state after every step, and rank 0's inner phase is the node's. Rank 0 decides each
 round (how many steps, when to stop) and hands the others the round's parameters; the others follow
-(`p2ptrain/node_worker.py`). A one-process node runs the same code: every collective is then the identity.
+(`p2ptrain/node/worker.py`). A one-process node runs the same code: every collective is then the identity.
 
 A worker that dies or stops answering fails the collective the others are in (gloo reports the closed connection
 at once; a silent worker after `timeout_s`): that surfaces as `NodeError`, and the node stops cleanly.

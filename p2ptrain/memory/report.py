@@ -11,8 +11,8 @@ from typing import Any
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import UserError
-from p2ptrain.memory_plan import GIB, MIB, MemoryPlan, Settings, activation_bytes, fit, plan_memory
-from p2ptrain.memory_shape import ModelShape, model_shape
+from p2ptrain.memory.plan import GIB, MIB, MemoryPlan, Settings, activation_bytes, fit, plan_memory
+from p2ptrain.memory.shape import ModelShape, model_shape
 from p2ptrain.models import PRESETS
 
 

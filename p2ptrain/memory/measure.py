@@ -1,7 +1,7 @@
 """Measure what a peer's training really holds on CPU, to check the memory plan against: the tensors of a real
 InnerTrainer run (parameters, AdamW state, gradients), counted exactly, and the process's peak RSS.
 
-Each configuration runs in a fresh subprocess (`python -m p2ptrain.memory_measure`), so peaks do not mix. Its
+Each configuration runs in a fresh subprocess (`python -m p2ptrain.memory.measure`), so peaks do not mix. Its
 baseline is the RSS once torch, transformers and the trainer are imported, before any model exists; the peak is
 reset to it there (Linux), so a peak of the imports does not hide a smaller one of the run. The run
 builds the model, an InnerTrainer and an OuterOptimizer (anchor; the outer momentum appears at the first outer
@@ -30,7 +30,7 @@ import torch
 from p2ptrain.errors import UserError, one_line
 from p2ptrain.maths.inner import InnerConfig, InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
-from p2ptrain.memory_plan import Settings
+from p2ptrain.memory.plan import Settings
 from p2ptrain.models import ModelConfig, build_model
 
 VOCAB_SIZE = 257  # the byte tokenizer's, which presets get by default
@@ -126,7 +126,7 @@ def _trainer(model: torch.nn.Module, settings: Settings) -> tuple[InnerTrainer, 
 def measure(model_name: str, settings: Settings, steps: int = 2, live_rss: bool = True,
             threads: int = 2) -> Measurement:
     """Measure in a fresh subprocess (peaks do not mix); `live_rss`: RSS follows live allocations (see above)."""
-    args = [sys.executable, "-m", "p2ptrain.memory_measure", "--model", model_name, "--steps", str(steps),
+    args = [sys.executable, "-m", "p2ptrain.memory.measure", "--model", model_name, "--steps", str(steps),
             "--settings", json.dumps(dataclasses.asdict(settings)), "--threads", str(threads)]
     env = dict(os.environ, **(LIVE_RSS_ENV if live_rss else {}))
     if not live_rss:
@@ -141,7 +141,7 @@ def measure(model_name: str, settings: Settings, steps: int = 2, live_rss: bool 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Measure one training configuration's memory (prints JSON).")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--settings", required=True, help="JSON of p2ptrain.memory_plan.Settings")
+    parser.add_argument("--settings", required=True, help="JSON of p2ptrain.memory.plan.Settings")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

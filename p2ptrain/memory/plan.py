@@ -31,8 +31,8 @@ from p2ptrain.data import BYTE_TOKENIZER
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.inner import PRECISIONS, autocast_dtype
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES, state_device_for
-from p2ptrain.memory_buffers import Buffers, sync_buffers
-from p2ptrain.memory_shape import ModelShape
+from p2ptrain.memory.buffers import Buffers, sync_buffers
+from p2ptrain.memory.shape import ModelShape
 
 MIB, GIB = 2**20, 2**30
 DEVICES = ("cpu", "cuda", "mps")
