@@ -1,5 +1,5 @@
-"""benchmarks/algorithms.py and benchmarks/sim/: the wall-clock model by hand, and a --quick run (rows, sanity row,
-bytes, JSON)."""
+"""benchmarks/algorithms.py and benchmarks/sim/: the wall-clock model by hand, CHOCO-Gossip against GASLoC, and a
+--quick run (rows, seeds and paired gaps, sanity check, bytes, JSON and Markdown)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 
 from benchmarks import algorithms  # noqa: E402
 from benchmarks.sim.clock import Units, clock_stats, paced_steps, simulate_clock  # noqa: E402
-from benchmarks.sim.rows import ROWS  # noqa: E402
-from benchmarks.sim.simulation import build_bench  # noqa: E402
-from benchmarks.sim.tables import run  # noqa: E402
+from benchmarks.sim.peers import build_bench, row_codec  # noqa: E402
+from benchmarks.sim.rows import QUICK, ROWS, Algorithm, Settings  # noqa: E402
+from benchmarks.sim.simulation import train_row  # noqa: E402
+from benchmarks.sim.tables import run, selected_rows  # noqa: E402
 from p2ptrain.maths.mixing import consensus_distance  # noqa: E402
 
 PROTO_OVERHEAD_BYTES = 32  # upper bound on one runtime_pb2.Tensor's fields besides its buffer
-ROW = {row.name: row for row in ROWS}
+ROW = {row.name: row for row in ROWS} | {
+    "gasloc-1peer-g0": Algorithm("gasloc-1peer-g0", "gasloc", graph="matching", momentum=0.0),
+    "factored-K1-delay1": Algorithm("factored-K1-delay1", "factored", mix2_overlap="delayed", momentum=0.0)}
 PAIRS = [[1], [0], [3], [2]]
 CROSS = [[2], [3], [0], [1]]
 CYCLE = [[3, 1], [0, 2], [1, 3], [2, 0]]
@@ -86,45 +89,79 @@ def _assert_ratio(measured: float, raw_bytes: float, copies: float, numels: list
     assert copies * raw_bytes / model <= measured <= copies * (raw_bytes + PROTO_OVERHEAD_BYTES * len(numels)) / model
 
 
+def test_choco_with_an_exact_codec_is_gasloc_on_its_overlay() -> None:
+    """With codec none the public estimates are the proposals themselves, so a CHOCO round with γ_c = 1 is GASLoC's
+    mix of y with the ring's Metropolis weights (1/3): the same parameters, to float rounding."""
+    bench = build_bench(Settings(**{**QUICK, "rounds": 2}))
+    choco = Algorithm("choco-exact", "choco", codec="none", graph="ring", momentum=0.0, consensus_step=1.0)
+    gasloc = Algorithm("gasloc-ring", "gasloc", graph="ring", momentum=0.0, param_codec="none")
+    steps, rounds = [3] * 4, [2] * 4
+    for a, b in zip(train_row(choco, bench, steps, rounds), train_row(gasloc, bench, steps, rounds), strict=True):
+        assert consensus_distance(a.theta, b.theta) <= 1e-6
+        assert a.bytes_sent == 2 * 2 * 4 * sum(t.numel() for t in bench.theta0)  # 2 rounds x 2 neighbours, fp32
+
+
 @pytest.mark.slow
 def test_quick_run(tmp_path: Path) -> None:
     settings, _ = algorithms.parse_args(["--quick"])
+    assert settings.seeds == 2 and settings.wallclock
     report = run(settings, tmp_path, command="pytest")
-    table1 = {r.name: r for r in report["rows"]["equal_tokens"]}
-    table2 = {r.name: r for r in report["rows"]["equal_wallclock"]}
-    assert set(table1) == set(ROW) and set(table2) == {r.name for r in ROWS if not r.sanity}
-    for row in [*table1.values(), *table2.values()]:
+    per_seed = report["rows"]["equal_tokens"]
+    names = [row.name for row in selected_rows(settings)]
+    assert [[r.name for r in seed_rows] for seed_rows in per_seed] == [names, names] and names == [r.name for r in ROWS]
+    assert [seed_rows[0].seed for seed_rows in per_seed] == [0, 1]
+    for row in [r for seed_rows in per_seed for r in seed_rows]:
         assert math.isfinite(row.val_loss) and math.isfinite(row.mean_peer_val_loss), row.name
-    assert table1["diloco"].val_loss < 5.4  # it trained: a uniform guess over 257 tokens is ln 257 = 5.55
-
-    diloco, complete = table1["diloco"], table1["gasloc-complete"]
-    assert abs(complete.val_loss - diloco.val_loss) <= 1e-4 * diloco.val_loss
-    assert consensus_distance(diloco.average, complete.average) <= 1e-4
+        assert 0.0 < (row.utilisation or 0.0) <= 1.0, row.name
+    first = {r.name: r for r in per_seed[0]}
+    assert first["diloco"].val_loss < 5.4  # it trained: a uniform guess over 257 tokens is ln 257 = 5.55
+    assert per_seed[0][0].val_loss != per_seed[1][0].val_loss  # seeds differ
     assert report["sanity"]["verdict"] == "PASS"
-    assert diloco.max_consensus_distance == 0.0 and table1["gasloc-1peer-g0.9"].max_consensus_distance > 0.0
+    assert first["diloco"].max_consensus_distance == 0.0 and first["gasloc-1peer"].max_consensus_distance > 0.0
+
+    aggregate = {row["name"]: row for row in json.loads((tmp_path / "algorithms.json").read_text())["aggregate"]}
+    for name, row in aggregate.items():  # gaps are paired with the same seed's DiLoCo
+        expected = [100 * (seed_rows[names.index(name)].val_loss / seed_rows[0].val_loss - 1) for seed_rows in per_seed]
+        assert row["gaps_percent"] == pytest.approx(expected)
+        assert row["gap_percent"]["mean"] == pytest.approx(sum(expected) / 2)
 
     numels = [t.numel() for t in build_bench(settings).theta0]
     n = settings.peers
-    _assert_ratio(diloco.bytes_per_round_vs_model, 4 * sum(numels), 2 * (n - 1) / n, numels)
-    _assert_ratio(table1["diloco-fp16"].bytes_per_round_vs_model, 2 * sum(numels), 2 * (n - 1) / n, numels)
-    assert table1["diloco-fp16"].bytes_per_round_vs_model / diloco.bytes_per_round_vs_model == pytest.approx(0.5, 1e-3)
-    int8_raw = sum(x + 4 * -(-x // min(4096, x)) + 16 for x in numels)
-    _assert_ratio(table1["diloco-int8"].bytes_per_round_vs_model, int8_raw, 2 * (n - 1) / n, numels)
-    for name, density in (("diloco-topk-1/128+EF", 1 / 128), ("diloco-topk-1/32+EF", 1 / 32)):
-        raw = sum(_topk_bytes(x, density) for x in numels)
-        _assert_ratio(table1[name].bytes_per_round_vs_model, raw, n - 1, numels)  # all-gather: n−1 payloads
-    _assert_ratio(table1["gasloc-1peer-g0"].bytes_per_round_vs_model, 2 * sum(numels), 1, numels)  # fp16 y, 1 partner
-    _assert_ratio(table1["gasloc-2peer-g0"].bytes_per_round_vs_model, 2 * sum(numels), 2, numels)
-    factored_k4 = table1["factored-K4"].bytes_per_round_vs_model  # Mix1 every round, fp32 Mix2 in 1 round of 4
+    _assert_ratio(first["diloco"].bytes_per_round_vs_model, 4 * sum(numels), 2 * (n - 1) / n, numels)
+    for name in ("topk8-1/32", "topk8-1/128"):
+        raw = sum(_topk_bytes(x, ROW[name].density) for x in numels)
+        _assert_ratio(first[name].bytes_per_round_vs_model, raw, n - 1, numels)  # all-gather: n−1 payloads
+    for name in ("sparse2-2%", "sparse4-1%", "gradgossip-sparse2-2%", "choco-sparse2-2%"):
+        codec = row_codec(ROW[name])
+        raw = sum(codec.payload_bytes_for(x) for x in numels)  # type: ignore[union-attr]
+        copies = {"diloco": n - 1, "gradgossip": 1, "choco": 2}[ROW[name].kind]
+        _assert_ratio(first[name].bytes_per_round_vs_model, raw, copies, numels)
+        assert first[name].payload_vs_fp32 == pytest.approx(raw / _fp32_model_bytes(numels), rel=1e-2)
+    _assert_ratio(first["gasloc-1peer"].bytes_per_round_vs_model, 2 * sum(numels), 1, numels)  # fp16 y, 1 partner
+    _assert_ratio(first["gasloc-2peer"].bytes_per_round_vs_model, 2 * sum(numels), 2, numels)
+    factored_k4 = first["factored-K4"].bytes_per_round_vs_model  # Mix1 every round, fp32 Mix2 in 1 round of 4
     assert factored_k4 == pytest.approx(0.5 + 2 * 1.0 / 4, rel=5e-3)
+    assert first["factored-K4"].utilisation > first["factored-K1"].utilisation  # Mix2 blocks: rarer is faster
 
+    table2 = {r.name: r for r in report["rows"]["equal_wallclock"]}
+    assert set(table2) == {r.name for r in ROWS if r.section == "modes"}
     assert table2["diloco"].rounds == [settings.rounds] * n and table2["diloco"].reused_from_table1
-    assert table2["gasloc-1peer-g0.9"].inner_steps[-1] < table2["gasloc-1peer-g0.9"].inner_steps[0]
-    assert all(0.0 < row.utilisation <= 1.0 for row in table2.values())
+    assert table2["gasloc-1peer"].inner_steps[-1] < table2["gasloc-1peer"].inner_steps[0]
 
     written = json.loads((tmp_path / "algorithms.json").read_text())
-    assert [r["name"] for r in written["equal_tokens"]] == [r.name for r in ROWS]
-    assert len(written["equal_wallclock"]) == len(table2) and written["torch_threads"] == settings.threads
-    assert written["command"] == "pytest" and written["wall_s"] > 0
+    assert written["command"] == "pytest" and written["wall_s"] > 0 and 0 < written["cpu_s"]
     assert {t["verdict"] for t in written["targets"]} <= {"PASS", "MISS"} and len(written["targets"]) >= 5
-    assert "## 2. Equal simulated wall clock" in (tmp_path / "algorithms.md").read_text()
+    text = (tmp_path / "algorithms.md").read_text()
+    for heading in ("## 1. Modes", "## 2. Outer momentum", "## 3. Factored", "## 4. Codec frontier",
+                    "## 5. Compressed gossip", "## 6. Equal simulated wall clock", "## Targets"):
+        assert heading in text
+
+
+def test_sections_keep_the_reference_and_bad_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    settings, _ = algorithms.parse_args(["--sections", "codecs", "--seeds", "1"])
+    assert [r.name for r in selected_rows(settings)][0] == "diloco"
+    assert {r.name for r in selected_rows(settings) if r.section != "codecs"} == {"diloco", "diloco-g0"}
+    assert (settings.model, settings.rounds, settings.seeds) == ("bench-1m", 50, 1)  # FULL under the flags
+    with pytest.raises(SystemExit):
+        algorithms.parse_args(["--sections", "everything"])
+    assert "unknown section 'everything'" in capsys.readouterr().err

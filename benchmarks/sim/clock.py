@@ -4,7 +4,8 @@ Inner steps take the measured mean step time; fast peers have bandwidth B, the l
 (bytes/s, each way). Transfer times come from the scale simulation's model (`flow_s`, `allreduce_transfer_s` in
 benchmarks/scale/model.py), with ideal links: no latency, efficiency 1. DiLoCo and codec rows all-reduce (everyone
 waits for the slowest member, then sends its payloads through B_min); gossip exchanges wait only for the partners
-involved; the one-step-delay rows and Factored's Mix1 overlap the inner phase.
+involved (gradient gossip and CHOCO as GASLoC, with their codec's payload); the one-step-delay rows, Factored's Mix1
+and CHOCO with overlap run their transfers during the next inner phase.
 
 A gossip round here is synchronous: each peer sends its payload to each partner in turn over the slower end of the
 link while receiving theirs (full duplex), so a pair's exchange takes S / b_min. The scale model's push-pull
@@ -20,10 +21,12 @@ import math
 from collections.abc import Sequence
 
 from benchmarks.scale.model import allreduce_transfer_s, flow_s
-from benchmarks.sim.graphs import Neighbours
+from benchmarks.sim.exchanges import allreduce_factor, send_parameters
+from benchmarks.sim.graphs import Graphs, Neighbours
+from benchmarks.sim.peers import Bench, row_codec
 from benchmarks.sim.rows import ROWS, Algorithm
-from benchmarks.sim.simulation import Bench, Graphs, allreduce_factor, make_graphs, send_parameters
-from p2ptrain.maths.codecs import compress_all, get_codec
+from benchmarks.sim.simulation import make_graphs
+from p2ptrain.maths.codecs import compress_all
 from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.net.wire import payload_bytes
 
@@ -33,14 +36,13 @@ EFFICIENCY = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class Units:
-    delta_bytes: int  # one peer's Δ payload with the row's codec (fp32 for Factored's Mix2)
+    delta_bytes: int  # one peer's Δ payload with the row's codec (fp32 for Factored's Mix2; CHOCO's corrections)
     param_bytes: int  # one peer's parameter payload (GASLoC's y, Factored's Mix1 θ)
 
 
 def exchange_units(row: Algorithm, bench: Bench) -> Units:
     """Payload sizes from the codecs themselves (our formats have a size fixed by the shapes)."""
-    codec = get_codec("topk", density=row.density) if row.codec == "topk" else get_codec(row.codec)
-    delta_bytes = payload_bytes(compress_all(codec, bench.theta0))
+    delta_bytes = payload_bytes(compress_all(row_codec(row), bench.theta0))
     return Units(delta_bytes, send_parameters(row.param_codec, bench.theta0, bench.theta0)[1])
 
 
@@ -74,6 +76,13 @@ def round_end_times(row: Algorithm, units: Units, r: int, start: list[float], co
         return ends
     if row.kind == "gasloc":
         return _wait_then_send(compute_end, graphs[0][r], units.param_bytes, bandwidth)
+    if row.kind in ("gradgossip", "choco") and not row.overlap:  # as GASLoC, with the codec's payload
+        return _wait_then_send(compute_end, graphs[0][r], units.delta_bytes, bandwidth)
+    if row.kind == "choco":  # round r's corrections travel during round r + 1, whose end mixes them
+        ends = [max(c, carry.get(f"sent_{i}", 0.0)) for i, c in enumerate(compute_end)]
+        sent = _wait_then_send(compute_end, graphs[0][r], units.delta_bytes, bandwidth)
+        carry.update({f"sent_{i}": done for i, done in enumerate(sent)})
+        return ends
     mix1_done = _wait_then_send(start, graphs[0][r], units.param_bytes, bandwidth)  # overlaps the inner phase
     ready = [max(c, m) for c, m in zip(compute_end, mix1_done, strict=True)]
     mix2_done = ready if (r + 1) % row.mix2_every else _wait_then_send(ready, graphs[1][r], units.delta_bytes,
@@ -132,11 +141,28 @@ class WallClock:
     max_rounds: int
 
 
+def links(bench: Bench, step_s: float) -> list[float]:
+    """Bytes/s of each peer's link: fast peers carry one fp32 model per inner phase (or --bandwidth), the last
+    peer straggler_fraction of that."""
+    s = bench.settings
+    fast = s.bandwidth_bytes_per_s or bench.model_bytes / (s.inner_steps * step_s)
+    return [fast] * (s.peers - 1) + [fast * s.straggler_fraction]
+
+
+def equal_tokens_utilisation(row: Algorithm, bench: Bench, step_s: float) -> float:
+    """Mean compute utilisation of the peers until the last of them has completed the run's R rounds of H steps
+    on ``links`` (the straggler included). With the default links it does not depend on ``step_s``."""
+    s = bench.settings
+    graphs = make_graphs(row, s.peers, s.rounds, s.seed)
+    clock = simulate_clock(row, exchange_units(row, bench), [s.inner_steps] * s.peers, step_s, links(bench, step_s),
+                           graphs, math.inf, s.rounds)
+    return clock_stats(clock, max(max(ends) for ends in clock.ends))[1]
+
+
 def make_wallclock(bench: Bench, step_s: float) -> WallClock:
     """Links and budget of table 2: the budget is DiLoCo's time for ``budget_rounds`` rounds with the straggler."""
     s = bench.settings
-    fast = s.bandwidth_bytes_per_s or bench.model_bytes / (s.inner_steps * step_s)
-    bandwidth = [fast] * (s.peers - 1) + [fast * s.straggler_fraction]
+    bandwidth = links(bench, step_s)
     budget_rounds = s.budget_rounds or s.rounds
     diloco = ROWS[0]
     graphs = make_graphs(diloco, s.peers, budget_rounds, s.seed)

@@ -20,6 +20,7 @@ from p2ptrain.maths.mixing import metropolis_weight
 from p2ptrain.tensor_layout import check_alike
 
 Neighbours = list[list[int]]
+Graphs = tuple[list[Neighbours], list[Neighbours]]  # per round: (GASLoC's graph or Mix1's matching, Mix2's cycle)
 
 
 def _check_peer_count(n: int) -> None:
@@ -62,6 +63,15 @@ def random_cycle_graph(n: int, rng: random.Random) -> Neighbours:
     for position, peer in enumerate(order):
         neighbours[peer] = [order[position - 1], order[(position + 1) % n]]
     return neighbours
+
+
+def ring_graph(n: int) -> Neighbours:
+    """A fixed overlay: peer i's neighbours are i − 1 and i + 1 (mod n), every round (CHOCO's public estimates
+    need fixed neighbours); n = 2 is one edge, n = 1 none."""
+    _check_peer_count(n)
+    if n <= 2:
+        return [[1], [0]] if n == 2 else [[]]
+    return [[(i - 1) % n, (i + 1) % n] for i in range(n)]
 
 
 def edges(neighbours: Neighbours) -> list[tuple[int, int]]:
