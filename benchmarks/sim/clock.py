@@ -5,7 +5,7 @@ Inner steps take the measured mean step time; fast peers have bandwidth B, the l
 benchmarks/scale/model.py), with ideal links: no latency, efficiency 1. DiLoCo and codec rows all-reduce (everyone
 waits for the slowest member, then sends its payloads through B_min); gossip exchanges wait only for the partners
 involved (gradient gossip and CHOCO as GASLoC, with their codec's payload); the one-step-delay rows, Factored's Mix1
-and CHOCO with overlap run their transfers during the next inner phase.
+and the compressed gossip rows with overlap run their transfers during the next inner phase.
 
 A gossip round here is synchronous: each peer sends its payload to each partner in turn over the slower end of the
 link while receiving theirs (full duplex), so a pair's exchange takes S / b_min. The scale model's push-pull
@@ -78,7 +78,7 @@ def round_end_times(row: Algorithm, units: Units, r: int, start: list[float], co
         return _wait_then_send(compute_end, graphs[0][r], units.param_bytes, bandwidth)
     if row.kind in ("gradgossip", "choco") and not row.overlap:  # as GASLoC, with the codec's payload
         return _wait_then_send(compute_end, graphs[0][r], units.delta_bytes, bandwidth)
-    if row.kind == "choco":  # round r's corrections travel during round r + 1, whose end mixes them
+    if row.kind in ("gradgossip", "choco"):  # round r's payloads travel during round r + 1, whose end uses them
         ends = [max(c, carry.get(f"sent_{i}", 0.0)) for i, c in enumerate(compute_end)]
         sent = _wait_then_send(compute_end, graphs[0][r], units.delta_bytes, bandwidth)
         carry.update({f"sent_{i}": done for i, done in enumerate(sent)})

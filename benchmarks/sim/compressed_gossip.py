@@ -3,7 +3,8 @@
 - ``gradgossip``: gossip of compressed Δ only. Each peer sends s_i = codec(β·e_i + Δ_i) with error feedback (as
   production's gradient gossip, sync/grad_gossip.py: its own s_i mixed with its partners' s_j, the outer step on
   the mix). Nothing pulls the parameters together: peers apply different mixes, so they drift apart like a random
-  walk (the row's consensus distance says how far).
+  walk (the row's consensus distance says how far). With ``overlap`` the exchange of round r runs during round r + 1
+  and its mix is applied at that round's end (production's DelayedOuterGradient, plain delay, as sync.overlap).
 - ``choco``: CHOCO-Gossip (Koloskova, Stich, Jaggi 2019) on GASLoC's proposals y = θ − ηΔ, over a fixed overlay
   (each peer keeps the same neighbours every round: the public estimates need it). Every peer i holds public
   estimates ŷ_j of itself and its neighbours (all start at θ_0, which every peer has); a round sends
@@ -32,13 +33,18 @@ def exchange_gradgossip(row: Algorithm, peers: list[SimPeer], deltas: dict[int, 
     present, graph = {p.index: p for p in peers}, graphs[0][r]
     partners = {i: partners_of(graph, i, present) for i in present}
     sent = {i: send_with_feedback(p, deltas[i]) for i, p in present.items() if partners[i][0]}
+    pending: dict[int, Tensors | None] = carry.setdefault("pending", {})
     for i, peer in present.items():
-        if i not in sent:
-            outer_step_(peer, deltas[i])
+        mixed = clone(sent[i][0]) if i in sent else deltas[i]
+        if i in sent:
+            mix_(mixed, [sent[j][0] for j in partners[i][0]], partners[i][1])
+        if peer.delayed is None:
+            outer_step_(peer, mixed)
             continue
-        mixed = clone(sent[i][0])
-        mix_(mixed, [sent[j][0] for j in partners[i][0]], partners[i][1])
-        outer_step_(peer, mixed)
+        applied = peer.delayed.outer_gradient_(sent[i][0] if i in sent else deltas[i], pending.get(i), 1.0)
+        pending[i] = mixed
+        if applied is not None:
+            outer_step_(peer, applied)
     return {i: len(partners[i][0]) * sent[i][1] if i in sent else 0 for i in present}
 
 

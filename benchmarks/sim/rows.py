@@ -17,7 +17,7 @@ MODEL_SHAPES = {"bench-1m": dict(hidden_size=128, intermediate_size=344, num_hid
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """One run of the simulator. The defaults are the small run benchmarks/robustness.py builds on; the algorithm
-    benchmark's full run is FULL on top of them (about 70 minutes of CPU on one core; see benchmarks/algorithms.py)."""
+    benchmark's full run is FULL on top of them (about 75 minutes of CPU on one core; see benchmarks/algorithms.py)."""
 
     peers: int = 4
     rounds: int = 16  # R, outer rounds at equal tokens
@@ -77,7 +77,8 @@ class Algorithm:
     mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager), momentum as set
     eager: bool = False  # delayed: the eager variant
     consensus_step: float = 1.0  # choco: γ_c, the step towards the neighbours' public estimates
-    overlap: bool = False  # choco: a round's corrections travel during the next inner phase (mixed one round late)
+    overlap: bool = False  # choco, gradgossip: a round's payloads travel during the next inner phase, mixed or
+    # applied one round late (gradgossip: production's DelayedOuterGradient, as sync.overlap delayed)
 
     @property
     def codec_options(self) -> dict[str, float]:
@@ -113,6 +114,8 @@ ROWS = (
     Algorithm("sparse4-1%", "diloco", section="codecs", codec="sparse", density=0.01, bits=4, **CODEC_RECIPE),
     Algorithm("gradgossip-sparse2-2%", "gradgossip", section="gossip-codecs", codec="sparse", density=0.02,
               graph="matching", **CODEC_RECIPE),
+    Algorithm("gradgossip-sparse2-2%-delay1", "gradgossip", section="gossip-codecs", codec="sparse", density=0.02,
+              graph="matching", overlap=True, **CODEC_RECIPE),
     Algorithm("choco-sparse2-2%", "choco", section="gossip-codecs", codec="sparse", density=0.02, graph="ring",
               momentum=0.0, consensus_step=0.25),
 )
