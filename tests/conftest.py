@@ -6,7 +6,6 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -14,20 +13,13 @@ import subprocess
 import psutil
 import pytest
 import torch
+from subreaper import set_child_subreaper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _become_subreaper() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: orphans go to init and are not tracked
-        pass
 
 
 def _name(process: psutil.Process) -> str:
@@ -71,7 +63,7 @@ def reap_children():
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_p2pd():
     """A p2pd daemon of ours still running at the end of the suite is a failure (and is killed)."""
-    _become_subreaper()
+    set_child_subreaper(True)
     yield
     daemons = [p for p in _our_descendants() if _name(p) == "p2pd"]
     _gone, alive = psutil.wait_procs(daemons, timeout=REAP_GRACE_S)

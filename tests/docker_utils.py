@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from subreaper import orphans_go_to_init
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCKER_ENV = REPO_ROOT / ".ci" / "docker-env"
@@ -37,7 +38,8 @@ def docker_environment() -> Iterator[None]:
     if os.geteuid() != 0:
         pytest.skip("the Docker tests need root (apt-get, dockerd, tc); run the suite as root")
     was_up = (STATE / "base-image").exists()
-    done = subprocess.run([str(DOCKER_ENV), "up"], capture_output=True, text=True, timeout=1200)
+    with orphans_go_to_init():  # dockerd, its containers and the wheelhouse server outlive single tests
+        done = subprocess.run([str(DOCKER_ENV), "up"], capture_output=True, text=True, timeout=1200)
     print(done.stderr)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
