@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks/ is not installed; simulate_scale.py does the same
 
 from benchmarks import simulate_scale  # noqa: E402
-from benchmarks.scale import calibrate, grid, model, sim  # noqa: E402
-from p2ptrain.errors import ConfigError  # noqa: E402
+from benchmarks.scale import calibrate, codecs, grid, model, sim  # noqa: E402
+from p2ptrain.errors import ConfigError, UserError  # noqa: E402
 from p2ptrain.testnet.netns import NAMESPACE_MARKER, list_namespaces  # noqa: E402
 
 DILOCO, GOSSIP1, GOSSIP2 = sim.Algorithm("allreduce"), sim.Algorithm("gossip", 1), sim.Algorithm("gossip", 2)
@@ -249,16 +249,63 @@ def test_calibrate_on_the_netns_testnet(netns_ok: None, tmp_path: Path, capsys: 
 
 
 def test_simulate_mode_writes_markdown_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--peers", "12", "--params", "150M", "--compression", "1,10", "--step-time-s", "0.2", "--inner-steps",
-            "10", "--budget-h", "0.5", "--min-rounds", "2", "--output-dir", str(tmp_path)]
+    argv = ["--peers", "12", "--params", "150M", "--codecs", "fp16,delivered", "--delivered-ratio", "0.01",
+            "--step-time-s", "0.2", "--inner-steps", "10", "--budget-h", "0.5", "--min-rounds", "2", "--output-dir",
+            str(tmp_path)]
     assert simulate_scale.main(argv) == 0
     document = json.loads((tmp_path / "simulate_scale.json").read_text())
-    assert [row["algorithm"] for row in document["rows"]] == ["diloco", "gossip-1", "gossip-2", "factored-K4"] * 2
+    names = ["diloco", "gossip-1", "gossip-2", "factored-K4", "gradgossip-1", "gradgossip-1-overlap"]
+    assert [row["algorithm"] for row in document["rows"]] == names * 2
+    assert [row["delta_ratio"] for row in document["rows"]] == [0.5] * 6 + [0.01] * 6
+    assert all(row["param_payload_mb"] == 300.0 for row in document["rows"])  # parameters stay fp16
     assert all(0 < row["utilisation_p10"] <= row["utilisation_median"] <= 1 for row in document["rows"])
     markdown = (tmp_path / "simulate_scale.md").read_text()
-    assert grid.HEADER in markdown and markdown.count("| 12 | 150M |") == 8
+    assert grid.HEADER in markdown and markdown.count("| 12 | 150M |") == 12 and "sparse (1/100)" in markdown
     # the exchange constants used, and the calibration run they were fitted from
     assert document["settings"]["link_efficiency"] == model.LINK_EFFICIENCY
     assert document["assumptions"]["exchange_constants"]["fitted_from"] == model.FITTED_FROM
     assert f"link efficiency {model.LINK_EFFICIENCY:g} (the defaults, {model.FITTED_FROM})" in markdown
     assert simulate_scale.main(["--params", "big"]) == 2 and "150M" in capsys.readouterr().err
+    assert simulate_scale.main(["--codecs", "zip"]) == 2 and "unknown codec 'zip'" in capsys.readouterr().err
+
+
+def test_sparse_outer_gradients_make_diloco_an_all_gather_and_gradient_gossip_carries_them() -> None:
+    # 8 peers at 16 Mbit/s; parameters 5 MB, outer gradients 1 MB. All-gather: 7 x 1 MB x 8 / 16 Mbit/s = 3.5 s.
+    rates = np.full(8, 16.0)
+    swarm = model.Swarm(rates, rates.copy(), np.full(8, INNER_S), PAYLOAD_BYTES, 0.0, 0.0, 1.0, 1e6, True)
+    assert model.allreduce_s(swarm) == pytest.approx(3.5)
+    np.testing.assert_allclose(sim.simulate(DILOCO, swarm, 135.0, 10).utilisation, 10 / 13.5)
+    # gradient gossip, a pair: 0.5 s out and 0.5 s back; GASLoC's gossip still sends 5 MB parameters (5 s)
+    grad = sim.simulate(sim.Algorithm("gradgossip", 1), swarm, 110.0, 10)
+    np.testing.assert_allclose(grad.utilisation, 10 / 11)
+    np.testing.assert_allclose(sim.simulate(GOSSIP1, swarm, 150.0, 10).utilisation, 10 / 15)
+    # with overlap the 1 s exchange runs behind the 10 s inner phase: nobody waits
+    overlapped = sim.simulate(sim.Algorithm("gradgossip", 1, overlap=True), swarm, 100.0, 10)
+    np.testing.assert_allclose(overlapped.utilisation, 1.0)
+    assert sim.Algorithm("gradgossip", 1, overlap=True).name == "gradgossip-1-overlap"
+    with pytest.raises(ConfigError):
+        sim.Algorithm("gossip", 1, overlap=True)
+
+
+def test_the_delivered_codec_is_the_fewest_bytes_within_one_percent(tmp_path: Path) -> None:
+    def row(name: str, section: str, ratio: float, gap: float) -> dict[str, Any]:
+        return {"name": name, "section": section, "payload_vs_fp32": ratio,
+                "gap_best_percent": {"mean": gap, "sd": 0.1}}
+
+    results = tmp_path / "algorithms.json"
+    results.write_text(json.dumps({"aggregate": [
+        row("diloco", "modes", 1.0, 0.0), row("sparse2-3%", "codecs", 1 / 107, -0.5),
+        row("sparse2-2%", "codecs", 1 / 148, 0.9), row("sparse2-1%", "codecs", 1 / 248, 3.0),
+        row("gradgossip", "gossip-codecs", 1 / 300, 0.0)]}))
+    point = codecs.delivered(results)
+    assert (point.name, point.delta_ratio, point.sparse) == ("sparse2-2%", 1 / 148, True)
+    assert "1/148 of fp32 bytes at +0.90" in point.source
+    assert codecs.delivered(results, 0.02).delta_ratio == 0.02
+    assert [p.name for p in codecs.codec_points("fp16,delivered", results, None)] == ["fp16", "sparse2-2%"]
+    results.write_text(json.dumps({"aggregate": [row("sparse2-1%", "codecs", 1 / 248, 3.0)]}))
+    with pytest.raises(UserError, match="within 1 %"):
+        codecs.delivered(results)
+    with pytest.raises(UserError, match="--delivered-ratio"):
+        codecs.delivered(tmp_path / "missing.json")
+    with pytest.raises(ConfigError):
+        codecs.delivered(results, 1.5)

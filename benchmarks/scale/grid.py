@@ -24,9 +24,14 @@ def parse_params(text: str) -> float:
         raise ConfigError(f"model size {text!r}: write e.g. 150M, 1.5B or 7e9") from None
 
 
+ALGORITHMS = "diloco,gossip-1,gossip-2,factored,gradgossip-1,gradgossip-1-overlap"
+
+
 def algorithms(names: str, mix2_every: int) -> list[Algorithm]:
     known = {"diloco": Algorithm("allreduce"), "gossip-1": Algorithm("gossip", 1), "gossip-2": Algorithm("gossip", 2),
-             "factored": Algorithm("factored", 2, mix2_every)}
+             "factored": Algorithm("factored", 2, mix2_every), "gradgossip-1": Algorithm("gradgossip", 1),
+             "gradgossip-2": Algorithm("gradgossip", 2),
+             "gradgossip-1-overlap": Algorithm("gradgossip", 1, overlap=True)}
     unknown = [name for name in names.split(",") if name not in known]
     if unknown:
         raise ConfigError(f"unknown algorithm {unknown[0]!r}: use {', '.join(known)}")
@@ -44,19 +49,20 @@ def run_grid(
             started = time.perf_counter()
             result = simulate(algorithm, swarm, budget_s, min_rounds, scenario.seed)
             rows.append({
-                "peers": scenario.peers, "params": scenario.params, "compression": scenario.compression,
-                "algorithm": algorithm.name,
+                "peers": scenario.peers, "params": scenario.params, "codec": scenario.codec,
+                "delta_ratio": scenario.delta_ratio, "algorithm": algorithm.name,
                 "inner_phase_s_median": float(np.median(swarm.inner_phase_s)),
-                "payload_mb": swarm.payload_bytes / 1e6, **result.summary(),
+                "delta_payload_mb": swarm.delta_bytes / 1e6, "param_payload_mb": swarm.payload_bytes / 1e6,
+                **result.summary(),
                 "cpu_s": round(time.perf_counter() - started, 3),
             })
             print(format_row(rows[-1]), flush=True)
     return rows
 
 
-HEADER = ("| peers | params | compression | algorithm | inner phase s | payload MB | util median | util p10 "
-          "| round s median | rounds in budget median / p10 |")
-RULE = "|" + "---|" * 10
+HEADER = ("| peers | params | Δ codec (bytes ÷ fp32) | algorithm | inner phase s | Δ payload MB | θ payload MB "
+          "| util median | util p10 | round s median | rounds in budget median / p10 |")
+RULE = "|" + "---|" * 11
 
 
 def _params_label(params: float) -> str:
@@ -65,8 +71,9 @@ def _params_label(params: float) -> str:
 
 def format_row(row: dict[str, Any]) -> str:
     cells = (
-        row["peers"], _params_label(row["params"]), f"{row['compression']:g}x", row["algorithm"],
-        f"{row['inner_phase_s_median']:.0f}", f"{row['payload_mb']:.4g}", f"{row['utilisation_median']:.3f}",
+        row["peers"], _params_label(row["params"]), f"{row['codec']} (1/{1 / row['delta_ratio']:.0f})",
+        row["algorithm"], f"{row['inner_phase_s_median']:.0f}", f"{row['delta_payload_mb']:.4g}",
+        f"{row['param_payload_mb']:.4g}", f"{row['utilisation_median']:.3f}",
         f"{row['utilisation_p10']:.3f}", f"{row['round_s_median']:.0f}",
         f"{row['rounds_in_budget_median']:g} / {row['rounds_in_budget_p10']:g}",
     )
@@ -81,7 +88,7 @@ def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], command:
                         "clip": [model.LINK_FLOOR_MBIT, model.LINK_CAP_MBIT]},
         "download_per_upload": model.DOWNLOAD_PER_UPLOAD, "gpus": {k: asdict(v) for k, v in GPUS.items()},
         "train_bytes_per_param": model.TRAIN_BYTES_PER_PARAM,
-        "payload_bytes_per_param": model.PAYLOAD_BYTES_PER_PARAM, "exchange_constants": exchange_constants(),
+        "param_payload_ratio": model.FP16_RATIO, "exchange_constants": exchange_constants(),
     }
     document = {"command": command, "settings": settings, "assumptions": assumptions, "rows": rows}
     (output_dir / "simulate_scale.json").write_text(json.dumps(document, indent=1) + "\n")
@@ -114,8 +121,11 @@ def describe_exchange_constants(settings: dict[str, Any]) -> str:
 
 NOTES = [
     "Notes:",
-    "- One compression ratio applies to every payload. Parameters (gossip's y, Mix1's θ) compress worse than outer "
-    "gradients (ALGORITHMS.md §5), so rows with compression > 1 are optimistic for gossip and Mix1.",
+    "- The Δ codec applies to outer gradients only (DiLoCo's all-reduce, Factored's Mix2, gradient gossip); "
+    "parameters (gossip's y, Mix1's θ) travel as fp16 differences from θ_0, as in production. A sparse Δ codec makes "
+    "DiLoCo's all-reduce an all-gather ((n − 1) payloads per peer).",
+    "- gradgossip mixes outer gradients only: nothing pulls parameters together, and its loss at 4 peers (algorithm "
+    "benchmark) says nothing of 1,000 (each peer averages with 1 of 999 others).",
     "- DiLoCo's peers all run the same H; hivemind's target-batch-size pacing or GASLoC's adaptive H, which let "
     "slow peers do fewer steps, are not simulated.",
     "- The exchange model (push, then pull, through each direction's bottleneck) and its constants come from a netns "

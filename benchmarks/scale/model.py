@@ -8,7 +8,9 @@ Transfer model (S = payload bytes each way; rates are goodput, as speed tests re
              once the initiator's upload and download are split evenly between the k flows; the exchange ends
              with the slowest flow.
   all-reduce a butterfly: allreduce_latency_s + 2·S·(n−1)/n / (b_min · efficiency), b_min the slowest upload or
-             download of the swarm.
+             download of the swarm. A sparse codec's payloads cannot be summed on the way: its all-reduce is an
+             all-gather, every peer sends its payload to the n − 1 others: allreduce_latency_s + (n−1)·S / (b_min ·
+             efficiency).
   fixed_s (EXCHANGE_FIXED_S) and efficiency (LINK_EFFICIENCY) are fitted by `simulate_scale.py calibrate` from
   the exchanges of a netns testnet run (FITTED_FROM). The all-reduce was not measured: it rides the same libp2p
   streams, so it is given the same efficiency (assumed).
@@ -26,7 +28,10 @@ Compute: an inner step is 6·N·tokens_per_step FLOPs on gpus_per_peer GPUs at M
   fewest GPUs whose memory (80 % usable) holds 16 bytes/parameter (bf16 weights and grads, fp32 master and
   AdamW moments), so a 70B peer is a multi-GPU node. step_time_s replaces this model; compute_spread σ gives
   each peer a log-normal throughput factor (heterogeneous GPUs). Inner phase = inner_steps × step time.
-Payload: S = N × 2 bytes (fp16) / compression, for every exchange and both directions.
+Payloads: outer gradients (DiLoCo's all-reduce, Factored's Mix2, gradient gossip) S_Δ = 4·N·delta_ratio bytes, the
+  codec's measured bytes ÷ fp32 (fp16: 1/2; the sparse codec: from benchmarks/results/algorithms.json); parameters
+  (GASLoC's y, Mix1's θ) S_θ = 4·N·param_ratio, fp16 differences from θ_0 (1/2), what production sends: the sparse
+  codec does not apply to them (CHOCO-Gossip with it lost 9 % in the algorithm benchmark). Both directions alike.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ DOWNLOAD_PER_UPLOAD = 5.0
 LINK_FLOOR_MBIT, LINK_CAP_MBIT = 1.0, 1000.0
 TRAIN_BYTES_PER_PARAM = 16
 USABLE_GPU_MEMORY = 0.8
-PAYLOAD_BYTES_PER_PARAM = 2  # fp16
+FP32_BYTES_PER_PARAM = 4
+FP16_RATIO = 0.5  # fp16 payload ÷ fp32 bytes
 MEGABITS_PER_BYTE = 8 / 1e6
 
 # Fitted by `python benchmarks/simulate_scale.py calibrate --workdir /tmp/cal/real` to the exchanges of one netns
@@ -112,22 +118,28 @@ def exchange_transfer_s(
 
 @dataclass(frozen=True, eq=False)
 class Swarm:
-    """Per-peer links (Mbit/s, goodput) and inner-phase times (s), and the payload every exchange sends each way."""
+    """Per-peer links (Mbit/s, goodput) and inner-phase times (s), and the payloads exchanges send each way."""
 
     upload_mbit: np.ndarray
     download_mbit: np.ndarray
     inner_phase_s: np.ndarray
-    payload_bytes: float
+    payload_bytes: float  # a parameter payload (GASLoC's y, Mix1's θ)
     exchange_latency_s: float = EXCHANGE_FIXED_S  # fixed cost of one gossip exchange
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
     link_efficiency: float = LINK_EFFICIENCY  # what fraction of a link's goodput a transfer gets
+    delta_payload_bytes: float = 0.0  # an outer-gradient payload; 0 = payload_bytes
+    sparse_deltas: bool = False  # outer gradients travel sparse: an all-reduce of them is an all-gather
+
+    @property
+    def delta_bytes(self) -> float:
+        return self.delta_payload_bytes or self.payload_bytes
 
     def __post_init__(self) -> None:
         n = len(self.upload_mbit)
         if n < 2 or len(self.download_mbit) != n or len(self.inner_phase_s) != n:
             raise ConfigError("a swarm needs >= 2 peers and one upload, download and inner-phase time per peer")
         arrays = (self.upload_mbit, self.download_mbit, self.inner_phase_s)
-        if min(float(np.min(a)) for a in arrays) <= 0 or self.payload_bytes <= 0:
+        if min(float(np.min(a)) for a in arrays) <= 0 or self.payload_bytes <= 0 or self.delta_payload_bytes < 0:
             raise ConfigError("link rates, inner-phase times and payload_bytes must be > 0")
         if self.exchange_latency_s < 0 or self.allreduce_latency_s < 0:
             raise ConfigError("latencies must be >= 0 s")
@@ -140,16 +152,19 @@ class Swarm:
 
 
 def allreduce_s(swarm: Swarm) -> float:
-    """Butterfly all-reduce: 2·S·(n−1)/n through the slowest link of the swarm, plus matchmaking."""
+    """The outer gradients' all-reduce: a butterfly, 2·S_Δ·(n−1)/n, or for sparse payloads an all-gather,
+    (n−1)·S_Δ, through the slowest link of the swarm, plus matchmaking."""
     slowest_mbit = min(float(np.min(swarm.upload_mbit)), float(np.min(swarm.download_mbit)))
-    megabits = butterfly_payloads(swarm.n) * swarm.payload_bytes * MEGABITS_PER_BYTE
+    payloads = swarm.n - 1 if swarm.sparse_deltas else butterfly_payloads(swarm.n)
+    megabits = payloads * swarm.delta_bytes * MEGABITS_PER_BYTE
     return allreduce_transfer_s(megabits, slowest_mbit, swarm.allreduce_latency_s, swarm.link_efficiency)
 
 
-def exchange_s(swarm: Swarm, initiator: int, partners: Sequence[int]) -> float:
-    """A gossip exchange of the swarm's payload (both ways) between ``initiator`` and ``partners``."""
-    return exchange_transfer_s(swarm.upload_mbit, swarm.download_mbit, initiator, partners, swarm.payload_bytes,
-                               swarm.payload_bytes, swarm.exchange_latency_s, swarm.link_efficiency)
+def exchange_s(swarm: Swarm, initiator: int, partners: Sequence[int], deltas: bool = False) -> float:
+    """A gossip exchange (both ways) between ``initiator`` and ``partners`` of parameters, or of outer gradients."""
+    nbytes = swarm.delta_bytes if deltas else swarm.payload_bytes
+    return exchange_transfer_s(swarm.upload_mbit, swarm.download_mbit, initiator, partners, nbytes, nbytes,
+                               swarm.exchange_latency_s, swarm.link_efficiency)
 
 
 @dataclass(frozen=True)
@@ -164,7 +179,10 @@ class Scenario:
     inner_steps: int = 500  # H
     step_time_s: float | None = None  # replaces the FLOP model when given
     compute_spread: float = 0.0  # σ of the per-peer log-normal throughput factor; 0 = identical GPUs
-    compression: float = 1.0  # payload = fp16 bytes / compression
+    codec: str = "fp16"  # the outer gradients' codec, a label
+    delta_ratio: float = FP16_RATIO  # an outer-gradient payload ÷ its fp32 bytes
+    sparse_deltas: bool = False  # the codec is sparse: DiLoCo's all-reduce becomes an all-gather
+    param_ratio: float = FP16_RATIO  # a parameter payload ÷ its fp32 bytes (fp16 differences from θ_0)
     exchange_latency_s: float = EXCHANGE_FIXED_S
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
     link_efficiency: float = LINK_EFFICIENCY
@@ -175,8 +193,10 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
             raise ConfigError(f"gpu {self.gpu!r}: use one of {', '.join(GPUS)}")
-        if self.peers < 2 or self.params <= 0 or not 0 < self.mfu <= 1 or self.compression < 1:
-            raise ConfigError("need peers >= 2, params > 0, 0 < mfu <= 1 and compression >= 1")
+        if self.peers < 2 or self.params <= 0 or not 0 < self.mfu <= 1:
+            raise ConfigError("need peers >= 2, params > 0 and 0 < mfu <= 1")
+        if not (0 < self.delta_ratio <= 1 and 0 < self.param_ratio <= 1):
+            raise ConfigError("payload ratios (bytes ÷ fp32 bytes) must be in (0, 1]")
         if self.tokens_per_step < 1 or self.inner_steps < 1 or (self.step_time_s is not None and self.step_time_s <= 0):
             raise ConfigError("tokens_per_step and inner_steps must be >= 1 and step_time_s > 0")
         if self.compute_spread < 0 or not 0 <= self.stragglers <= self.peers or not 0 < self.straggler_factor <= 1:
@@ -206,6 +226,7 @@ def build_swarm(scenario: Scenario) -> Swarm:
     step_s = s.step_time_s or flops_step_time_s(s.params, GPUS[s.gpu], s.mfu, s.tokens_per_step)
     speed = np.exp(rng.normal(0.0, s.compute_spread, s.peers)) if s.compute_spread else np.ones(s.peers)
     return Swarm(
-        upload, download, s.inner_steps * step_s / speed, s.params * PAYLOAD_BYTES_PER_PARAM / s.compression,
+        upload, download, s.inner_steps * step_s / speed, s.params * FP32_BYTES_PER_PARAM * s.param_ratio,
         s.exchange_latency_s, s.allreduce_latency_s, s.link_efficiency,
+        s.params * FP32_BYTES_PER_PARAM * s.delta_ratio, s.sparse_deltas,
     )

@@ -1,13 +1,18 @@
 """The event loop: each peer alternates inner phases (compute) with exchanges over its link; a heap of timed events
 decides who waits for whom. Timing of each algorithm (ALGORITHMS.md §1-3; transfer times from model.py):
-  diloco     blocking butterfly all-reduce: a round ends for all when the slowest inner phase is done plus
-             model.allreduce_s.
+  diloco     blocking all-reduce of outer gradients: a round ends for all when the slowest inner phase is done plus
+             model.allreduce_s (a butterfly, or an all-gather of sparse payloads).
   gossip-1   asynchronous pairs: a peer whose inner phase is done draws a random peer whose link is free and
              exchanges with it (model.exchange_s: its payload out, the partner's back). The initiator waits; the
              partner keeps computing, unless it was itself waiting to mix, in which case the exchange is its mix too.
   gossip-2   the same with two partners at once, the initiator's upload and download split between the two flows.
   factored   Mix1: a pair exchange started with the round, behind the inner phase; the peer waits only for what is
              left of it when the inner phase ends. Mix2: a blocking 2-partner exchange after every K-th inner phase.
+  gradgossip gossip of outer gradients (no parameters): as gossip-k with the outer-gradient payload; with overlap
+             (sync.overlap delayed) the exchange of round r starts as round r + 1 does and runs behind its inner
+             phase, as Mix1 does.
+Gossip and Mix1 exchanges carry parameters, Mix2, gradient gossip and DiLoCo's all-reduce outer gradients
+(model.Swarm's two payloads).
 A link serves one exchange at a time; initiators draw among free peers only (the DHT is assumed to record who is
 free, so refusals cost nothing); a peer that finds too few free partners waits until a link frees.
 """
@@ -26,28 +31,38 @@ from benchmarks.scale.model import Swarm, allreduce_s, exchange_s
 from p2ptrain.errors import ConfigError
 
 HORIZON_LIMIT_S = 3.2e9  # a century: rounds slower than this mean the inputs make no sense
-KINDS = ("allreduce", "gossip", "factored")
+KINDS = ("allreduce", "gossip", "factored", "gradgossip")
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    """How a round synchronises: kind 'allreduce' (DiLoCo), 'gossip' or 'factored'."""
+    """How a round synchronises: kind 'allreduce' (DiLoCo), 'gossip', 'factored' or 'gradgossip'."""
 
     kind: str
-    partners: int = 1  # gossip: partners per exchange; factored: Mix2's partners (Mix1 always has one)
+    partners: int = 1  # gossip, gradgossip: partners per exchange; factored: Mix2's partners (Mix1 always has one)
     mix2_every: int = 1  # factored: Mix2 after every mix2_every-th inner phase
+    overlap: bool = False  # gradgossip: the exchange runs behind the next inner phase
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"algorithm kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if self.partners < 1 or self.mix2_every < 1:
             raise ConfigError("partners and mix2_every must be >= 1")
+        if self.overlap and (self.kind != "gradgossip" or self.partners != 1):
+            raise ConfigError("overlap applies to gradgossip with one partner")
 
     @property
     def name(self) -> str:
         if self.kind == "allreduce":
             return "diloco"
-        return f"gossip-{self.partners}" if self.kind == "gossip" else f"factored-K{self.mix2_every}"
+        if self.kind == "factored":
+            return f"factored-K{self.mix2_every}"
+        return f"{self.kind}-{self.partners}" + ("-overlap" if self.overlap else "")
+
+    @property
+    def behind_inner_phase(self) -> bool:
+        """Whether the round's exchange starts with the round and runs behind the inner phase (Mix1's timing)."""
+        return self.kind == "factored" or self.overlap
 
 
 @dataclass(eq=False)
@@ -162,7 +177,7 @@ class _Simulation:
         self._switch(peer, now_s, computing=True)
         self.inner_done[peer] = False
         self._push(now_s + float(self.swarm.inner_phase_s[peer]), 0, "inner_done", peer)
-        if self.alg.kind == "factored":
+        if self.alg.behind_inner_phase:
             self.need[peer] = "mix1"
             self._push(now_s, 1, "try", peer)
 
@@ -184,14 +199,14 @@ class _Simulation:
             if self.arrived == self.swarm.n:
                 self.arrived = 0
                 self._push(now_s + allreduce_s(self.swarm), 0, "allreduce_done", -1)
-        elif self.alg.kind == "gossip":
+        elif not self.alg.behind_inner_phase:
             self.need[peer] = "gossip"
             self._push(now_s, 1, "try", peer)
-        elif self.need[peer] != "mix1":  # factored, Mix1 already done: otherwise wait for it
+        elif self.need[peer] != "mix1":  # the exchange behind the inner phase is done: otherwise wait for it
             self._after_mix1(peer, now_s)
 
     def _after_mix1(self, peer: int, now_s: float) -> None:
-        if (len(self.round_s[peer]) + 1) % self.alg.mix2_every == 0:
+        if self.alg.kind == "factored" and (len(self.round_s[peer]) + 1) % self.alg.mix2_every == 0:
             self.need[peer] = "mix2"
             self._push(now_s, 1, "try", peer)
         else:
@@ -219,7 +234,8 @@ class _Simulation:
             self.partners[p].add(peer)
         exchange_id = next(self.exchange_ids)
         self.exchanges[exchange_id] = (kind, group, satisfied)
-        self._push(now_s + exchange_s(self.swarm, peer, chosen), 0, "exchange_done", exchange_id)
+        deltas = self.alg.kind == "gradgossip" or kind == "mix2"  # outer gradients; else parameters
+        self._push(now_s + exchange_s(self.swarm, peer, chosen, deltas), 0, "exchange_done", exchange_id)
 
     def _on_exchange_done(self, exchange_id: int, now_s: float) -> None:
         kind, group, satisfied = self.exchanges.pop(exchange_id)
