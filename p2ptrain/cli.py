@@ -99,12 +99,14 @@ def cli(log_level: str) -> None:
 @network_options
 @click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
 @click.option("--run-id", default=None, help="Run whose peer records this node checks (default from config).")
-def bootstrap(address_file: str | None, run_id: str | None, **kwargs: Any) -> None:
-    """Run a DHT-only bootstrap node and print the address peers must pass as --initial-peers."""
+@click.option("--no-relay-service", is_flag=True, help="Do not serve as a relay for peers behind NAT.")
+def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bool, **kwargs: Any) -> None:
+    """Run a DHT-only bootstrap node (and relay) and print the address peers must pass as --initial-peers."""
     from p2ptrain.config import load_config
     from p2ptrain.net.bootstrap import BootstrapNode
 
     overrides = network_overrides(kwargs)
+    overrides["network.relay"] = not no_relay_service
     if run_id:
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
@@ -140,11 +142,12 @@ def bootstrap(address_file: str | None, run_id: str | None, **kwargs: Any) -> No
 @click.option("--plan", "show_plan", is_flag=True, help="Print this peer's memory plan and exit (p2ptrain plan).")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes of this node, one per GPU, training as one peer "
                                                            "(starts itself under torchrun; default 1).")
+@click.option("--relay", "serve_relay", is_flag=True, help="Serve as a relay for peers behind NAT (a public peer).")
 @click.option("--red-team", "red_team", hidden=True, help="Testnets only: play an attack, KIND[@ROUND] "
                                                           "(p2ptrain/testnet/adversary.py).")
 @network_options
 def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
-         red_team: str | None, show_plan: bool, workers: int | None, **kwargs: Any) -> None:
+         red_team: str | None, show_plan: bool, workers: int | None, serve_relay: bool, **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
     from p2ptrain.maths.data_parallel import NodeGroup
@@ -169,6 +172,8 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
             overrides[key] = kwargs[flag]
     if no_progress:
         overrides["run.progress"] = False
+    if serve_relay:
+        overrides["network.relay"] = True
     config = load_config(config_path, overrides)
     if show_plan:
         from p2ptrain.memory.plan import settings_of

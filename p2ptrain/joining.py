@@ -253,7 +253,7 @@ class Joiner:
                 logger.warning(f"peer {suspect.peer_id} announces round {suspect.round}, more than "
                                f"{self.config.join_max_round_lead} ahead of the swarm's {choice.quorum}: "
                                f"suspect, not a donor")
-        return choice
+        return dataclasses.replace(choice, donors=peer.routes.best_first(choice.donors))  # reachable, direct first
 
     def catch_up_(self, view: SwarmView) -> bool:
         """Adopt the first donor's state that passes the checks; True if one was applied."""
@@ -322,7 +322,7 @@ class Joiner:
         if peer.round != 0 or peer.joined_ever or not choice.donors or choice.donors[0].round != 0:
             return False
         seed = secrets.randbits(64)
-        answers = self._ask(choose_witnesses(choice.trusted, "", 0, WITNESSES, self.rng), seed)
+        answers = self._ask(choose_witnesses(peer.routes.best_first(choice.trusted), "", 0, WITNESSES, self.rng), seed)
         own = Sketch(0, parameter_sketch(peer.params, seed), parameter_norm(peer.params))
         alike = [a for a in answers if a.sketch.round == 0 and own.distance(a.sketch) <= ALIGNED_MAX_DISTANCE]
         return bool(answers) and 2 * len(alike) > len(answers)
@@ -345,7 +345,7 @@ class Joiner:
                 peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer._state_layout(),
                 max_bytes=2 * peer._state_nbytes() + 2**20, chunk_timeout_s=timeout_s,
                 expected_metadata=SnapshotExpectation(peer.config.run.run_id, peer.fingerprint, low, high),
-            ), timeout=timeout_s * 4)
+                route=peer.routes.route_to(donor.peer_id)), timeout=timeout_s * 4)
         except SnapshotRefused as e:
             logger.warning(f"refused the state of {donor.peer_id}: {e}")
             if e.offence is not None:
@@ -360,7 +360,8 @@ class Joiner:
         seed = secrets.randbits(64)  # drawn after the download: the donor could not know it
         others = [r for r in choice.trusted if r.peer_id != donor.peer_id
                   and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
-        witnesses = choose_witnesses(others, donor.peer_id, snapshot.round, WITNESSES, self.rng)
+        witnesses = choose_witnesses(self.peer.routes.best_first(others), donor.peer_id, snapshot.round, WITNESSES,
+                                     self.rng)
         tight = self.config.aligned_rounds and self.config.overlap != "eager" and donor.synced
         sketches = judge_sketches(snapshot.sketch(seed), self._ask(witnesses, seed), tight, ALIGNED_MAX_DISTANCE,
                                   self.config.join_gossip_max_distance)
@@ -380,7 +381,7 @@ class Joiner:
 
         async def ask(record: PeerRecord) -> Sketch:
             return await request_sketch(peer.p2p, PeerID.from_base58(record.peer_id), peer.config.run.run_id,
-                                        seed, timeout_s)
+                                        seed, timeout_s, peer.routes.route_to(record.peer_id))
 
         async def ask_all() -> list[Sketch | BaseException]:
             return await asyncio.gather(*(ask(w) for w in witnesses), return_exceptions=True)

@@ -37,6 +37,7 @@ from p2ptrain.net.dht import start_dht, visible_maddrs
 from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.sync.build import build_outer_sync
@@ -116,17 +117,23 @@ class TrainingPeer:
         self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
+        self.services = start_services(self.p2p, self.loop, cfg.network)
+        self.routes = self.services.routes  # who reaches whom: read from the records every round
         state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
+        state_server.serve_relayed(self.services.entry, cfg.run.run_id)
         self.joiner = Joiner(self)
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
-                                                reputation=self.reputation)
+                                                reputation=self.reputation, routes=self.routes,
+                                                entry=self.services.entry)
         record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
-                            fingerprint=self.fingerprint)
+                            fingerprint=self.fingerprint, relay=cfg.network.relay)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
                                    cfg.network.record_ttl_s, admission=self.admission)
         self.announcer.start()
+        self.services.start_presence(self.p2p, self.loop, cfg.network, initial_peers,
+                                     lambda **fields: self.announcer.update(publish=True, **fields))
         self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s,
                                     admission=self.admission)
         if not cfg.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
@@ -138,6 +145,7 @@ class TrainingPeer:
 
     def swarm(self) -> SwarmView:
         records = self.watcher.records(current=self.config.sync.needs_current_swarm)
+        self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
 
     def _announce(self, **fields: object) -> None:
@@ -233,7 +241,9 @@ class TrainingPeer:
         self.synced = in_step and (self.synced or self.joined_this_round)
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
-        others = [r for r in view.others if r.phase != "joining"]
+        # partners: not joining, and not silent (a peer whose machine vanished stops refreshing its record; nobody
+        # waits for it until the record expires)
+        others = [r for r in view.fresh_others(self.config.network.heartbeat_s) if r.phase != "joining"]
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
@@ -358,7 +368,7 @@ class TrainingPeer:
         self.stop_event.set()
 
     def shutdown(self) -> None:
-        closers = (self.announcer.stop, self.watcher.stop, self.sync.shutdown,
+        closers = (lambda: self.services.stop(self.loop), self.announcer.stop, self.watcher.stop, self.sync.shutdown,
                    lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown,
                    self.node.close)
         for close in closers:

@@ -10,8 +10,9 @@ import torch
 
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet.adversary import ATTACKS, Attack, tampered
+from p2ptrain.testnet.plan import plan_run
 from p2ptrain.testnet.report import Life, RunRecord, check_attackers_banned, run_checks
-from p2ptrain.testnet.scenario import parse_scenario, plan_run
+from p2ptrain.testnet.scenario import parse_scenario
 
 
 def test_red_team_flag_parses_kind_and_round_and_refuses_the_rest() -> None:

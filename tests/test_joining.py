@@ -40,6 +40,7 @@ from p2ptrain.joining import (
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
     SKETCH_BLOCK,
     SKETCH_BURST,
@@ -119,7 +120,7 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
 
     config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
-                                 swarm=swarm, round=0, synced=True, joined_ever=False,
+                                 swarm=swarm, round=0, synced=True, joined_ever=False, routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned))
     return Joiner(peer), reads  # type: ignore[arg-type]
 
@@ -156,7 +157,8 @@ def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace
     tries: list[int] = []
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="gasloc")), round=0, synced=True,
                                  joined_ever=False, reputation=types.SimpleNamespace(is_banned=nobody_banned),
-                                 announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)))
+                                 announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)),
+                                 routes=Routes("me"))
     joiner = Joiner(peer)  # type: ignore[arg-type]
 
     def corroborate(*_args: object) -> Verdict:

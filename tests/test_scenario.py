@@ -15,19 +15,17 @@ from safetensors.torch import save_file
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet import netns_run
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.testnet.plan import Timeline, churn_events, plan_run
 from p2ptrain.testnet.report import EventRecord, Life, RunRecord, longest_stall_s, run_checks, write_report
 from p2ptrain.testnet.scenario import (
     ChecksSpec,
     ChurnSpec,
     Event,
     Scenario,
-    Timeline,
-    churn_events,
     load_scenario,
     parse_bandwidth,
     parse_rate,
     parse_scenario,
-    plan_run,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

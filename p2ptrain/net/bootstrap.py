@@ -1,4 +1,6 @@
-"""A bootstrap node: a DHT-only peer with a persistent identity, so its address stays the same across restarts."""
+"""A bootstrap node: a DHT-only peer with a persistent identity, so its address stays the same across restarts. It
+also dials back peers that test their reachability, and (`network.relay`, on for `p2ptrain bootstrap`) serves as
+a relay for peers behind NAT (net/services.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
 from p2ptrain.net.discovery import add_record_validators
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.services import start_services
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +28,14 @@ class BootstrapNode:
         if config.identity_path:
             Path(config.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self.dht: SwarmDHT = start_dht(config)
+        self.loop = BackgroundLoop("p2ptrain-bootstrap-loop")
         try:
             add_record_validators(self.dht, run_id, config.record_ttl_s, admission)
             self.maddrs = visible_maddrs(self.dht)
+            self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=config.startup_timeout_s)
+            self.services = start_services(self.p2p, self.loop, config)
         except BaseException:
+            self.loop.stop()
             self.dht.shutdown()
             raise
         if address_file:
@@ -37,6 +45,11 @@ class BootstrapNode:
         stop.wait()
 
     def shutdown(self) -> None:
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout=10)
+        except Exception:  # shutting down: the DHT's own shutdown below ends the daemon anyway
+            logger.debug("error while closing the bootstrap's p2p replica", exc_info=True)
+        self.loop.stop()
         self.dht.shutdown()
 
 

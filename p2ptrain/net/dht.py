@@ -34,9 +34,17 @@ class NetworkConfig:
     announce_maddrs: tuple[str, ...] = ()  # public addresses to announce, if behind a port forward
     identity_path: str = ""  # libp2p private key file (created if missing) for a stable peer id
     nat_port_map: bool = True  # ask the home router for a port mapping (UPnP / NAT-PMP)
-    auto_nat: bool = True  # ask other peers whether we are reachable
-    use_relay: bool = True  # accept relayed connections when not reachable
+    auto_nat: bool = True  # p2pd's AutoNAT service (and its hole punching, which needs 4+ peers' observations)
+    use_relay: bool = True  # p2pd's circuit relay transport (limited to 128 KiB a connection: not our relays)
     client_mode: bool = False  # outbound connections only (behind a strict NAT)
+    # reachability (net/reachability.py, net/relay.py): after joining, ask a peer to dial us back; if nobody can
+    # connect to us, take a slot on a relay (the bootstrap, or a peer started with --relay) when `use_relays`
+    check_reachability: bool = True
+    use_relays: bool = True
+    relay: bool = False  # serve as a relay for peers behind NAT (the bootstrap does unless --no-relay-service)
+    relay_mbit: float = 100.0  # every byte this relay passes, both directions, Mbit/s at most (circuits then wait)
+    relay_max_circuits: int = 16  # relayed streams at once; beyond, refused as busy
+    relay_max_clients: int = 64  # peers holding a slot on this relay
     heartbeat_s: float = 1.0  # how often the peer record is refreshed
     record_ttl_s: float = 8.0  # a peer whose record is older than this is gone
     startup_timeout_s: float = 30.0  # time to start the daemon (seconds), and for its processes to answer
@@ -62,6 +70,9 @@ class NetworkConfig:
         if not 0 < self.join_timeout_s <= self.startup_timeout_s:
             raise ConfigError(f"network.join_timeout_s must be > 0 and at most network.startup_timeout_s, got "
                               f"{self.join_timeout_s} and {self.startup_timeout_s} s: raise startup_timeout_s too")
+        if self.relay_mbit <= 0 or min(self.relay_max_circuits, self.relay_max_clients) < 1:
+            raise ConfigError(f"network.relay_mbit must be > 0 and relay_max_circuits, relay_max_clients >= 1, got "
+                              f"{self.relay_mbit}, {self.relay_max_circuits}, {self.relay_max_clients}")
         if not 0 < self.heartbeat_s < self.record_ttl_s:
             raise ConfigError(f"network.heartbeat_s must be > 0 and < network.record_ttl_s, got "
                               f"{self.heartbeat_s} and {self.record_ttl_s}")

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 # how far two honest nodes' clocks may disagree (hivemind's DHT time is each machine's own clock): a record's
 # heartbeat may be this far in the future, and a node whose clock is behind may keep a record this long past its TTL
 MAX_CLOCK_SKEW_S = 30.0
+# a peer whose record missed this many heartbeats is silent (a crashed or unplugged machine: no reset, no goodbye):
+# partners stop waiting for it long before its record expires (`record_ttl_s`)
+SILENT_HEARTBEATS = 5
+BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
 
 
 class PeerRecord(BaseModel):
@@ -48,6 +52,11 @@ class PeerRecord(BaseModel):
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat
     banned: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # peers it bans now (reputation)
+    # how others reach it (net/reachability.py): "" not known yet, direct, relay (through relay_via), outbound only
+    reach: constr(regex=r"^(|direct|relay|outbound)$", strict=True) = ""  # type: ignore[valid-type]
+    relay_via: constr(max_length=64, regex=BASE58, strict=True) = ""  # type: ignore[valid-type]  # its relay's id
+    seen_as: constr(max_length=45, regex=r"^[0-9a-fA-F.:]*$", strict=True) = ""  # type: ignore[valid-type]  # its IP
+    relay: StrictBool = False  # it serves as a relay for peers behind NAT (net/relay.py)
     # signed runs: the organiser's signature of (run id, peer id), base64 (net/admission.py); "" in open runs
     ticket: constr(max_length=MAX_TICKET_CHARS, regex=r"^[A-Za-z0-9+/=]*$", strict=True) = ""  # type: ignore[valid-type]
 
@@ -329,6 +338,11 @@ class SwarmView:
     @property
     def others(self) -> list[PeerRecord]:
         return [r for r in self.records if r.peer_id != self.me]
+
+    def fresh_others(self, heartbeat_s: float, now: float | None = None) -> list[PeerRecord]:
+        """The others whose record was refreshed within SILENT_HEARTBEATS heartbeats."""
+        now = get_dht_time() if now is None else now
+        return [r for r in self.others if now - r.updated <= SILENT_HEARTBEATS * heartbeat_s]
 
     def at_round(self, round_: int) -> list[PeerRecord]:
         return [r for r in self.others if r.round == round_]

@@ -29,8 +29,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps the frames hivemind reads from peers)
+from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import ResponderLimits, Slots
+from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import (
     MAX_MESSAGE_BYTES,
     WireError,
@@ -294,8 +296,10 @@ class GossipServicer(ServicerBase):
 async def push_pull(
     p2p: P2P, peer_id: PeerID, namespace: str, header: dict[str, Any], payload: Payload,
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, deadline_s: float,
+    route: Route | None = None,
 ) -> ExchangeOutcome:
-    """Offer `payload` to `peer_id` and take its payload back; raises ExchangeRefused, WireError or TimeoutError.
+    """Offer `payload` to `peer_id` (directly, or through `route`'s relay) and take its payload back; raises
+    ExchangeRefused, WireError or TimeoutError.
 
     The returned outcome's `apply` mixes on our side; the partner mixes when it reads our commit.
     """
@@ -311,7 +315,7 @@ async def push_pull(
 
     try:
         outcome = await asyncio.wait_for(
-            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s),
+            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route),
             deadline_s)
     finally:
         if not decision.done():
@@ -324,12 +328,15 @@ async def push_pull(
 async def _initiate(
     p2p: P2P, peer_id: PeerID, namespace: str, requests: AsyncIterator[averaging_pb2.DownloadData],
     decision: "asyncio.Future[bool]", validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int,
-    chunk_timeout_s: float,
+    chunk_timeout_s: float, route: Route | None,
 ) -> ExchangeOutcome:
-    stub = GossipServicer.get_stub(p2p, peer_id, namespace=namespace)
+    if route is None:
+        stream = await GossipServicer.get_stub(p2p, peer_id, namespace=namespace).rpc_exchange(requests)
+    else:
+        stream = await open_relayed(p2p, route, peer_id, f"exchange:{namespace}", requests)
     # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
     # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
-    async with contextlib.aclosing(await stub.rpc_exchange(requests)) as responses:
+    async with contextlib.aclosing(stream) as responses:
         return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s)
 
 
@@ -359,8 +366,11 @@ async def _exchange(
     return ExchangeOutcome(apply, answer, 0, payload_bytes(partner_payload), 0.0)
 
 
-async def serve_exchanges(p2p: P2P, handler: ExchangeHandler) -> None:
-    """Answer offers under `handler.namespace` on `p2p`: the one way a kind of exchange is registered."""
+async def serve_exchanges(p2p: P2P, handler: ExchangeHandler, entry: RelayEntry | None = None) -> None:
+    """Answer offers under `handler.namespace` on `p2p` (and through relays, at `entry`): the one way a kind of
+    exchange is registered."""
     servicer = GossipServicer(handler, handler.max_payload_bytes, chunk_timeout_s=handler.chunk_timeout_s,
                               reputation=handler.reputation)
     await servicer.add_p2p_handlers(p2p, namespace=handler.namespace)
+    if entry is not None:
+        entry.add_service(f"exchange:{handler.namespace}", servicer.rpc_exchange)

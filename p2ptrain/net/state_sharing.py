@@ -28,7 +28,9 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
 from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames)
+from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.responder_limits import RateLimit
+from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
@@ -211,24 +213,53 @@ class StateServer(ServicerBase):
         return averaging_pb2.DownloadData(metadata=encode_metadata(answer))
 
 
+    def serve_relayed(self, entry: RelayEntry, namespace: str) -> None:
+        """Serve snapshots and sketches to peers that reach us through a relay, too."""
+        async def state(_requests: AsyncIterator[averaging_pb2.DownloadData],
+                        context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+            async for message in self.rpc_download_state(averaging_pb2.DownloadRequest(), context):
+                yield message
+
+        async def sketch(requests: AsyncIterator[averaging_pb2.DownloadData],
+                         context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+            yield await self.rpc_state_sketch(await requests.__anext__(), context)
+
+        entry.add_service(f"state:{namespace}", state)
+        entry.add_service(f"sketch:{namespace}", sketch)
+
+
+async def _call(p2p: P2P, peer_id: PeerID, namespace: str, method: str, request: averaging_pb2.DownloadData,
+                route: Route | None) -> AsyncIterator[averaging_pb2.DownloadData]:
+    """The answers of `method` (state | sketch) of `peer_id`'s state server, directly or through `route`'s relay."""
+    if route is not None:
+        return await open_relayed(p2p, route, peer_id, f"{method}:{namespace}", _once(request))
+    stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
+    if method == "state":
+        return await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    return _once(await stub.rpc_state_sketch(request))
+
+
+async def _once(message: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
+    yield message
+
+
 def _sketch_refusal(reason: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
 
 async def download_state(
     p2p: P2P, peer_id: PeerID, namespace: str, expected: TensorLayout, max_bytes: int, chunk_timeout_s: float,
-    expected_metadata: SnapshotExpectation,
+    expected_metadata: SnapshotExpectation, route: Route | None = None,
 ) -> StateSnapshot:
-    """Download and fully validate a peer's snapshot; raises WireError / StateMismatchError / SnapshotRefused on
-    anything wrong (the metadata is checked before any tensor is decoded)."""
-    stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
+    """Download (directly or through `route`'s relay) and fully validate a peer's snapshot; raises WireError /
+    StateMismatchError / SnapshotRefused on anything wrong (the metadata is checked before any tensor is decoded)."""
     metadata_parts: list[bytes] = []
 
     def keep_metadata(message: averaging_pb2.DownloadData) -> None:
         if message.metadata:
             metadata_parts.append(message.metadata)
 
-    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    stream = await _call(p2p, peer_id, namespace, "state", averaging_pb2.DownloadData(), route)
     serialized = await read_tensors(stream, lambda m: m.tensor_part, max_bytes, chunk_timeout_s,
                                     on_message=keep_metadata)
     if len(metadata_parts) != 1:
@@ -246,12 +277,18 @@ async def download_state(
     return StateSnapshot(metadata, names, tuple(tensors))
 
 
-async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, timeout_s: float) -> Sketch:
-    """Ask `peer_id` for the sketch of its snapshot under `seed`; raises WireError on a refusal or a malformed
-    answer, and P2P errors or TimeoutError when it does not answer."""
-    stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
+async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, timeout_s: float,
+                         route: Route | None = None) -> Sketch:
+    """Ask `peer_id` (directly or through `route`'s relay) for the sketch of its snapshot under `seed`; raises
+    WireError on a refusal or a malformed answer, and P2P errors or TimeoutError when it does not answer."""
     request = averaging_pb2.DownloadData(metadata=encode_metadata({"seed": seed}))
-    answer = decode_metadata((await stub.rpc_state_sketch(request, timeout=timeout_s)).metadata)
+    answers = await asyncio.wait_for(_call(p2p, peer_id, namespace, "sketch", request, route), timeout_s)
+    try:
+        answer = decode_metadata((await asyncio.wait_for(answers.__anext__(), timeout_s)).metadata)
+    except StopAsyncIteration:
+        raise WireError(f"peer {peer_id} closed the stream without a sketch") from None
+    finally:
+        await answers.aclose()  # type: ignore[attr-defined]
     round_, values, norm = answer.get("round"), answer.get("sketch"), answer.get("norm")
     if answer.get("status") == "refused":
         raise WireError(f"peer {peer_id} refused a sketch: {str(answer.get('reason'))[:200]}")

@@ -13,7 +13,9 @@ from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AllReduceAverager
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import serve_exchanges
+from p2ptrain.net.relay import RelayEntry
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.diloco import DilocoSync, mean_check
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, ExchangeAverager
@@ -28,17 +30,19 @@ REGISTER_TIMEOUT_S = 30.0
 
 def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
                      run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int,
-                     reputation: Reputation) -> OuterSync:
+                     reputation: Reputation, routes: Routes | None = None,
+                     entry: RelayEntry | None = None) -> OuterSync:
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
-    transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans."""
+    transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans, opens its
+    streams as the peer's `routes` say (directly or through a relay) and is served through relays at `entry`."""
     def averager(prefix: str, group_size: int | None) -> Averager:
         if config.allreduce_transport == "hivemind":
             return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
                                      config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
                                      robust=config.robust, refuses=reputation.refuses)
         exchange = ExchangeAllReduce(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
-                                     group_size=group_size, reputation=reputation)
-        loop.run(serve_exchanges(p2p, exchange), timeout=REGISTER_TIMEOUT_S)
+                                     group_size=group_size, reputation=reputation, routes=routes)
+        loop.run(serve_exchanges(p2p, exchange, entry), timeout=REGISTER_TIMEOUT_S)
         return ExchangeAverager(exchange, loop, config.matchmaking_s)
 
     if config.mode == "diloco":
@@ -46,13 +50,15 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
-                        same_round_only=factored, overlapped=factored, links=links, reputation=reputation)
-    loop.run(serve_exchanges(p2p, mixer), timeout=REGISTER_TIMEOUT_S)
+                        same_round_only=factored, overlapped=factored, links=links, reputation=reputation,
+                        routes=routes)
+    loop.run(serve_exchanges(p2p, mixer, entry), timeout=REGISTER_TIMEOUT_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)
     if config.mix2_transport == "gossip":
-        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation)
-        loop.run(serve_exchanges(p2p, gossip), timeout=REGISTER_TIMEOUT_S)
+        gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
+                            routes=routes)
+        loop.run(serve_exchanges(p2p, gossip, entry), timeout=REGISTER_TIMEOUT_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)
     return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec, mean_check(config)), loop, config,

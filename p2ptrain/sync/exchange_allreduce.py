@@ -16,8 +16,10 @@ honest peer can make (benchmarks/robustness.py: an aimed member diverged honest 
 The group of a round is its live peers per the DHT records (the peer passes their ids), split into groups of
 `group_size` by a shuffle seeded with the round that every peer draws alike (DiLoCo: one group). There is no
 matchmaking window: each stage ends as soon as every expected member is done, and waits for late ones at most
-`patience_s` (`sync.matchmaking_s`). The lower peer id of a pair opens the exchange (one stream per pair); the higher
-one waits for it. Both stages run as rounds of the exchange protocol, numbered 2r (Δ) and 2r + 1 (digests).
+`patience_s` (`sync.matchmaking_s`). One member of a pair opens the exchange (one stream per pair), the other waits
+for it: the lower peer id, unless only the other can reach it (a member behind NAT opens its own streams;
+net/routes.py); members that no path joins (two outbound-only peers without a relay) are not in one group. Both
+stages run as rounds of the exchange protocol, numbered 2r (Δ) and 2r + 1 (digests).
 
 Cost: each member sends its Δ to each other member: (n − 1)·S bytes against 2·S·(n − 1)/n for a butterfly
 all-reduce, the same for a pair, n/2 times more for larger groups: the price of seeing every input.
@@ -44,6 +46,7 @@ from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.sync.allreduce_agreement import (
     APPLY,
     DISCARD,
@@ -139,9 +142,9 @@ class ExchangeAllReduce(GradGossip):
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
-                 reputation: Reputation | None = None):
+                 reputation: Reputation | None = None, routes: Routes | None = None):
         super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
-                         kind=kind, error_feedback_decay=0.0)  # decay 0: s = codec(Δ), nothing carried over
+                         kind=kind, error_feedback_decay=0.0, routes=routes)  # decay 0: s = codec(Δ), none carried
         self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
@@ -160,6 +163,10 @@ class ExchangeAllReduce(GradGossip):
             return AveragingResult(own, group_size=1)
         members = [p for p in round_peers if not self.reputation.refuses(p)] + [self.own_id]
         group = next(g for g in round_groups(members, round_, self.group_size, self.run_id) if self.own_id in g)
+        group = self.routes.connected_group(group, f"{self.run_id}/{round_}")  # every pair can meet (NAT)
+        if self.own_id not in group:  # behind NAT with another outbound-only member: left out of this round
+            self.previous = None
+            return AveragingResult(own, group_size=1)
         stats = RoundSync()
         rnd = await self._stage(GatherRound(2 * round_, self.own_id, sent, payload, self.feedback.codec.name,
                                             set(group)), patience_s, stats)
@@ -194,8 +201,9 @@ class ExchangeAllReduce(GradGossip):
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
         self.current = rnd
         give_up_at = time.monotonic() + patience_s
-        await self._initiate_all(rnd, [p for p in rnd.expected if p > self.own_id], patience_s, stats)
-        with contextlib.suppress(asyncio.TimeoutError):  # the lower ids of the group open their exchanges with us
+        ours = [p for p in rnd.expected if self.routes.opener(self.own_id, p) == self.own_id]
+        await self._initiate_all(rnd, ours, patience_s, stats)
+        with contextlib.suppress(asyncio.TimeoutError):  # the others of the group open their exchanges with us
             await asyncio.wait_for(rnd.complete.wait(), max(0.0, give_up_at - time.monotonic()))
         with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
             await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))

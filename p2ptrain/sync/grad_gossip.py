@@ -44,6 +44,7 @@ from p2ptrain.maths.robust import AdaptiveClip
 from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
@@ -174,8 +175,9 @@ class GradGossip:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None,
-                 kind: str = KIND, error_feedback_decay: float | None = None):
+                 kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None):
         self.p2p, self.run_id, self.fingerprint, self.config, self.kind = p2p, run_id, fingerprint, config, kind
+        self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
         self.own_id = p2p.peer_id.to_base58()
         self.degree_cap = config.mix2_group_size - 1
         topk = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
@@ -227,12 +229,14 @@ class GradGossip:
 
     async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
                             stats: RoundSync) -> None:
-        """Offer our payload to random live peers until our D slots are taken or nobody is left to ask."""
+        """Offer our payload to random live peers until our D slots are taken or nobody is left to ask: those we
+        reach directly first, then those behind relays; peers nobody can reach offer theirs to us instead."""
         give_up_at = time.monotonic() + patience_s
         candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
         while candidates and rnd.free_slots() > 0:
             later = []
-            for partner in draw_partners(candidates, len(candidates), self.rng, exclude=set()):
+            for partner in [p for pool in self.routes.pools(candidates)
+                            for p in draw_partners(pool, len(pool), self.rng, exclude=set())]:
                 if rnd.reserve_outgoing_(partner) and await self._exchange_with(rnd, partner, stats) in ASK_AGAIN:
                     later.append(partner)
             if not later or time.monotonic() >= give_up_at:
@@ -264,7 +268,7 @@ class GradGossip:
 
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
-                                      validate, self.max_payload_bytes, deadline_s)
+                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner))
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")

@@ -36,6 +36,7 @@ from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import OfferLimit
+from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
@@ -93,8 +94,9 @@ class ParamGossip:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
                  config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
-                 links: LinkSpeeds | None = None, reputation: Reputation | None = None):
+                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
+        self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
         self.namespace = f"{run_id}.{kind}"
         self.chunk_timeout_s = config.state_download_timeout_s
         self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
@@ -288,26 +290,25 @@ class ParamGossip:
                   patience_s: float = 0.0, links: dict[str, float] | None = None,
                   ) -> tuple[list[torch.Tensor], RoundSync]:
         """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value), each
-        partner's value clipped (`clip_partner`) and w the weight both ends agreed on.
-
-        Peers that are busy or refuse are skipped, banned ones never asked; those not yet in our round (Mix1) are
-        asked again every ROUND_RETRY_S for up to `patience_s` seconds. With `links` (peers' announced link speeds),
-        peers too slow to wait for are left to start exchanges with us (`partners_worth_waiting_for`). A value that
-        is not finite is not mixed (nor sent): it comes back unchanged, with a warning.
-        """
+        partner's value clipped (`clip_partner`) and w the weight both ends agreed on. Busy or refusing peers are
+        skipped, banned ones never asked; those not yet in our round (Mix1) are asked again every ROUND_RETRY_S for
+        up to `patience_s` seconds. Peers too slow to wait for (`links`: announced speeds) and peers nobody can reach
+        start exchanges with us instead; peers behind relays are drawn once direct ones are used up (`Routes.pools`).
+        A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning."""
         if not all_finite(value):
             logger.warning(f"round {round_}: our value is not finite; not mixing it this round")
             return [v.clone() for v in value], RoundSync(group_size=1)
         with self._lock:
             self.own_scale = self._base_moved
-        live_peers = self._eligible(live_peers, links, round_)
-        k = self.config.gossip_peers
-        mixed = [v.clone() for v in value]
-        stats = RoundSync(group_size=1)
-        tried: set[str] = set()
+        pools = self.routes.pools(self._eligible(live_peers, links, round_)) or [[]]
+        live_peers, k = pools.pop(0), self.config.gossip_peers
+        mixed, stats, tried = [v.clone() for v in value], RoundSync(group_size=1), set[str]()
         self.give_up_at = time.monotonic() + patience_s
         while len(stats.partners) < k:
             candidates = draw_partners(live_peers, 1, self.rng, exclude=tried | set(stats.partners))
+            if not candidates and pools:  # every direct partner tried: those behind relays next
+                live_peers = pools.pop(0)
+                continue
             if not candidates:
                 if time.monotonic() >= self.give_up_at or not self._waiting_for_round:
                     break
@@ -328,11 +329,9 @@ class ParamGossip:
 
     def _remember_shift_(self, mixed: list[torch.Tensor], value: list[torch.Tensor]) -> None:
         with self._lock:
-            if self._mix_shift is None:
-                self._mix_shift = [m - v for m, v in zip(mixed, value, strict=True)]
-            else:
-                for s, m, v in zip(self._mix_shift, mixed, value, strict=True):
-                    s.add_(m - v)
+            self._mix_shift = shift = self._mix_shift or [torch.zeros_like(v) for v in value]
+            for s, m, v in zip(shift, mixed, value, strict=True):
+                s.add_(m - v)
 
     def _eligible(self, live_peers: list[str], links: dict[str, float] | None, round_: int) -> list[str]:
         """The live peers we may start exchanges with: not banned, and fast enough to wait for (with `links`)."""
@@ -364,7 +363,7 @@ class ParamGossip:
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, payload,
                                       self._validator(partner, value, weight, received), self.max_payload_bytes,
-                                      deadline_s)
+                                      deadline_s, self.routes.route_to(partner))
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused: {e}")
             if str(e) == WRONG_ROUND:

@@ -28,6 +28,7 @@ from pathlib import Path
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, prepare_run, run_scenario
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
+from p2ptrain.testnet.plan import RunPlan
 
 LABEL = "p2ptrain.testnet"
 PEER_IMAGE = "p2ptrain-peer:latest"  # the tags docker/docker-compose.yml builds
@@ -226,10 +227,18 @@ def cleanup(prefix: str | None = None) -> list[str]:
     return containers + networks
 
 
+def require_docker_for(plan: RunPlan) -> None:
+    """The Docker engine, for a scenario it can run: NAT homes (routers) exist on the netns backend only."""
+    if plan.homes:
+        raise UserError(f"the docker backend has no NAT routers: run this scenario (nat: {', '.join(plan.homes)}) "
+                        f"with --backend netns")
+    require_docker()
+
+
 def run_docker_testnet(options: ScenarioOptions, peer_image: str = PEER_IMAGE,
                        bootstrap_image: str = BOOTSTRAP_IMAGE) -> bool:
     """Run a scenario on containers of the real images; True when every check passed."""
-    plan, workdir, rates = prepare_run(options, require_docker)
+    plan, workdir, rates = prepare_run(options, require_docker_for)
     hosts: HostControl = DockerHosts(options.name_prefix or f"tn{os.getpid()}", workdir, rates,
                                      peer_image, bootstrap_image)
     return run_scenario(options, hosts, plan, workdir, rates, f"in Docker containers ({peer_image})")

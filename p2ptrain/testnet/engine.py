@@ -32,8 +32,17 @@ from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
 from p2ptrain.metrics import read_metrics
 from p2ptrain.testnet.hosttools import HostControl
 from p2ptrain.testnet.loopback import PeerSummary, format_summary
-from p2ptrain.testnet.report import EventRecord, Life, RunRecord, format_checks, run_checks, write_report
-from p2ptrain.testnet.scenario import Event, RunPlan, Scenario, Timeline, load_scenario, peer_index, plan_run
+from p2ptrain.testnet.plan import RunPlan, Timeline, plan_run
+from p2ptrain.testnet.report import (
+    EventRecord,
+    Life,
+    RunRecord,
+    format_checks,
+    reachability_lines,
+    run_checks,
+    write_report,
+)
+from p2ptrain.testnet.scenario import BOOTSTRAP, Event, Scenario, load_scenario, peer_index
 
 PORT = 31337  # every host has its own network stack, so one fixed port serves all
 BOOTSTRAP_TIMEOUT_S = 120.0  # a container's first start on 2 busy cores takes ~20 s
@@ -144,6 +153,8 @@ class Fleet:
                 *self.peer_args]
         if peer in self.plan.adversaries:
             args += ["--red-team", self.plan.adversaries[peer]]
+        if peer in self.plan.relays:
+            args.append("--relay")
         pid = self._start(peer, "peer", args + (["--resume"] if checkpoint_round is not None else []))
         life = Life(peer, pid, time.time(), resumed_from_round=checkpoint_round)
         self.lives.append(life)
@@ -224,6 +235,9 @@ class Fleet:
 def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
     """Carry out one event; (False, why) when it cannot apply now (e.g. the peer is not running)."""
     peer, hosts = event.peer or "", fleet.hosts
+    if peer == BOOTSTRAP:  # only `kill`: peers lose their bootstrap (and relay), and go on without it
+        hosts.signal(peer, signal.SIGKILL)
+        return True, ""
     needs_running = event.action in ("kill", "stop", "continue")
     if needs_running and not fleet.running(peer):
         return False, f"{peer} is not running"
@@ -322,13 +336,13 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def prepare_run(options: ScenarioOptions, check_backend: Callable[[], None]) -> tuple[RunPlan, Path,
+def prepare_run(options: ScenarioOptions, check_backend: Callable[[RunPlan], None]) -> tuple[RunPlan, Path,
                                                                                      dict[str, float | None]]:
     """The plan, the workdir and every host's rate (bootstrap unshaped); the scenario is checked first, then the
     backend (``check_backend`` raises a one-line UserError), before anything is written."""
     scenario = load_scenario(options.scenario_path) if options.scenario_path else Scenario()
     plan = plan_run(scenario, options.num_peers, options.bandwidth, options.rounds, options.duration_s)
-    check_backend()
+    check_backend(plan)
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="p2ptrain-testnet-")).resolve()  # hosts share the path
     workdir.mkdir(parents=True, exist_ok=True)
     rates: dict[str, float | None] = {"bootstrap": None, **dict(zip(plan.initial_peers, plan.peer_rates_mbit,
@@ -367,7 +381,7 @@ def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, wo
     checkpoint_dirs = {peer: str(fleet.checkpoint_dir(peer)) for peer in fleet.rows}
     peer_rates = {host: rate for host, rate in rates.items() if host != "bootstrap"}
     record = RunRecord(started, time.time(), fleet.rows, fleet.lives, events, unfired_events(script), checkpoint_dirs,
-                       peer_rates, outcome, dataclasses.asdict(plan))
+                       peer_rates, outcome, dataclasses.asdict(plan), reachability_lines(workdir, list(fleet.rows)))
     return _report(record, plan, Path(options.report_dir or workdir / "report"), error)
 
 

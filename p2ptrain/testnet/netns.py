@@ -4,7 +4,8 @@ Host ``i`` of testbed ``t`` lives in netns ``p2pt-t-h<i>`` with ``eth0`` = 10.21
 ``v<i>`` sits on bridge ``brA`` or ``brB`` in the switch netns ``p2pt-t-sw``; the bridges are joined by the trunk
 veth ``trA``-``trB``, so a partition is ``ip link set trA down``. Nothing is added to the machine's own network and
 interface names cannot collide with another testbed's. tbf shapes upload on ``eth0`` and download on ``v<i>``
-(``netem`` is missing on some kernels). Every namespace is recorded in a state file under /run/p2ptrain-netns
+(``netem`` is missing on some kernels). A host may instead live at home, behind a NAT router namespace
+``p2pt-t-r<k>`` (homes.py). Every namespace is recorded in a state file under /run/p2ptrain-netns
 before it is made, and a detached guard process tears the testbed down if its owner dies (SIGKILL included);
 ``python -m p2ptrain.testnet.netns --cleanup`` removes leftovers by hand.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.testnet.homes import Home, attach_host, build_router, plan_homes, require_nat_support
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
 
 STATE_DIR = Path("/run/p2ptrain-netns")
@@ -40,14 +42,17 @@ _HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 @dataclass(frozen=True)
 class HostSpec:
-    """One host of the testbed; ``rate_mbit`` shapes its upload and download (None: unshaped)."""
+    """One host of the testbed; ``rate_mbit`` shapes its upload and download (None: unshaped); ``home`` puts it
+    behind that home network's NAT router (hosts naming the same home share one; None: on the public switch)."""
 
     name: str
     rate_mbit: float | None = None
+    home: str | None = None
 
     def __post_init__(self) -> None:
-        if not _HOST_NAME_RE.match(self.name):
-            raise ConfigError(f"host name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        for name in (self.name, self.home or "home"):
+            if not _HOST_NAME_RE.match(name):
+                raise ConfigError(f"host or home name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
         check_rate(self.rate_mbit)
 
 
@@ -146,6 +151,7 @@ class _Host:
     index: int
     namespace: str
     rate_mbit: float | None
+    home: Home | None = None
 
 
 class Testbed:
@@ -164,6 +170,10 @@ class Testbed:
             spec.name: _Host(spec, i, f"{NAMESPACE_MARKER}{name_prefix}-h{i}", spec.rate_mbit)
             for i, spec in enumerate(hosts)
         }
+        self._homes = plan_homes(f"{NAMESPACE_MARKER}{name_prefix}", [(i, h.home) for i, h in enumerate(hosts)],
+                                 {i: f"{SUBNET_PREFIX}{i + 1}" for i in range(len(hosts))})
+        for host in self._hosts.values():
+            host.home = self._homes.get(host.spec.home) if host.spec.home is not None else None
         self._processes: list[subprocess.Popen[Any]] = []
         self._guard: subprocess.Popen[bytes] | None = None
         self._state: dict[str, Any] = {}
@@ -174,8 +184,17 @@ class Testbed:
         return list(self._hosts)
 
     def address(self, host: str) -> str:
-        """IPv4 address of a host, e.g. ``10.213.0.1``."""
-        return f"{SUBNET_PREFIX}{self._host(host).index + 1}"
+        """IPv4 address of a host, e.g. ``10.213.0.1`` (at home: its LAN address, e.g. ``10.213.1.2``)."""
+        target = self._host(host)
+        return target.home.lan_address(target.index) if target.home else f"{SUBNET_PREFIX}{target.index + 1}"
+
+    def public_address(self, host: str) -> str:
+        """The address others see a host's connections come from: its own, or at home its router's."""
+        target = self._host(host)
+        return target.home.wan_address if target.home else self.address(host)
+
+    def home_of(self, host: str) -> str | None:
+        return self._host(host).spec.home
 
     def namespace(self, host: str) -> str:
         """Name of the host's network namespace (for ``ip netns exec``)."""
@@ -204,6 +223,11 @@ class Testbed:
             self._start_guard()
             self._add_namespace(self.switch_namespace)
             self._build_switch()
+            if self._homes:
+                require_nat_support()
+            for home in self._homes.values():
+                self._add_namespace(home.namespace)
+                build_router(home, self.switch_namespace)
             for host in self._hosts.values():
                 self._add_namespace(host.namespace)
                 self._build_host(host)
@@ -247,6 +271,10 @@ class Testbed:
         run_tool(sw + ["set", "trB", "master", "brB", "up"])
 
     def _build_host(self, host: _Host) -> None:
+        if host.home is not None:
+            attach_host(host.home, host.index, host.namespace)
+            self._apply_rate(host)
+            return
         port = f"v{host.index}"
         sw = ["ip", "-n", self.switch_namespace, "link"]
         run_tool(sw + ["add", port, "type", "veth", "peer", "name", "eth0", "netns", host.namespace])
@@ -298,7 +326,8 @@ class Testbed:
         self._apply_rate(target)
 
     def _apply_rate(self, host: _Host) -> None:
-        for namespace, dev in ((host.namespace, "eth0"), (self.switch_namespace, f"v{host.index}")):  # up, down
+        down = (host.home.namespace, f"l{host.index}") if host.home else (self.switch_namespace, f"v{host.index}")
+        for namespace, dev in ((host.namespace, "eth0"), down):  # up, down
             tc = ["tc", "-n", namespace, "qdisc"]
             if host.rate_mbit is None:
                 run_tool(tc + ["del", "dev", dev, "root"], check=False)  # fails harmlessly when there is none
@@ -306,11 +335,17 @@ class Testbed:
                 run_tool(tc + ["replace", "dev", dev, "root", "tbf", *tbf_args(host.rate_mbit)])
 
     def cut_partition(self, group_b_hosts: list[str]) -> None:
-        """Put ``group_b_hosts`` on bridge B, the rest on bridge A, and cut the trunk between the bridges."""
+        """Put ``group_b_hosts`` on bridge B, the rest on bridge A, and cut the trunk between the bridges (a home's
+        hosts share its router's switch port: they go all together or not at all)."""
         group_b = {self._host(name).index for name in group_b_hosts}
+        ports: dict[str, bool] = {}
         for host in self._hosts.values():
-            bridge = "brB" if host.index in group_b else "brA"
-            run_tool(["ip", "-n", self.switch_namespace, "link", "set", f"v{host.index}", "master", bridge])
+            port = host.home.switch_port if host.home else f"v{host.index}"
+            if ports.setdefault(port, host.index in group_b) != (host.index in group_b):
+                raise UserError(f"partition: the hosts of home {host.spec.home!r} share one router; put all of "
+                                f"them on one side")
+        for port, in_b in ports.items():
+            run_tool(["ip", "-n", self.switch_namespace, "link", "set", port, "master", "brB" if in_b else "brA"])
         run_tool(["ip", "-n", self.switch_namespace, "link", "set", "trA", "down"])
 
     def heal_partition(self) -> None:

@@ -16,9 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, merged_peer_config, prepare_run, run_scenario
+from p2ptrain.testnet.homes import require_nat_support
 from p2ptrain.testnet.hosttools import child_env
 from p2ptrain.testnet.loopback import cli_argv
 from p2ptrain.testnet.netns import HostSpec, Testbed, require_netns_support
+from p2ptrain.testnet.plan import RunPlan
 
 __all__ = ["PORT", "NetnsHosts", "NetnsTestnetOptions", "merged_peer_config", "run_netns_testnet"]
 
@@ -31,9 +33,11 @@ class NetnsHosts:
     kind = "netns"
     poll_s = 0.25
 
-    def __init__(self, name_prefix: str, workdir: Path, rates_mbit: Mapping[str, float | None]):
+    def __init__(self, name_prefix: str, workdir: Path, rates_mbit: Mapping[str, float | None],
+                 homes: Mapping[str, str] | None = None):
         self.workdir = workdir
-        self.testbed = Testbed(name_prefix, [HostSpec(host, rate) for host, rate in rates_mbit.items()])
+        specs = [HostSpec(host, rate, (homes or {}).get(host)) for host, rate in rates_mbit.items()]
+        self.testbed = Testbed(name_prefix, specs)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}  # the current process of each host
 
     def create(self) -> None:
@@ -93,8 +97,15 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
+def require_support(plan: RunPlan) -> None:
+    """Root, iproute2, and iptables when the scenario puts peers behind NAT (one-line UserErrors)."""
+    require_netns_support()
+    if plan.homes:
+        require_nat_support()
+
+
 def run_netns_testnet(options: ScenarioOptions) -> bool:
     """Run a scenario on a namespace testbed; True when every check passed. Needs root (one-line UserError)."""
-    plan, workdir, rates = prepare_run(options, require_netns_support)
-    hosts: HostControl = NetnsHosts(options.name_prefix or f"tn{os.getpid()}", workdir, rates)
+    plan, workdir, rates = prepare_run(options, require_support)
+    hosts: HostControl = NetnsHosts(options.name_prefix or f"tn{os.getpid()}", workdir, rates, plan.homes)
     return run_scenario(options, hosts, plan, workdir, rates, "in network namespaces")

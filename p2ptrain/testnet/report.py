@@ -61,6 +61,7 @@ class RunRecord:
     rates_mbit: dict[str, float | None]
     outcome: str  # done | duration | timeout | interrupted | error
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reachability: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # peer → its reachability lines
 
     def lives_of(self, peer: str) -> list[Life]:
         return [life for life in self.lives if life.peer == peer]
@@ -101,7 +102,50 @@ def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
         results.append(check_consensus(record, checks.max_consensus_distance))
     if checks.attackers_banned and record.adversaries:
         results.append(check_attackers_banned(record))
+    if checks.reachability:
+        results.append(check_reachability(record))
+    if checks.min_nat_exchanges is not None:
+        results.append(check_nat_exchanges(record, checks.min_nat_exchanges))
     return results
+
+
+def check_reachability(record: RunRecord) -> CheckResult:
+    """Every peer logged a reachability line, and each says what its network makes it: a peer on the public switch
+    is reachable directly, one behind NAT never is (it is reachable through a relay, or outbound only)."""
+    homes = dict(record.plan.get("homes") or {})
+    wrong = []
+    for peer in record.rows:
+        lines = record.reachability.get(peer, [])
+        direct = [line for line in lines if "reachable directly" in line]
+        if not lines:
+            wrong.append(f"{peer} logged none")
+        elif (peer in homes) == bool(direct) or (peer not in homes and len(direct) < len(lines)):
+            wrong.append(f"{peer} ({'behind NAT' if peer in homes else 'public'}): {lines[0]!r}")
+    shown = [f"{peer}: {record.reachability[peer][-1].split('reachability: ')[-1][:60]}" for peer in record.rows
+             if record.reachability.get(peer)]
+    return CheckResult("reachability", not wrong, "; ".join(wrong) if wrong else "; ".join(shown))
+
+
+def reachability_lines(workdir: Path, peers: list[str]) -> dict[str, list[str]]:
+    """Each peer's reachability lines (net/reachability.py), in the order its log holds them (every life)."""
+    found: dict[str, list[str]] = {}
+    for peer in peers:
+        log = workdir / f"{peer}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found[peer] = [line.strip() for line in text.splitlines() if "reachability: " in line]
+    return found
+
+
+def check_nat_exchanges(record: RunRecord, minimum: int) -> CheckResult:
+    """Every peer behind NAT combined its work with others at least `minimum` times: Σ (group size − 1) over its
+    rounds (gossip: the exchanges it started and answered; all-reduce: the other members of its groups)."""
+    homes = dict(record.plan.get("homes") or {})
+    counts = {peer: sum(max(0, int(row.get("peers_averaged", 1)) - 1) for row in record.rows.get(peer, []))
+              for peer in homes if peer in record.rows}
+    short = [peer for peer in homes if counts.get(peer, 0) < minimum]
+    shown = ", ".join(f"{peer} {count}" for peer, count in counts.items())
+    return CheckResult("nat_exchanges", not short and bool(counts),
+                       (f"fewer than {minimum} for {', '.join(short)}: " if short else "") + (shown or "no NAT peer"))
 
 
 def check_attackers_banned(record: RunRecord) -> CheckResult:

@@ -8,14 +8,17 @@ duration_s (full examples in testnet/scenarios/)::
     rounds: 20                                   # or duration_s: 300 (peers then run until stopped)
     peer_config: {model: {name: tiny}}           # merged over --config for every peer
     events:                                      # in the order written, each once its trigger holds
-      - {after_round: 2, of: peer2, kill: peer2} # SIGKILL; also stop/continue (SIGSTOP/SIGCONT)
+      - {after_round: 2, of: peer2, kill: peer2} # SIGKILL (also kill: bootstrap); stop/continue (SIGSTOP/SIGCONT)
       - {at_s: 60, restart: peer2}               # from its latest checkpoint (fresh if it has none)
       - {at_s: 80, set_rate: {peer: peer3, rate: 1mbit}}
       - {at_s: 90, partition: [peer2, peer3]}    # cut off from the rest (and the bootstrap); heal: partition
       - {at_s: 130, add_peer: {rate: 20mbit}}    # a new peer, named peer<N> after the others
     churn: {kills_per_min: 2, min_alive: 2, down_s: 20, start_s: 30, stop_s: 240, seed: 0}
     adversary: {kind: aimed, peers: [peer3], from_round: 2}   # red team (testnet/adversary.py); or count: N
-    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05, attackers_banned: true}
+    nat: [peer2, [peer3, peer4]]                 # behind NAT (netns only): peer2 at its own home, 3 and 4 share one
+    relays: [peer0]                              # peers started with --relay (the bootstrap always serves as one)
+    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05, attackers_banned: true,
+             reachability: true, min_nat_exchanges: 3}
 
 ``at_s`` counts from the moment the peers are started; ``after_round: N`` fires once peer ``of`` (default: any
 peer) has logged round N. Every mistake is a one-line ConfigError naming the file and the key.
@@ -24,7 +27,6 @@ peer) has logged round N. Every mistake is a one-line ConfigError naming the fil
 from __future__ import annotations
 
 import dataclasses
-import random
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +38,8 @@ from p2ptrain.dict_to_dataclass import build_dataclass, check_mapping, parsed_by
 from p2ptrain.errors import ConfigError, one_line
 from p2ptrain.testnet.adversary import ATTACKS
 
-PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name
+PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name (kill: or "bootstrap")
+BOOTSTRAP = "bootstrap"
 ACTIONS = (*PEER_ACTIONS, "set_rate", "partition", "heal", "add_peer")
 TRIGGERS = ("at_s", "after_round", "of")  # an event's keys besides its action: Event's fields of the same names
 DEFAULT_ROUNDS = 8
@@ -149,7 +152,8 @@ def parse_event(raw: object) -> Event:
 def _action_fields(action: str, value: Any) -> dict[str, Any]:
     """Event's fields from an action's value: the target peer, a rate, a group."""
     if action in PEER_ACTIONS:
-        peer_index(value, action)
+        if not (action == "kill" and value == BOOTSTRAP):  # the bootstrap (and relay) may be killed too
+            peer_index(value, action)
         return {"peer": value}
     if action == "set_rate":
         spec = check_mapping(value, "set_rate", ("peer", "rate"))
@@ -220,11 +224,37 @@ class ChecksSpec:
     max_stall_rounds: float | None = None  # no running peer went longer than this many median rounds without one
     max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
     attackers_banned: bool | None = None  # every honest survivor banned every adversary at some point
+    reachability: bool | None = None  # every peer's reachability line says what its network makes it
+    min_nat_exchanges: int | None = None  # every peer behind NAT completed this many exchanges (group members)
 
     def __post_init__(self) -> None:
-        for name in ("max_stall_rounds", "max_consensus_distance"):
+        for name in ("max_stall_rounds", "max_consensus_distance", "min_nat_exchanges"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"checks.{name} must be > 0 (or null to turn it off), got {getattr(self, name)}")
+
+
+def parse_homes(value: object, where: str = "nat") -> tuple[tuple[str, ...], ...]:
+    """Home networks from ``[peer2, [peer3, peer4]]``: a name alone has a NAT of its own, a list shares one."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: list the peers behind NAT, e.g. nat: [peer2, [peer3, peer4]]")
+    homes = []
+    for i, entry in enumerate(value):
+        members = entry if isinstance(entry, list) else [entry]
+        if not members:
+            raise ConfigError(f"{where}[{i}]: an empty home; list its peers, e.g. [peer3, peer4]")
+        homes.append(tuple(members))
+        for name in members:
+            peer_index(name, f"{where}[{i}]")
+    names = [name for home in homes for name in home]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: a peer is listed twice; each peer lives in one home")
+    return tuple(homes)
+
+
+def parse_peer_names(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: list peer names, e.g. [peer0]")
+    return tuple(value[i] for i in range(len(value)) if peer_index(value[i], f"{where}[{i}]") >= 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +271,8 @@ class Scenario:
     events: tuple[Event, ...] = dataclasses.field(default=(), metadata=parsed_by(parse_events))
     churn: ChurnSpec | None = None
     adversary: AdversarySpec | None = None
+    nat: tuple[tuple[str, ...], ...] = dataclasses.field(default=(), metadata=parsed_by(parse_homes))  # homes
+    relays: tuple[str, ...] = dataclasses.field(default=(), metadata=parsed_by(parse_peer_names))
     checks: ChecksSpec = dataclasses.field(default_factory=ChecksSpec)
 
     def __post_init__(self) -> None:
@@ -251,25 +283,6 @@ class Scenario:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rounds is not None and self.duration_s is not None:
             raise ConfigError("give rounds or duration_s, not both")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """What the launcher runs: resolved peers and rates, the bound of the run, events (scripted and churn)."""
-
-    peer_rates_mbit: tuple[float | None, ...]  # the initial peers peer0..peerN-1
-    added_peers: tuple[str, ...]  # peers that add_peer events start later
-    rounds: int | None  # the run ends when every peer has logged round rounds-1 (or exited) ...
-    duration_s: float | None  # ... or after this many seconds (then peers run until stopped)
-    events: tuple[Event, ...]
-    churn_events: tuple[Event, ...]
-    checks: ChecksSpec
-    peer_config: Mapping[str, Any]
-    adversaries: Mapping[str, str] = dataclasses.field(default_factory=dict)  # peer → its --red-team KIND@ROUND
-
-    @property
-    def initial_peers(self) -> list[str]:
-        return [f"peer{i}" for i in range(len(self.peer_rates_mbit))]
 
 
 # ---- parsing ----------------------------------------------------------------------------------------------------
@@ -294,98 +307,3 @@ def load_scenario(path: str | Path) -> Scenario:
     except yaml.YAMLError as e:
         raise ConfigError(f"scenario file {str(path)!r} is not valid YAML: {one_line(e)}") from None
     return parse_scenario(raw, where=str(path))
-
-
-# ---- resolving against the command line ---------------------------------------------------------------------------
-
-def plan_run(scenario: Scenario, num_peers: int | None = None, bandwidth: str | None = None,
-             rounds: int | None = None, duration_s: float | None = None) -> RunPlan:
-    """Resolve a scenario with the command line's overrides; names in events must be peers of the run."""
-    rates = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth else scenario.bandwidth_mbit
-    count = num_peers or scenario.peers or (len(rates) if len(rates) > 1 else DEFAULT_PEERS)
-    if len(rates) > 1 and len(rates) != count:
-        raise ConfigError(f"bandwidth lists {len(rates)} rates for {count} peers: give one rate per peer or one "
-                          f"for all")
-    peer_rates = tuple(rates) * count if len(rates) == 1 else tuple(rates) or (None,) * count
-    if rounds is None and duration_s is None:
-        rounds, duration_s = scenario.rounds, scenario.duration_s
-        if rounds is None and duration_s is None:
-            rounds = DEFAULT_ROUNDS
-    events, added = _name_added_peers(scenario.events, count)
-    known = {f"peer{i}" for i in range(count)} | set(added)
-    for i, event in enumerate(events):
-        for name in (event.peer, event.of, *event.group):
-            if name is not None and name not in known:
-                raise ConfigError(f"events[{i}] ({event.describe()}): no peer {name!r} in this run "
-                                  f"(peers: {', '.join(sorted(known, key=lambda n: peer_index(n, 'peer')))})")
-    churn = churn_events(scenario.churn, count, duration_s) if scenario.churn else ()
-    adversaries = plan_adversaries(scenario.adversary, count) if scenario.adversary else {}
-    return RunPlan(peer_rates, tuple(added), rounds, duration_s, events, churn, scenario.checks,
-                   dict(scenario.peer_config), adversaries)
-
-
-def plan_adversaries(spec: AdversarySpec, num_peers: int) -> dict[str, str]:
-    """The hostile peers and their `--red-team` argument; at least one peer of the run stays honest."""
-    names = list(spec.peers) or [f"peer{i}" for i in range(max(0, num_peers - spec.count), num_peers)]
-    unknown = [n for n in names if peer_index(n, "adversary.peers") >= num_peers]
-    if unknown:
-        raise ConfigError(f"adversary.peers: no {', '.join(unknown)} among the {num_peers} initial peers")
-    if len(set(names)) >= num_peers:
-        raise ConfigError(f"adversary: {len(set(names))} hostile peers of {num_peers} leaves nobody honest")
-    return {name: f"{spec.kind}@{spec.from_round}" for name in names}
-
-
-def _name_added_peers(events: tuple[Event, ...], num_peers: int) -> tuple[tuple[Event, ...], list[str]]:
-    added: list[str] = []
-    named = []
-    for event in events:
-        if event.action == "add_peer":
-            added.append(f"peer{num_peers + len(added)}")
-            event = dataclasses.replace(event, peer=added[-1])
-        named.append(event)
-    return tuple(named), added
-
-
-def churn_events(churn: ChurnSpec, num_peers: int, duration_s: float | None) -> tuple[Event, ...]:
-    """Kill and restart events for random churn: deterministic for a seed, never fewer than min_alive alive."""
-    stop_s = churn.stop_s if churn.stop_s is not None else duration_s
-    if stop_s is None:
-        raise ConfigError("churn.stop_s: give the last second at which churn may kill a peer (needed when the run "
-                          "is bounded by rounds, not duration_s)")
-    rng = random.Random(churn.seed)
-    back_at: dict[str, float] = {}  # peer -> when its restart fires
-    events: list[Event] = []
-    t = churn.start_s
-    while True:
-        t += rng.expovariate(churn.kills_per_min / 60.0)
-        if t >= stop_s:
-            break
-        alive = sorted((f"peer{i}" for i in range(num_peers) if back_at.get(f"peer{i}", -1.0) <= t),
-                       key=lambda n: peer_index(n, "peer"))
-        if len(alive) <= churn.min_alive:
-            continue
-        victim = rng.choice(alive)
-        back_at[victim] = t + churn.down_s
-        events += [Event("kill", victim, at_s=round(t, 3)), Event("restart", victim, at_s=round(t + churn.down_s, 3))]
-    return tuple(sorted(events, key=lambda e: e.at_s or 0.0))
-
-
-class Timeline:
-    """Events fired in order: each waits for its trigger and for the one before it."""
-
-    def __init__(self, events: tuple[Event, ...] | list[Event]):
-        self.pending = list(events)
-
-    def due(self, elapsed_s: float, last_round: Mapping[str, int]) -> list[Event]:
-        """Pop the events whose trigger holds now (``last_round``: the highest round each peer has logged)."""
-        fired = []
-        while self.pending and _triggered(self.pending[0], elapsed_s, last_round):
-            fired.append(self.pending.pop(0))
-        return fired
-
-
-def _triggered(event: Event, elapsed_s: float, last_round: Mapping[str, int]) -> bool:
-    if event.at_s is not None:
-        return elapsed_s >= event.at_s
-    reached = last_round.get(event.of, -1) if event.of is not None else max(last_round.values(), default=-1)
-    return reached >= (event.after_round or 0)
