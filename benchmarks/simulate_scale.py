@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--link-efficiency", type=float, default=model.LINK_EFFICIENCY, help="fraction of a link's goodput a "
         "transfer gets (default: fitted by calibrate)")
     add("--allreduce-latency-s", type=float, default=model.ALLREDUCE_LATENCY_S)
+    add("--duplex", action="store_true", help="what-if: gossip exchanges stream both directions at once")
+    add("--name", default="simulate_scale", help="results file names: NAME.md and NAME.json in --output-dir")
     add("--stragglers", type=int, default=0, help="peers whose links are slowed by --straggler-factor")
     add("--straggler-factor", type=float, default=0.1)
     add("--seed", type=int, default=0)
@@ -96,7 +98,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         return _calibrate(args, command)
     algorithms = grid.algorithms(args.algorithms, args.mix2_every)
     knobs = ("gpu", "mfu", "tokens_per_step", "inner_steps", "step_time_s", "compute_spread",
-             "exchange_latency_s", "allreduce_latency_s", "link_efficiency", "stragglers", "straggler_factor", "seed")
+             "exchange_latency_s", "allreduce_latency_s", "link_efficiency", "duplex", "stragglers", "straggler_factor",
+             "seed")
     settings: dict[str, Any] = {knob: getattr(args, knob) for knob in knobs}
     sizes = [grid.parse_params(m) for m in args.params.split(",")]
     points = codecs.codec_points(args.codecs, args.algorithm_results, args.delivered_ratio)
@@ -114,7 +117,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     print(f"simulated {len(rows)} runs in {time.perf_counter() - started:.1f} s")
     settings.update(budget_h=args.budget_h, min_rounds=args.min_rounds, mix2_every=args.mix2_every)
     settings["codecs"] = [dataclasses.asdict(point) for point in points]
-    grid.write_results(rows, settings, command, args.output_dir)
+    grid.write_results(rows, settings, command, args.output_dir, args.name)
     return 0
 
 

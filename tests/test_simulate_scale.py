@@ -134,6 +134,8 @@ def test_an_exchange_sends_both_ways_one_after_the_other_through_each_directions
     # Two partners at once: the initiator's 10 Mbit/s split in two, 1.6 s out and 1.6 s back for each flow.
     assert model.exchange_transfer_s([10.0, 40, 40], [10.0, 40, 40], 0, [1, 2], 1e6, 1e6, 0.0, 1.0) == \
         pytest.approx(3.2)
+    # --duplex, a what-if: both directions at once, 0.3 + max(0.8, 4) / 0.8 = 5.3 s
+    assert model.exchange_transfer_s(up, down, 0, [1], 1e6, 2e6, 0.3, 0.8, duplex=True) == pytest.approx(5.3)
     swarm = model.Swarm(np.array(up), np.array(down), np.ones(2), 1e6, 0.3, 5.0, 0.8)
     assert model.exchange_s(swarm, 0, [1]) == pytest.approx(0.3 + (0.8 + 2.0) / 0.8)  # the payload both ways
     assert model.allreduce_s(swarm) == pytest.approx(5.0 + 2 * 1e6 * 8 * (1 / 2) / (4e6 * 0.8))
@@ -267,6 +269,8 @@ def test_simulate_mode_writes_markdown_and_json(tmp_path: Path, capsys: pytest.C
     assert f"link efficiency {model.LINK_EFFICIENCY:g} (the defaults, {model.FITTED_FROM})" in markdown
     assert simulate_scale.main(["--params", "big"]) == 2 and "150M" in capsys.readouterr().err
     assert simulate_scale.main(["--codecs", "zip"]) == 2 and "unknown codec 'zip'" in capsys.readouterr().err
+    assert simulate_scale.main([*argv, "--duplex", "--name", "what_if", "--codecs", "delivered"]) == 0
+    assert "What-if: gossip exchanges stream both directions" in (tmp_path / "what_if.md").read_text()
 
 
 def test_sparse_outer_gradients_make_diloco_an_all_gather_and_gradient_gossip_carries_them() -> None:

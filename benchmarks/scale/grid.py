@@ -80,7 +80,8 @@ def format_row(row: dict[str, Any]) -> str:
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
-def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], command: str, output_dir: Path) -> None:
+def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], command: str, output_dir: Path,
+                  name: str = "simulate_scale") -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     assumptions = {
         "upload_mbit": {"distribution": "log-normal", "p10": model.UPLOAD_P10_MBIT, "median": model.UPLOAD_MEDIAN_MBIT,
@@ -91,7 +92,7 @@ def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], command:
         "param_payload_ratio": model.FP16_RATIO, "exchange_constants": exchange_constants(),
     }
     document = {"command": command, "settings": settings, "assumptions": assumptions, "rows": rows}
-    (output_dir / "simulate_scale.json").write_text(json.dumps(document, indent=1) + "\n")
+    (output_dir / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     lines = [
         "# Simulated compute utilisation at scale", "", f"Command: `{command}`", "",
         f"Settings: {json.dumps(settings)}", "",
@@ -101,7 +102,7 @@ def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], command:
         describe_exchange_constants(settings), "",
         HEADER, RULE, *(format_row(row) for row in rows), "", *NOTES,
     ]
-    (output_dir / "simulate_scale.md").write_text("\n".join(lines))
+    (output_dir / f"{name}.md").write_text("\n".join(lines))
 
 
 def exchange_constants() -> dict[str, Any]:
@@ -116,7 +117,9 @@ def describe_exchange_constants(settings: dict[str, Any]) -> str:
     defaults = (model.EXCHANGE_FIXED_S, model.LINK_EFFICIENCY)
     origin = (f"the defaults, {model.FITTED_FROM}" if used == defaults else
               f"set on the command line; the defaults, {defaults[0]:g} s and {defaults[1]:g}, are {model.FITTED_FROM}")
-    return f"Exchange model: fixed cost {used[0]:g} s per exchange, link efficiency {used[1]:g} ({origin})."
+    what_if = (" What-if: gossip exchanges stream both directions at once (--duplex; p2ptrain's push-pull sends them "
+               "one after the other)." if settings.get("duplex") else "")
+    return f"Exchange model: fixed cost {used[0]:g} s per exchange, link efficiency {used[1]:g} ({origin}).{what_if}"
 
 
 NOTES = [

@@ -6,7 +6,8 @@ Transfer model (S = payload bytes each way; rates are goodput, as speed tests re
              directions run one after the other: fixed_s + (S / b(i→p) + S / b(p→i)) / efficiency, with b(i→p) =
              min(upload of i, download of p), the bottleneck of the pair in that direction. With k partners at
              once the initiator's upload and download are split evenly between the k flows; the exchange ends
-             with the slowest flow.
+             with the slowest flow. `--duplex` is a what-if, not p2ptrain's protocol: both directions stream at
+             once, so an exchange takes the slower of the two, fixed_s + max(S / b(i→p), S / b(p→i)) / efficiency.
   all-reduce a butterfly: allreduce_latency_s + 2·S·(n−1)/n / (b_min · efficiency), b_min the slowest upload or
              download of the swarm. A sparse codec's payloads cannot be summed on the way: its all-reduce is an
              all-gather, every peer sends its payload to the n − 1 others: allreduce_latency_s + (n−1)·S / (b_min ·
@@ -102,16 +103,18 @@ def allreduce_transfer_s(sent: float, slowest_link: float, latency_s: float, eff
 
 def exchange_transfer_s(
     upload_mbit: Sequence[float], download_mbit: Sequence[float], initiator: int, partners: Sequence[int],
-    sent_bytes: float, received_bytes: float, fixed_s: float, efficiency: float,
+    sent_bytes: float, received_bytes: float, fixed_s: float, efficiency: float, duplex: bool = False,
 ) -> float:
     """One push-pull exchange: the initiator's bytes out, then each partner's back, through the bottleneck of
-    each direction; with k partners at once the initiator's link is split k ways. See the module docstring."""
+    each direction; with k partners at once the initiator's link is split k ways. See the module docstring.
+    ``duplex`` (a what-if, not p2ptrain's protocol): both directions at once, the slower of the two."""
     k = len(partners)
     sent_megabits, received_megabits = sent_bytes * MEGABITS_PER_BYTE, received_bytes * MEGABITS_PER_BYTE
+    combine = max if duplex else (lambda out_s, back_s: out_s + back_s)
 
     def both_ways_s(partner: int) -> float:
-        return (flow_s(sent_megabits, upload_mbit[initiator] / k, download_mbit[partner])
-                + flow_s(received_megabits, upload_mbit[partner], download_mbit[initiator] / k))
+        return combine(flow_s(sent_megabits, upload_mbit[initiator] / k, download_mbit[partner]),
+                       flow_s(received_megabits, upload_mbit[partner], download_mbit[initiator] / k))
 
     return fixed_s + max(both_ways_s(partner) for partner in partners) / efficiency
 
@@ -129,6 +132,7 @@ class Swarm:
     link_efficiency: float = LINK_EFFICIENCY  # what fraction of a link's goodput a transfer gets
     delta_payload_bytes: float = 0.0  # an outer-gradient payload; 0 = payload_bytes
     sparse_deltas: bool = False  # outer gradients travel sparse: an all-reduce of them is an all-gather
+    duplex: bool = False  # what-if: a gossip exchange streams both directions at once
 
     @property
     def delta_bytes(self) -> float:
@@ -164,7 +168,7 @@ def exchange_s(swarm: Swarm, initiator: int, partners: Sequence[int], deltas: bo
     """A gossip exchange (both ways) between ``initiator`` and ``partners`` of parameters, or of outer gradients."""
     nbytes = swarm.delta_bytes if deltas else swarm.payload_bytes
     return exchange_transfer_s(swarm.upload_mbit, swarm.download_mbit, initiator, partners, nbytes, nbytes,
-                               swarm.exchange_latency_s, swarm.link_efficiency)
+                               swarm.exchange_latency_s, swarm.link_efficiency, swarm.duplex)
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,7 @@ class Scenario:
     delta_ratio: float = FP16_RATIO  # an outer-gradient payload ÷ its fp32 bytes
     sparse_deltas: bool = False  # the codec is sparse: DiLoCo's all-reduce becomes an all-gather
     param_ratio: float = FP16_RATIO  # a parameter payload ÷ its fp32 bytes (fp16 differences from θ_0)
+    duplex: bool = False  # what-if: gossip exchanges stream both directions at once (p2ptrain's push-pull does not)
     exchange_latency_s: float = EXCHANGE_FIXED_S
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
     link_efficiency: float = LINK_EFFICIENCY
@@ -228,5 +233,5 @@ def build_swarm(scenario: Scenario) -> Swarm:
     return Swarm(
         upload, download, s.inner_steps * step_s / speed, s.params * FP32_BYTES_PER_PARAM * s.param_ratio,
         s.exchange_latency_s, s.allreduce_latency_s, s.link_efficiency,
-        s.params * FP32_BYTES_PER_PARAM * s.delta_ratio, s.sparse_deltas,
+        s.params * FP32_BYTES_PER_PARAM * s.delta_ratio, s.sparse_deltas, s.duplex,
     )
