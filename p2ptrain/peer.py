@@ -33,9 +33,10 @@ from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.admission import Admission
-from p2ptrain.net.dht import start_dht, visible_maddrs
-from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView, SwarmWatcher
+from p2ptrain.net.dht import start_dht
+from p2ptrain.net.discovery import BLOCKING_PUBLISH_HEARTBEATS, Announcer, PeerRecord, SwarmView, SwarmWatcher
 from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
@@ -105,7 +106,10 @@ class TrainingPeer:
     # ---- network set-up -------------------------------------------------------------------------------------
     def _start_network(self, initial_peers: Sequence[str]) -> None:
         cfg = self.config
-        self.dht = start_dht(cfg.network, initial_peers)
+        network = cfg.network
+        if reachable_before_joining(network, initial_peers) is False:  # nobody can connect to us: a DHT client
+            network = dataclasses.replace(network, client_mode=True)
+        self.dht = start_dht(network, initial_peers)
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop()
         try:
@@ -141,19 +145,24 @@ class TrainingPeer:
 
     @property
     def maddrs(self) -> list[str]:
-        return visible_maddrs(self.dht)
+        """Our addresses, from p2pd itself (the DHT process's answer had no bound, and once never came)."""
+        return [str(m) for m in self.loop.run(self.p2p.get_visible_maddrs(latest=True),
+                                              timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
-        records = self.watcher.records(current=self.config.sync.needs_current_swarm)
+        # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
+        records = self.watcher.records(current=self.config.sync.needs_current_swarm,
+                                       timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
 
     def _announce(self, **fields: object) -> None:
         """Publish a change of round or phase: at once and waiting for the DHT where peers sync by all-reduce
-        (they must see who is in the round), in the background otherwise."""
+        (they must see who is in the round), in the background otherwise. The wait is bounded by the heartbeat: a
+        store waiting on a silent node must not hold the round."""
         self.announcer.update(publish=not self.config.sync.needs_current_swarm, **fields)
         if self.config.sync.needs_current_swarm:
-            self.announcer.publish()
+            self.announcer.publish(BLOCKING_PUBLISH_HEARTBEATS * self.config.network.heartbeat_s)
 
     # ---- the round loop -------------------------------------------------------------------------------------
     def run(self) -> list[RoundMetrics]:
@@ -241,9 +250,7 @@ class TrainingPeer:
         self.synced = in_step and (self.synced or self.joined_this_round)
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
-        # partners: not joining, and not silent (a peer whose machine vanished stops refreshing its record; nobody
-        # waits for it until the record expires)
-        others = [r for r in view.fresh_others(self.config.network.heartbeat_s) if r.phase != "joining"]
+        others = [r for r in view.others if r.phase != "joining"]
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),

@@ -52,6 +52,12 @@ def test_swarm_view_questions_and_the_status_table() -> None:
     assert [r.peer_id for r in view.ahead_of(3)] == ["b"]  # a joining peer is not "ahead"
     table = format_status_table(records, NOW + 2)
     assert "4 live peer(s)" in table and "2.500" in table and "2.0s" in table
+    reached = [records[0].copy(update=dict(reach="direct", relay=True)),
+               records[1].copy(update=dict(reach="relay", relay_via="QmRelayAbcdef")),
+               records[2].copy(update=dict(reach="outbound"))]
+    lines = format_status_table(reached, NOW).splitlines()
+    assert "direct+relay" in lines[2] and "relay:Abcdef" in lines[3] and "outbound" in lines[4]
+    assert " ? " in format_status_table(records[3:], NOW).splitlines()[2]  # not tested yet
 
 
 class SilentDHT:

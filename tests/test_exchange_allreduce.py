@@ -254,3 +254,20 @@ def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
               [m.failed_exchanges for m in history])
         assert history[-1].val_loss < history[0].val_loss and members[-1].peer_id in history[-1].banned_peers
     assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
+
+
+@pytest.mark.network
+def test_only_the_data_stage_measures_links_so_a_silent_member_costs_one_short_deadline():
+    """The confirmations are a few bytes in a round trip: counted as link measurements they read as ~1/100 of the
+    link, and the next data exchange's deadline (payload / speed × safety) reached sync.allreduce_timeout_s: the
+    members waited 30-60 s for one that vanished (netns testnet, tests/test_nat_netns.py)."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        ids = [t.own_id for t in transports]
+        await run_round(transports, [[p for p in ids if p != me] for me in ids], 0)
+        opened = {t.own_id: [p for p in ids if p > t.own_id] for t in transports}  # the lower id opens a pair
+        for t in transports:  # a data exchange and a confirmation with each: one measurement
+            assert {p: link.num_measurements for p, link in t.links.by_partner.items()} == {
+                p: 1 for p in opened[t.own_id]}
+        assert not transports[0].measures_link(GatherRound(1, ids[0], deltas(0), [], "none", set(ids), "f" * 64))
+
+    with_transports(3, scenario)

@@ -365,3 +365,38 @@ def test_null_still_turns_a_check_off_and_draws_churn_anew() -> None:
                                "churn": {"kills_per_min": 1, "seed": None}})
     assert not scenario.checks.loss_fell and scenario.checks.resumed_from_checkpoint
     assert scenario.churn is not None and scenario.churn.seed is None
+
+
+def test_homes_relays_and_a_bootstrap_kill_are_planned_and_checked_against_the_run(tmp_path: Path) -> None:
+    plan = plan_run(parse_scenario({"peers": 3, "nat": ["peer1", ["peer2", "peer3"]], "relays": ["peer0"],
+                                    "events": [{"after_round": 2, "kill": "bootstrap"},
+                                               {"at_s": 5, "add_peer": None}]}))
+    assert plan.homes == {"peer1": "home0", "peer2": "home1", "peer3": "home1"}  # peer3: the added peer
+    assert plan.relays == ("peer0",) and plan.events[0].peer == "bootstrap"
+    for bad, message in (({"nat": ["peer1", "peer1"]}, "listed twice"), ({"nat": "peer1"}, "list the peers"),
+                         ({"nat": [[]]}, "an empty home"), ({"nat": ["peer9"]}, "no peer 'peer9'"),
+                         ({"relays": ["bootstrap"]}, "not a peer name"),
+                         ({"events": [{"at_s": 1, "stop": "bootstrap"}]}, "not a peer name")):
+        with pytest.raises(ConfigError, match=message):
+            plan_run(parse_scenario({"peers": 2, **bad}))
+
+
+def test_the_docker_backend_refuses_nat_in_one_line(tmp_path: Path) -> None:
+    from p2ptrain.testnet.docker_run import run_docker_testnet
+
+    path = write_scenario(tmp_path, "peers: 2\nnat: [peer1]\n")
+    with pytest.raises(UserError, match="no NAT routers: run this scenario .* with --backend netns"):
+        run_docker_testnet(NetnsTestnetOptions(scenario_path=str(path), workdir=str(tmp_path / "w")))
+
+
+def test_nat_checks_read_the_reachability_lines_and_count_exchanges() -> None:
+    rows = {p: [dict(row(r, 100 + r, 5.0 - r / 10), peers_averaged=2) for r in range(4)] for p in ("peer0", "peer1")}
+    lives = [Life(p, i, 99.0, 110.0, 0, "finished") for i, p in enumerate(rows)]
+    record = RunRecord(99.0, 110.0, rows, lives, [], [], {}, {}, "done", {"homes": {"peer1": "home0"}},
+                       {"peer0": ["x reachability: reachable directly at /ip4/10.213.0.2/tcp/31337"],
+                        "peer1": ["x reachability: behind NAT, reachable through relay QmR"]})
+    results = {r.name: r for r in run_checks(record, ChecksSpec(reachability=True, min_nat_exchanges=4))}
+    assert results["reachability"].passed and results["nat_exchanges"].passed
+    assert not run_checks(record, ChecksSpec(min_nat_exchanges=5))[-1].passed
+    record.reachability["peer1"] = ["x reachability: reachable directly at /ip4/10.213.1.2/tcp/31337"]
+    assert not run_checks(record, ChecksSpec(reachability=True))[-1].passed  # a NATed peer cannot be direct

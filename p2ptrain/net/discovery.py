@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 # how far two honest nodes' clocks may disagree (hivemind's DHT time is each machine's own clock): a record's
 # heartbeat may be this far in the future, and a node whose clock is behind may keep a record this long past its TTL
 MAX_CLOCK_SKEW_S = 30.0
-# a peer whose record missed this many heartbeats is silent (a crashed or unplugged machine: no reset, no goodbye):
-# partners stop waiting for it long before its record expires (`record_ttl_s`)
-SILENT_HEARTBEATS = 5
+# a publish the round waits for (DiLoCo's phase changes) waits at most this many heartbeats: a store that takes longer
+# is waiting on a silent DHT node (hivemind gives each 3 s, per node: 6.7 s measured on the netns testnet), and the
+# heartbeat stores the record again anyway
+BLOCKING_PUBLISH_HEARTBEATS = 2
 BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
 
 
@@ -193,7 +194,7 @@ def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float, timeout_s: float =
         raw = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
         future.cancel()
-        logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on as if alone this round")
+        logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on with the records read before")
         return []
     return parse_records(raw, ttl_s, get_dht_time(), admission)
 
@@ -242,7 +243,8 @@ class Announcer:
         if publish:
             self._publish_now.set()
 
-    def publish(self) -> bool:
+    def publish(self, timeout_s: float = DHT_READ_TIMEOUT_S) -> bool:
+        """Store our record now; whether the DHT confirmed it within `timeout_s` (else it goes on in the background)."""
         now = get_dht_time()
         with self._lock:
             self._record = self._record.copy(update=dict(updated=now))
@@ -251,8 +253,8 @@ class Announcer:
             with DHT_CALL_LOCK:
                 future = self.dht.store(peers_key(self.run_id), subkey=self.subkey,
                                         value=value, expiration_time=now + self.ttl_s, return_future=True)
-            return bool(future.result(timeout=DHT_READ_TIMEOUT_S))
-        except Exception:  # the DHT process may be shutting down; the next heartbeat tries again
+            return bool(future.result(timeout=timeout_s))
+        except Exception:  # a late store, or the DHT process shutting down: the next heartbeat tries again
             logger.debug("peer record not stored", exc_info=True)
             return False
 
@@ -261,7 +263,7 @@ class Announcer:
             self._publish_now.wait(self.heartbeat_s)
             self._publish_now.clear()
             if not self._stop.is_set():
-                self.publish()
+                self.publish(timeout_s=self.heartbeat_s)  # a store slowed by a silent node must not delay the next
 
     def stop(self) -> None:
         self._stop.set()
@@ -297,10 +299,13 @@ class SwarmWatcher:
     def start(self) -> None:
         self._thread.start()
 
-    def records(self, current: bool = False) -> list[PeerRecord]:
-        """The freshest record of every peer whose record has not expired, sorted by peer id."""
+    def records(self, current: bool = False, timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
+        """The freshest record of every peer whose record has not expired, sorted by peer id. A `current` read
+        waits at most `timeout_s` (the first read, DHT_READ_TIMEOUT_S): a DHT slowed by a silent node then leaves
+        the records of the last read."""
         if current or not self._read_once:
-            self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, admission=self.admission))
+            timeout_s = timeout_s if self._read_once else DHT_READ_TIMEOUT_S
+            self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, timeout_s, admission=self.admission))
         now = get_dht_time()
         with self._lock:
             live = [r for r in self._known.values() if is_live(r, now, self.ttl_s)]
@@ -338,11 +343,6 @@ class SwarmView:
     @property
     def others(self) -> list[PeerRecord]:
         return [r for r in self.records if r.peer_id != self.me]
-
-    def fresh_others(self, heartbeat_s: float, now: float | None = None) -> list[PeerRecord]:
-        """The others whose record was refreshed within SILENT_HEARTBEATS heartbeats."""
-        now = get_dht_time() if now is None else now
-        return [r for r in self.others if now - r.updated <= SILENT_HEARTBEATS * heartbeat_s]
 
     def at_round(self, round_: int) -> list[PeerRecord]:
         return [r for r in self.others if r.round == round_]

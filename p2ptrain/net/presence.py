@@ -35,6 +35,7 @@ class PresenceAgent:
         self.retry_s = retry_s  # how often an unknown answer is asked again, and an outbound peer looks for a relay
         self.state = Reachability(Presence())
         self.told = ""  # the last line logged
+        self.looks = 0  # how often it has looked for a relay (or would have, without `use_relays`)
         self.stopped = asyncio.Event()
 
     async def run(self) -> None:
@@ -45,6 +46,7 @@ class PresenceAgent:
             self._settle(Reachability(Presence(DIRECT, "", seen_as), reached, ports))
             return
         while not self.stopped.is_set():
+            self.looks += 1
             relay, lease_s = await self._take_any_slot() if self.use_relays else ("", 0.0)
             self._settle(Reachability(Presence(RELAYED if relay else OUTBOUND, relay, seen_as), "", ports))
             await self._hold(relay, lease_s)
@@ -105,10 +107,10 @@ class PresenceAgent:
 
     def _settle(self, state: Reachability) -> None:
         """Adopt a (new) answer: our routes, our record, and the line, when it changed."""
-        self.state = state
-        presence = state.presence
-        self.routes.set_own_(presence)
-        self.publish(reach=presence.reach, relay_via=presence.relay_via, seen_as=presence.seen_as)
+        self.state, presence = state, state.presence
+        if presence != self.routes.own:
+            self.routes.set_own_(presence)
+            self.publish(reach=presence.reach, relay_via=presence.relay_via, seen_as=presence.seen_as)
         line = state.line()
         if line != self.told:
             self.told = line

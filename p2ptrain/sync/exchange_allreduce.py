@@ -241,6 +241,9 @@ class ExchangeAllReduce(GradGossip):
                                                           f"from the group's robust mean (τ {result.radius:.3g})")
         return result.mean, result.lengths, result.distances, reduction
 
+    def measures_link(self, rnd: Mix2Round) -> bool:
+        return not (isinstance(rnd, GatherRound) and rnd.digest is not None)  # a confirmation is a few bytes
+
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
     def header_extra(self) -> dict[str, Any]:
         rnd = self.current

@@ -277,12 +277,13 @@ class GradGossip:
         except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
             logger.info(f"{self.kind} exchange with {partner} failed: {e!r}")
             stats.failed += 1
-            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+            if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and self.measures_link(rnd):
                 link.update_timeout_(2 * nbytes, deadline_s)
             return "failed"
         finally:
             rnd.release_(partner, outgoing=True)
-        link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
+        if self.measures_link(rnd):
+            link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
         stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
         return "ok"
@@ -319,6 +320,11 @@ class GradGossip:
             raise ValueError(f"partner's outer gradient is {distance:.3g}× ours away "
                              f"(bound {self.config.max_partner_distance})")
         return theirs
+
+    def measures_link(self, rnd: Mix2Round) -> bool:
+        """Whether a round's exchanges measure the link (they carry a payload, not a digest: a few bytes in a round
+        trip would read as a slow link and stretch every later deadline; the all-reduce's confirmations do not)."""
+        return True
 
     # ---- what else a header carries (nothing here; the all-reduce adds its agreement check) -------------------------
     def header_extra(self) -> dict[str, Any]:
