@@ -235,7 +235,7 @@ class TrainingPeer:
             partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
             refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges],
-            banned_peers=sorted(self.reputation.banned()))
+            banned_peers=sorted(self.reputation.banned()), mix2_averaged=result.mix2_group_size)
         self.metrics_log.write(metrics)
         self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))

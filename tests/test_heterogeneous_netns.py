@@ -64,7 +64,11 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
                  for r in peer_rows for e in r["exchanges"]]
     fast_pairs = [e for a, b, e in exchanges if {a, b} <= set(FAST)]
     assert len(fast_pairs) >= 5, "the fast peers hardly mixed with each other"
-    assert all(e["codec"] == "fp16" for e in fast_pairs), [e["codec"] for e in fast_pairs]
+    # Fast pairs exchange fp16: ~0.1 s against a ~1 s inner phase. One exchange that stalls on a loaded CPU reads
+    # as a slow link and may send the next one 8-bit (seen once in CI: the codec adapts to what it measured), so
+    # one in ten may differ, no more.
+    not_fp16 = [e["codec"] for e in fast_pairs if e["codec"] != "fp16"]
+    assert len(not_fp16) <= max(1, len(fast_pairs) // 10), [e["codec"] for e in fast_pairs]
     slow_links = [(a, b, e) for a, b, e in exchanges if SLOW in (a, b)]
 
     # Pacing: round 0 runs the full H (nothing measured yet); once its link is measured and its exchanges are

@@ -50,6 +50,7 @@ class RoundSync:
     link_bytes_per_s: float = 0.0  # our own link's measured speed (both directions of an exchange), 0: unknown
     expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
+    mix2_group_size: int = 0  # Factored: peers Mix2 averaged this round, ourselves included (0: no Mix2 landed)
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
         """Count one completed exchange that we started."""
@@ -76,6 +77,7 @@ class RoundSync:
         self.bytes_sent += mix2.bytes_sent
         self.bytes_received += mix2.bytes_received
         self.group_size = max(self.group_size, mix2.group_size)
+        self.mix2_group_size = mix2.group_size
         self.partners += mix2.partners
         self.exchanges += mix2.exchanges
         self.failed += mix2.failed
