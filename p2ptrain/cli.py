@@ -32,7 +32,9 @@ def network_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="libp2p key file for a stable peer id (created if missing)."),
         click.option("--no-nat-port-map", is_flag=True, help="Do not ask the router for a port mapping (UPnP)."),
         click.option("--no-auto-nat", is_flag=True, help="Do not probe reachability through other peers."),
-        click.option("--no-relay", is_flag=True, help="Do not use libp2p relays."),
+        click.option("--no-relay", is_flag=True, help="Do not use p2pd's libp2p circuit relays (network.use_relay; "
+                                                      "p2ptrain's own relays for peers behind NAT are "
+                                                      "network.use_relays)."),
         click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only and probe nothing (local tests)."),
         click.option("--admission", type=click.Choice(ADMISSION_MODES), default=None,
                      help="Who may take part: anyone (open, the default) or peers with an organiser's ticket."),

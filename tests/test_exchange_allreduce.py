@@ -271,3 +271,14 @@ def test_only_the_data_stage_measures_links_so_a_silent_member_costs_one_short_d
         assert not transports[0].measures_link(GatherRound(1, ids[0], deltas(0), [], "none", set(ids), "f" * 64))
 
     with_transports(3, scenario)
+
+
+def test_a_rounds_all_reduce_expects_peers_a_round_ahead_only_with_overlap() -> None:
+    """With overlap a peer a round ahead still runs our round's all-reduce (behind its next inner phase); without,
+    it has finished it. A peer a round behind is on its way either way; two behind, or two ahead, are not."""
+    from p2ptrain.net.discovery import PeerRecord
+    from p2ptrain.peer import round_peers
+
+    others = [PeerRecord(peer_id=f"p{r}", round=r, inner_step=0, phase="inner", round_eta=0.0) for r in range(3, 8)]
+    assert round_peers(others, 5, overlapped=False) == ["p4", "p5"]
+    assert round_peers(others, 5, overlapped=True) == ["p4", "p5", "p6"]

@@ -195,7 +195,9 @@ def test_a_busy_refusal_reaches_an_initiator_that_is_still_streaming_a_large_pay
             payload = relative_encode(near(big), big, "fp16")
             for _ in range(10):
                 started = asyncio.get_running_loop().time()
-                with pytest.raises(exchange.ExchangeRefused, match="busy"):
+                # busy; or, when the responder has not yet seen our last two refused streams close (a loaded CI
+                # machine), the per-peer cap: a refusal either way, never a reset or the deadline
+                with pytest.raises(exchange.ExchangeRefused, match="busy|exchanges at once"):
                     await push_pull(a, b.peer_id, f"{RUN}.gasloc", header, payload, lambda h, p: lambda: None,
                                     10**8, deadline_s=20)
                 assert asyncio.get_running_loop().time() - started < 10
