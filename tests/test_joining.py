@@ -644,9 +644,11 @@ def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tm
     finally:
         stop_and_shut_down(threads, [resumed])
     print("resumed peer's rounds:", [(m.round, m.joined, round(m.val_loss, 3)) for m in back], "offences:", offences)
-    assert [found.get(resumed_id, {}).get("clipped", 0) for found in offences[:2]] == [0, 0], offences
+    # Two honest GASLoC peers of the tiny model a few rounds apart under load hard-clip each other now and then (a
+    # CI run: one clip each way, once in ~15 runs), so one clip either way is allowed; without the join its
+    # partners clipped the resumed peer 1 + 1 and 3 + 1 times in two runs, and it clipped both of them.
+    clipped_it = sum(found.get(resumed_id, {}).get("clipped", 0) for found in offences[:2])
+    it_clipped = sum(found.get("clipped", 0) for found in offences[2].values())
+    assert clipped_it <= 1 and it_clipped <= 1, offences
     assert not any(resumed_id in found for found in banned), banned
-    # nor did it count its partners' distances against them: any it penalised, the others found far as well (two
-    # honest GASLoC peers of the tiny model a few rounds apart under load do hard-clip each other now and then)
-    assert set(offences[2]) <= {peer for found in offences[:2] for peer in found}, offences
     assert back[0].joined and back[-1].val_loss < left.val_loss  # it took the swarm's state and trained on
