@@ -138,7 +138,8 @@ def test_diloco_behind_nat_moves_to_another_relay_when_its_relay_dies(nat_ok: No
     for peer in ("peer2", "peer3"):
         said = lines(workdir, peer)
         assert said[0].startswith(f"behind NAT, reachable through relay {first}")
-        assert said[-1].startswith(f"behind NAT, reachable through relay {second}")
+        # (a later line may say outbound only: peer0, the second relay, can end its run first)
+        assert any(line.startswith(f"behind NAT, reachable through relay {second}") for line in said[1:]), said
         rows = read_metrics(workdir / f"{peer}.jsonl")
         # The move splits the round rhythm for a few ~1 s rounds (measured: 2-3 per peer, ~7 s): the exchanges in
         # flight through the dead relay fail, partners read the old relay from its record for a heartbeat or two,
