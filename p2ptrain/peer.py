@@ -327,11 +327,13 @@ class TrainingPeer:
         return sum(t.numel() * t.element_size() for _, t in self._named_state())
 
     def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
-        """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing)."""
+        """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing; in GASLoC the
+        round only moves forward: it counts our own outer steps)."""
         count = len(self.params)
+        donor_round = int(snapshot.metadata["round"])
         self.outer.set_params_(snapshot.tensors[:count])
         self.sync.load_state_tensors_(snapshot.tensors[count:])
-        self.round = int(snapshot.metadata["round"])
+        self.round = max(self.round, donor_round) if self.config.sync.rounds_count_own_steps else donor_round
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:

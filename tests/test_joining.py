@@ -652,3 +652,19 @@ def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tm
     assert clipped_it <= 1 and it_clipped <= 1, offences
     assert not any(resumed_id in found for found in banned), banned
     assert back[0].joined and back[-1].val_loss < left.val_loss  # it took the swarm's state and trained on
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("gasloc", 14), ("factored", 7), ("diloco", 7)])
+def test_a_gasloc_peer_that_takes_a_slower_peers_state_keeps_its_own_round_count(mode, expected):
+    """GASLoC rounds count a peer's own outer steps (a slow link's peer counts fewer): a peer resumed at round 14
+    that took the state of a slower peer at round 7 went on from 7 (seen in the docker swarm). DiLoCo's all-reduce
+    and Factored's same-round Mix1 take the donor's round."""
+    applied: list[list[torch.Tensor]] = []
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode=mode)), round=14,
+                                 params=[torch.zeros(3)],
+                                 outer=types.SimpleNamespace(set_params_=applied.append),
+                                 sync=types.SimpleNamespace(load_state_tensors_=applied.append))
+    snapshot = StateSnapshot({"round": 7}, ("p", "m"), (torch.ones(3), torch.full((3,), 2.0)))
+    TrainingPeer._apply_snapshot(peer, snapshot)  # type: ignore[arg-type]
+    assert peer.round == expected
+    assert [t.tolist() for group in applied for t in group] == [[1.0] * 3, [2.0] * 3]

@@ -134,6 +134,14 @@ class SyncConfig:
         return self.mode == "diloco"
 
     @property
+    def rounds_count_own_steps(self) -> bool:
+        """Whether a peer's round is its own count of outer steps rather than a clock it shares with its partners:
+        GASLoC mixes with partners of any round (a slow link's peer counts fewer), so a peer that takes another's
+        state keeps its count when that is higher (one resumed at round 14 took a slower peer's state of round 7
+        and its metrics started over). DiLoCo's all-reduce and Factored's same-round Mix1 take the donor's round."""
+        return self.mode == "gasloc"
+
+    @property
     def needs_current_swarm(self) -> bool:
         """Whether a round must read the swarm from the DHT (and publish our phase) before it syncs: an all-reduce
         expects exactly the peers of its round. Gossip tolerates a view a heartbeat old: a partner gone since
