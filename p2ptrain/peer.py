@@ -158,9 +158,11 @@ class TrainingPeer:
                                               timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
-        # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
+        # an all-reduce's read waits at most half its window (the others of the round wait for us the whole window):
+        # a DHT slowed by a silent node leaves the last read. (Waiting the whole window, a read that stalled on a
+        # vanished member's DHT node brought its peer to the all-reduce as the others gave up: netns testnet.)
         records = self.watcher.records(current=self.config.sync.needs_current_swarm,
-                                       timeout_s=self.config.sync.matchmaking_s)
+                                       timeout_s=self.config.sync.matchmaking_s / 2)
         self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
 
