@@ -6,6 +6,8 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
                    member swaps Δ with every other and takes their CenteredClip mean)
   diloco-hivemind  sync.mode diloco, sync.allreduce_transport hivemind (net/allreduce.py: hivemind's butterfly
                    averager, which waits the whole sync.matchmaking_s window, 3 s by default, every round)
+  diloco-sparse    diloco-exchange with `sync.grad_codec: sparse` (2-bit values, 2 % of each chunk, error feedback
+                   β 0.95) and the outer recipe benchmarks/algorithms.py measured for it (γ 0, outer lr 1.0)
   gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
 and a reference with no network: the same model, batches and inner steps run by `InnerTrainer.run_phase` (the
 peer's own inner phase), one trainer alone and n trainers at once in threads (the CPU share n peers get).
@@ -13,7 +15,8 @@ peer's own inner phase), one trainer alone and n trainers at once in threads (th
 Per setup and peer count, over the peers' rounds after the first (warm-up):
   utilisation   median of compute_s / round_s (inner phase seconds / the round's wall seconds)
   bytes ÷ ideal mean bytes_sent per peer per round ÷ 2·S·(n−1)/n, the bytes of an ideal (butterfly) all-reduce, S =
-                parameters × bytes per value of the codec the round used (4: fp32, `grad_codec none`); gasloc has no
+                parameters × bytes per value of the codec the round used (4: fp32, `grad_codec none`; sparse: its
+                payload's share of fp32 bytes, memory/buffers.py's payload_share, × 4); gasloc has no
                 all-reduce to compare with: its figure is bytes ÷ S (one parameter payload = 1)
   val loss      mean over peers of the validation loss after the last round
 Where the bytes come from: the exchange transport and gossip count the tensor payload bytes they put on their
@@ -64,6 +67,7 @@ from benchmarks.sim.entry import publish  # noqa: E402
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
 from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
+from p2ptrain.memory.buffers import payload_share  # noqa: E402
 from p2ptrain.metrics import RoundMetrics  # noqa: E402
 from p2ptrain.models import build_model  # noqa: E402
 from p2ptrain.net.allreduce import BYTES_PER_VALUE, allreduce_traffic_bytes  # noqa: E402
@@ -73,6 +77,8 @@ RESULTS_PATH = REPO / "benchmarks" / "results" / "loopback_sync.json"
 SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
+    "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
+                      "error_feedback_decay": 0.95, "outer": {"lr": 1.0, "momentum": 0.0}},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},
 }
 # loopback only, no NAT probing or relays; records refreshed often, so peers see each other's rounds quickly
@@ -107,7 +113,10 @@ class Settings:
 
 
 def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int) -> PeerConfig:
-    """A peer of the benchmark: loopback, the settings' model and batch, `sync` on the sync section's defaults."""
+    """A peer of the benchmark: loopback, the settings' model and batch, `sync` on the sync section's defaults
+    (its "outer" entry, if any, on the outer section's)."""
+    sync = dict(sync)
+    outer = sync.pop("outer", {})
     return build_config({
         "run": {"run_id": run_id, "rounds": s.rounds, "device": "cpu", "progress": False,
                 "shard_index": shard % CORPUS["num_shards"]},
@@ -115,6 +124,7 @@ def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int) -> P
         "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, **CORPUS},
         "inner": {"steps": s.inner_steps},
         "sync": sync,
+        "outer": outer,
         "network": NETWORK,
     })
 
@@ -232,11 +242,19 @@ def reference_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "wall_s": sum(r["wall_s"] for r in runs)}
 
 
-def round_figures(rounds: list[dict[str, Any]], n: int, parameters: int, mode: str,
+def bytes_per_value(codec: str, sync: dict[str, Any]) -> float:
+    """What one parameter costs in a payload of `codec` (the sparse codecs: per the setup's density and bits)."""
+    if codec in BYTES_PER_VALUE:
+        return BYTES_PER_VALUE[codec]
+    sparse = build_config({"sync": {k: v for k, v in sync.items() if k != "outer"}}).sync
+    return 4 * payload_share(codec, sparse.topk_density, sparse.sparse_bits, sparse.topk_chunk_size)
+
+
+def round_figures(rounds: list[dict[str, Any]], n: int, parameters: int, sync: dict[str, Any],
                   reference_s: float | None) -> dict[str, Any]:
     """Utilisation, times, group sizes and bytes over peers' rounds (at least one)."""
-    codec = codec_of(rounds)
-    payload = parameters * BYTES_PER_VALUE[codec]  # S: one codec-encoded copy of the parameters
+    codec, mode = codec_of(rounds), sync["mode"]
+    payload = parameters * bytes_per_value(codec, sync)  # S: one codec-encoded copy of the parameters
     ideal = payload if mode == "gasloc" else allreduce_traffic_bytes(payload, n)
     sent = statistics.fmean(m["bytes_sent"] for m in rounds)
     compute = statistics.median(m["compute_s"] for m in rounds)
@@ -266,7 +284,7 @@ def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str
            "errors": [e for run in runs for e in run["errors"]], "timed_out": any(r["timed_out"] for r in runs),
            "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs)}
     if rounds:
-        row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup]["mode"], reference_s))
+        row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup], reference_s))
     return row
 
 

@@ -158,9 +158,8 @@ class TrainingPeer:
                                               timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
-        # an all-reduce's read waits at most half its window (the others of the round wait for us the whole window):
-        # a DHT slowed by a silent node leaves the last read. (Waiting the whole window, a read that stalled on a
-        # vanished member's DHT node brought its peer to the all-reduce as the others gave up: netns testnet.)
+        # an all-reduce's read waits half its window (the others wait for us all of it; a read stalled on a vanished
+        # member's DHT node brought us as they gave up: netns testnet); a DHT that slow leaves the last read
         records = self.watcher.records(current=self.config.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s / 2)
         self.routes.update_(records)

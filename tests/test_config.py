@@ -166,8 +166,12 @@ def test_null_section_and_null_optional_take_defaults() -> None:
         ({"sync": {"mix2_transport": "gossip"}}, "sync.mix2_transport"),  # diloco has no Mix2
         ({"sync": {"mode": "gasloc", "mix2_transport": "gossip"}}, "sync.mix2_transport"),
         ({"sync": {"grad_codec": "int8"}}, "sync.grad_codec"),
-        ({"sync": {"grad_codec": "topk"}}, "sync.grad_codec"),  # an all-reduce cannot sum sparse payloads
-        ({"sync": {"mode": "factored", "grad_codec": "topk"}}, "sync.grad_codec"),
+        # hivemind's butterfly sums dense parts; gasloc sends no outer gradients
+        ({"sync": {"grad_codec": "sparse", "allreduce_transport": "hivemind"}}, "sync.grad_codec"),
+        ({"sync": {"mode": "factored", "grad_codec": "topk", "allreduce_transport": "hivemind"}}, "sync.grad_codec"),
+        ({"sync": {"mode": "gasloc", "grad_codec": "sparse"}}, "sync.grad_codec"),
+        ({"sync": {"sparse_bits": 0}}, "sync.sparse_bits"),
+        ({"sync": {"sparse_bits": 9}}, "sync.sparse_bits"),
         ({"sync": {"topk_density": 0.0}}, "sync.topk_density"),
         ({"sync": {"topk_density": 1.5}}, "sync.topk_density"),
         ({"sync": {"topk_chunk_size": 0}}, "sync.topk_chunk_size"),
@@ -182,12 +186,19 @@ def test_out_of_range_values_are_one_line_config_errors(values: dict[str, Any], 
     assert named in one_line_config_error(values)
 
 
-@pytest.mark.parametrize("codec", ["topk", "fp16", "none"])
+@pytest.mark.parametrize("codec", ["sparse", "topk", "fp16", "none"])
 def test_gossip_mix2_takes_every_grad_codec(codec: str) -> None:
     sync = build_config({"sync": {"mode": "factored", "mix2_transport": "gossip", "grad_codec": codec,
                                   "topk_density": 0.01, "topk_chunk_size": 1024}}).sync
     assert (sync.mix2_transport, sync.grad_codec, sync.topk_density, sync.topk_chunk_size) == (
         "gossip", codec, 0.01, 1024)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "factored"])
+def test_the_exchange_all_reduce_takes_the_sparse_codecs(mode: str) -> None:
+    sync = build_config({"sync": {"mode": mode, "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 3}}).sync
+    assert (sync.allreduce_transport, sync.grad_codec, sync.topk_density, sync.sparse_bits) == (
+        "exchange", "sparse", 0.02, 3)
 
 
 def test_mix2_defaults_keep_the_all_reduce() -> None:

@@ -327,3 +327,69 @@ def test_a_member_that_never_answers_costs_the_opener_no_more_than_the_others_an
             await shutdown(p2ps)
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+@pytest.mark.network
+def test_a_sparse_codec_group_averages_what_it_sent_and_keeps_the_rest_for_later():
+    """grad_codec sparse: every member sends s_i = codec(e_i + Δ_i) and gets the mean of the s_j, bit for bit the
+    same; its residual becomes e_i + Δ_i − s_i, so nothing is lost: mean(s) + mean(e) = mean(e_before + Δ). A
+    refused mean (`undo_commit_`) gives the residual back."""
+    sparse = config(grad_codec="sparse", topk_density=0.05, topk_chunk_size=1024, sparse_bits=2)
+
+    def big_deltas(seed: int) -> list[torch.Tensor]:  # large enough for the payload, not its header, to count
+        return [torch.randn(256, 64, generator=torch.Generator().manual_seed(seed))]
+
+    async def main() -> None:
+        p2ps = await start_p2ps(3)
+        try:
+            transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, big_deltas(0), sparse, "allreduce.diloco", None)
+                          for p in p2ps]
+            for t in transports:
+                await serve_exchanges(t.p2p, t)
+            ids = [t.own_id for t in transports]
+            views = [[p for p in ids if p != me] for me in ids]
+            fp32_bytes = 4 * 256 * 64
+            for round_ in range(2):
+                before = [[e.clone() for e in t.feedback.residual] for t in transports]
+                results = await asyncio.gather(*(t.gather(big_deltas(i + 10 * round_), view, round_, 3.0)
+                                                 for i, (t, view) in enumerate(zip(transports, views, strict=True))))
+                inputs = [[e + d for e, d in zip(b, big_deltas(i + 10 * round_), strict=True)]
+                          for i, b in enumerate(before)]
+                for result in results:
+                    assert result.group_size == 3 and not result.discarded
+                    assert all(torch.equal(a, b) for a, b in zip(result.delta, results[0].delta, strict=True))
+                    assert 0 < result.bytes_sent < 2 * fp32_bytes / 20  # to two members, each 1/20 of fp32 or less
+                residuals = exact_average([t.feedback.residual for t in transports])
+                assert distance([m + r for m, r in zip(results[0].delta, residuals, strict=True)],
+                                exact_average(inputs)) <= 1e-5 * norm(exact_average(inputs))
+                assert all(norm(t.feedback.residual) > 0 for t in transports)  # the codec left something out
+            kept = [e.clone() for e in transports[0].feedback.residual]
+            transports[0].undo_commit_()
+            assert distance(transports[0].feedback.residual, kept) > 0  # back to the residual before round 1
+            transports[0].undo_commit_()  # once only
+        finally:
+            await shutdown(p2ps)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_diloco_swarm_with_the_sparse_codec_trains_in_step():
+    config_ = tiny_config("sparse-diloco-swarm", run={"rounds": 6},
+                          sync={"grad_codec": "sparse", "topk_density": 0.05, "sparse_bits": 2})
+    first = start_peer(config_)
+    members = [first] + [start_peer(config_, first.maddrs) for _ in range(2)]
+    threads, histories = run_peers(members)
+    final = [t.params_after_round[5] for t in threads]
+    for history in histories:
+        print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history],
+              [m.bytes_sent for m in history])
+        assert history[-1].val_loss < history[0].val_loss
+        assert sum(m.peers_averaged == 3 for m in history) >= 4
+        averaged = [m for m in history if m.peers_averaged == 3]
+        assert all(m.codec == "sparse" and 0 < m.bytes_sent < 2 * 4 * 117_120 / 20 for m in averaged)
+    assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
+    for member in members:  # what the codec left out waits in each peer's own residual, to be sent later
+        assert norm(member.sync.averager.exchange.feedback.residual) > 0  # type: ignore[attr-defined]

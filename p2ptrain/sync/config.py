@@ -6,11 +6,13 @@ import dataclasses
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import MAX_CHUNK_SIZE
+from p2ptrain.maths.sparse_codec import MAX_BITS as MAX_SPARSE_BITS
 
 SYNC_MODES = ("diloco", "gasloc", "factored")
 OVERLAP_MODES = ("none", "delayed", "eager")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
-GRAD_CODECS = ("none", "fp16", "topk")
+GRAD_CODECS = ("none", "fp16", "topk", "sparse")
+SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error feedback
 MIX2_TRANSPORTS = ("allreduce", "gossip")
 ALLREDUCE_TRANSPORTS = ("exchange", "hivemind")
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
@@ -38,7 +40,10 @@ class SyncConfig:
     overlap: str = "none"
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
-    grad_codec: str = "none"  # outer gradients: none (fp32) | fp16 | topk (gossip Mix2 only, with error feedback)
+    # outer gradients (DiLoCo's and Factored's exchanges): none (fp32) | fp16 | topk (8-bit values) | sparse (sync.
+    # sparse_bits-bit values, Elias-Fano indices); topk and sparse keep sync.topk_density of each chunk and send the
+    # rest later (error feedback); not with allreduce_transport hivemind, whose butterfly sums dense parts
+    grad_codec: str = "none"
     # gasloc, and factored's Mix1: push-pull gossip with random live peers
     gossip_peers: int = 1  # partners per round: 1 = pair averaging (weight 1/2), 2 = weights 1/3
     param_codec: str = "fp16"  # parameters travel as codec(θ − θ_0): fp16 | none | int8 | adaptive
@@ -59,9 +64,10 @@ class SyncConfig:
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
     mix2_group_size: int = 3  # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3)
     mix2_transport: str = "allreduce"  # allreduce (exact mean of the group) | gossip (push-pull, grad_gossip.py)
-    topk_density: float = 1 / 32  # grad_codec topk: fraction of each chunk's entries sent (3 bytes each)
-    topk_chunk_size: int = 4096  # grad_codec topk: elements per chunk (64×64), each with its own 8-bit scale
-    error_feedback_decay: float = 1.0  # gossip Mix2: β in e ← β·e + Δ (1: what was not sent is sent later)
+    topk_density: float = 1 / 32  # grad_codec topk and sparse: fraction of each chunk's entries sent
+    topk_chunk_size: int = 4096  # grad_codec topk and sparse: elements per chunk (64×64), each with its own scale
+    sparse_bits: int = 2  # grad_codec sparse: bits per kept value (sign included): 2 at 2 % is 1/148 of fp32 bytes
+    error_feedback_decay: float = 1.0  # β in e ← β·e + Δ for outer gradients (1: what was not sent is sent later)
     # all modes
     adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
     state_download_timeout_s: float = 60.0  # per-chunk deadline when a joiner downloads state
@@ -101,9 +107,16 @@ class SyncConfig:
     def _check_gossip_mix2(self) -> None:
         if self.mix2_transport == "gossip" and self.mode != "factored":
             raise ConfigError("sync.mix2_transport gossip applies to sync.mode factored only")
-        if self.grad_codec == "topk" and self.mix2_transport != "gossip":
-            raise ConfigError("sync.grad_codec topk needs sync.mode factored with sync.mix2_transport gossip "
-                              "(an all-reduce cannot sum sparse payloads)")
+        if self.grad_codec in SPARSE_GRAD_CODECS:
+            if self.mode == "gasloc":
+                raise ConfigError(f"sync.grad_codec {self.grad_codec} compresses outer gradients, which gasloc does "
+                                  f"not send (its parameters travel as sync.param_codec)")
+            if self.allreduce_transport == "hivemind" and not (self.mode == "factored"
+                                                               and self.mix2_transport == "gossip"):
+                raise ConfigError(f"sync.grad_codec {self.grad_codec} needs sync.allreduce_transport exchange "
+                                  f"(hivemind's butterfly all-reduce sums dense parts)")
+        if not 1 <= self.sparse_bits <= MAX_SPARSE_BITS:
+            raise ConfigError(f"sync.sparse_bits must be in [1, {MAX_SPARSE_BITS}], got {self.sparse_bits}")
         if not 0 < self.topk_density <= 1:
             raise ConfigError(f"sync.topk_density must be in (0, 1], got {self.topk_density}")
         if not 1 <= self.topk_chunk_size <= MAX_CHUNK_SIZE:

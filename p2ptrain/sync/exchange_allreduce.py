@@ -22,7 +22,10 @@ net/routes.py); members that no path joins (two outbound-only peers without a re
 stages run as rounds of the exchange protocol, numbered 2r (Δ) and 2r + 1 (digests).
 
 Cost: each member sends its Δ to each other member: (n − 1)·S bytes against 2·S·(n − 1)/n for a butterfly
-all-reduce, the same for a pair, n/2 times more for larger groups: the price of seeing every input.
+all-reduce, the same for a pair, n/2 times more for larger groups: the price of seeing every input. Compression
+(`sync.grad_codec`) shrinks S: with topk or sparse, a member sends s = codec(β·e + Δ), the same bytes to every
+member, and keeps what the codec left out in its error-feedback residual e ← β·e + Δ − s, committed only when the
+round's mean is applied (alone, discarded or refused: e stays as it was, and our own Δ, or nothing, is applied).
 """
 
 from __future__ import annotations
@@ -147,9 +150,10 @@ class ExchangeAllReduce(GradGossip):
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
                  reputation: Reputation | None = None, routes: Routes | None = None):
         super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
-                         kind=kind, error_feedback_decay=0.0, routes=routes)  # decay 0: s = codec(Δ), none carried
+                         kind=kind, routes=routes)
         self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
+        self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
         self._token_payload = compress_all(self.feedback.codec, self._token)
 
@@ -159,6 +163,7 @@ class ExchangeAllReduce(GradGossip):
         `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy)."""
         started = time.monotonic()
         own = [d.detach().float().cpu() for d in delta]
+        self._residual_before = None  # a refusal from now on concerns this round's mean
         try:
             payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
         except ValueError as e:  # non-finite Δ: nothing can be sent
@@ -192,13 +197,20 @@ class ExchangeAllReduce(GradGossip):
         logger.debug(f"round {round_}: {len(inputs)} inputs (expected {len(rnd.expected) + 1}), {verdict}, "
                      f"{time.monotonic() - started:.2f} s")
         self.previous = reduction if verdict == APPLY else reduction.discarded() if verdict == DISCARD else None
-        if verdict == APPLY:
+        if verdict == APPLY:  # what the codec left out of our s is sent in later rounds (none with grad_codec none)
+            self._residual_before = self.feedback.residual
+            self.feedback.commit_(sent)
             ours = [peer for peer, _ in inputs].index(self.own_id)  # what the check of the mean needs, measured
             return result(mean, len(inputs), claimed_norms=lengths, own_norm=lengths[ours],
                           own_deviation=distances[ours] if distances else None)
         if verdict == DISCARD:  # nobody applies this round: every member keeps the anchor it shares with the others
             return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
         return result(own, 1)  # out of step: applies its own, catches up next round
+
+    def undo_commit_(self) -> None:
+        """Put the error-feedback residual back as it was before the latest round's commit (if that round has one)."""
+        if self._residual_before is not None:
+            self.feedback.residual, self._residual_before = self._residual_before, None
 
     async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
@@ -369,8 +381,11 @@ class ExchangeAverager:
         return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s)), own)
 
     def forget_(self) -> None:
-        """Report no previous reduction next round: we do not hold what it left."""
+        """Report no previous reduction next round: we do not hold what it left; and give the error feedback back
+        what the latest round's commit took (its mean was refused, so our own Δ was applied whole; or a state was
+        adopted, and the remainder of our own trajectory is dropped with it either way)."""
         self.exchange.previous = None
+        self.exchange.undo_commit_()
 
     def shutdown(self) -> None:
         pass

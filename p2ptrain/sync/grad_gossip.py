@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
+from p2ptrain.maths.codecs import Codec, ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.robust import AdaptiveClip
@@ -46,7 +46,7 @@ from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload,
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
-from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import ROUND_RETRY_S, TOO_MANY_OFFERS, WRONG_ROUND
 from p2ptrain.tensor_layout import norm
@@ -59,6 +59,16 @@ ALREADY_PARTNERS = "already partners"  # mixed, mixing, or the partner's own off
 # refusals after which an offer is made again (every ROUND_RETRY_S, up to the round's patience): the partner has not
 # reached our round, or its offer to us crossed ours and may itself have been refused as not in our round yet
 ASK_AGAIN = (WRONG_ROUND, ALREADY_PARTNERS)
+
+
+def outer_gradient_codec(config: SyncConfig) -> Codec:
+    """The codec `sync.grad_codec` names, with its options (`topk_density`, `topk_chunk_size`, `sparse_bits`)."""
+    options: dict[str, Any] = {}
+    if config.grad_codec in SPARSE_GRAD_CODECS:
+        options = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
+    if config.grad_codec == "sparse":
+        options["bits"] = config.sparse_bits
+    return get_codec(config.grad_codec, **options)
 
 
 class RoundClosed(RuntimeError):
@@ -181,10 +191,8 @@ class GradGossip:
         self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
         self.own_id = p2p.peer_id.to_base58()
         self.degree_cap = config.mix2_group_size - 1
-        topk = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
-        codec = get_codec(config.grad_codec, **(topk if config.grad_codec == "topk" else {}))
         decay = config.error_feedback_decay if error_feedback_decay is None else error_feedback_decay
-        self.feedback = ErrorFeedback(codec, like, decay)
+        self.feedback = ErrorFeedback(outer_gradient_codec(config), like, decay)
         self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
         self.rng = random.Random(seed)
         self.links = links if links is not None else LinkSpeeds()  # the peer's one table, shared with Mix1
