@@ -158,10 +158,10 @@ class TrainingPeer:
                                               timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
-        # an all-reduce's read waits half its window (the others wait for us all of it; a read stalled on a vanished
-        # member's DHT node brought us as they gave up: netns testnet); a DHT that slow leaves the last read
+        # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
+        # (half the window was tried: behind NAT, where reads go through relays, stale views split rounds, 2 of 3 runs)
         records = self.watcher.records(current=self.config.sync.needs_current_swarm,
-                                       timeout_s=self.config.sync.matchmaking_s / 2)
+                                       timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
 
