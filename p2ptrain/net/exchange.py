@@ -296,13 +296,12 @@ class GossipServicer(ServicerBase):
 async def push_pull(
     p2p: P2P, peer_id: PeerID, namespace: str, header: dict[str, Any], payload: Payload,
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, deadline_s: float,
-    route: Route | None = None, on_answer: Callable[[], None] | None = None,
+    route: Route | None = None,
 ) -> ExchangeOutcome:
     """Offer `payload` to `peer_id` (directly, or through `route`'s relay) and take its payload back; raises
     ExchangeRefused, WireError or TimeoutError.
 
-    The returned outcome's `apply` mixes on our side; the partner mixes when it reads our commit. `on_answer` is
-    called once the partner has accepted the offer (its answer header came, its payload is on its way).
+    The returned outcome's `apply` mixes on our side; the partner mixes when it reads our commit.
     """
     started = time.monotonic()
     decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -316,8 +315,7 @@ async def push_pull(
 
     try:
         outcome = await asyncio.wait_for(
-            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route,
-                      on_answer),
+            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route),
             deadline_s)
     finally:
         if not decision.done():
@@ -330,7 +328,7 @@ async def push_pull(
 async def _initiate(
     p2p: P2P, peer_id: PeerID, namespace: str, requests: AsyncIterator[averaging_pb2.DownloadData],
     decision: "asyncio.Future[bool]", validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int,
-    chunk_timeout_s: float, route: Route | None, on_answer: Callable[[], None] | None,
+    chunk_timeout_s: float, route: Route | None,
 ) -> ExchangeOutcome:
     if route is None:
         stream = await GossipServicer.get_stub(p2p, peer_id, namespace=namespace).rpc_exchange(requests)
@@ -339,13 +337,12 @@ async def _initiate(
     # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
     # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
     async with contextlib.aclosing(stream) as responses:
-        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s, on_answer)
+        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s)
 
 
 async def _exchange(
     responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
-    on_answer: Callable[[], None] | None = None,
 ) -> ExchangeOutcome:
     try:
         first = await responses.__anext__()
@@ -357,8 +354,6 @@ async def _exchange(
     nbytes = int(answer.get("nbytes", -1))
     if not 0 <= nbytes <= max_payload_bytes:
         raise WireError(f"partner announced {nbytes} bytes, outside 0..{max_payload_bytes}")
-    if on_answer is not None:
-        on_answer()
     partner_payload = await read_payload(responses, first, nbytes, chunk_timeout_s)
     apply = validate(answer, partner_payload)
     decision.set_result(True)

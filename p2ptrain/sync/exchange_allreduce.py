@@ -70,9 +70,6 @@ logger = logging.getLogger(__name__)
 
 MAX_ABS_VALUE = 1e15  # a member's values beyond this are refused by every member alike (fp32 arithmetic stays finite)
 GATHER_WEIGHT = 1.0  # offers carry a weight field; an all-reduce's weights are the receiver's (1/n), not offered
-# how long past a stage's patience an offer of ours may wait for its answer (a member in the round answers at once);
-# a member's stage ends at most this much after another's for it, so the confirmations wait this much longer
-ANSWER_GRACE_S = 1.0
 
 
 def round_groups(members: Sequence[str], round_: int, group_size: int | None, seed: str) -> list[list[str]]:
@@ -232,7 +229,7 @@ class ExchangeAllReduce(GradGossip):
         """Swap digests with the members whose Δ we reduced; APPLY, DISCARD or OUT_OF_STEP."""
         rnd = await self._stage(GatherRound(2 * round_ + 1, self.own_id, self._token, self._token_payload,
                                             self.feedback.codec.name, members, digest=reduction.digest),
-                                patience_s + ANSWER_GRACE_S, stats)
+                                patience_s, stats)
         verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(members) + 1)
         if verdict != APPLY:
             logger.info(f"round {round_}: {sum(d == reduction.digest for d in rnd.confirmed.values())} of "
@@ -297,41 +294,16 @@ class ExchangeAllReduce(GradGossip):
     # ---- exchanges, and what they bring ----------------------------------------------------------------------------
     async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
                             stats: RoundSync) -> None:
-        """Open exchanges with all of `live_peers` at once (gossip opens one after another), each on its own: one
-        not in our round yet is asked again every ROUND_RETRY_S for up to `patience_s`, whatever the others do.
-
-        An offer still unanswered ANSWER_GRACE_S after the patience is cancelled, as failed: a member that vanished
-        without a reset (a partition, a dead host) holds the stream open until the exchange's deadline (5 s or
-        more), while the members that wait for its offer to them give up after the patience; the opener then reached
-        the confirmations after them, too late, and the round was discarded (netns testnet, a DiLoCo member
-        partitioned and killed)."""
+        """Open exchanges with all of `live_peers` at once (gossip opens one after another); those not in our
+        round yet are asked again every ROUND_RETRY_S for up to `patience_s`."""
         give_up_at = time.monotonic() + patience_s
-        partners = sorted(p for p in live_peers if not self.reputation.is_banned(p))
-        tasks = {asyncio.ensure_future(self._keep_offering(rnd, p, give_up_at, stats)): p for p in partners}
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, give_up_at + ANSWER_GRACE_S - time.monotonic()))
-        for task in pending:
-            if tasks[task] not in rnd.accepted_by:
-                task.cancel()
-        if pending:
-            await asyncio.wait(pending)
-        for task, partner in tasks.items():
-            if task.cancelled():
-                logger.info(f"{self.kind} exchange with {partner} got no answer within the patience; not waited for")
-                stats.failed += 1
-                if isinstance(rnd, GatherRound):
-                    rnd.give_up_on_(partner)
-
-    async def _keep_offering(self, rnd: Mix2Round, partner: str, give_up_at: float, stats: RoundSync) -> str:
-        """Offer to `partner` until it takes the offer or refuses it for good; a partner not in our round yet is
-        asked again every ROUND_RETRY_S until `give_up_at` (monotonic). The last outcome."""
-        while True:
-            if not rnd.reserve_outgoing_(partner):
-                return "no slot"
-            outcome = await self._exchange_with(rnd, partner, stats)
-            if outcome not in ASK_AGAIN or time.monotonic() >= give_up_at:
-                return outcome
+        candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
+        while candidates:
+            reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
+            outcomes = await asyncio.gather(*(self._exchange_with(rnd, p, stats) for p in reserved))
+            candidates = [p for p, outcome in zip(reserved, outcomes, strict=True) if outcome in ASK_AGAIN]
+            if not candidates or time.monotonic() >= give_up_at:
+                return
             await asyncio.sleep(ROUND_RETRY_S)
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:

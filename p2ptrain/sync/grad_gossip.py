@@ -88,7 +88,6 @@ class Mix2Round:
         self.done: list[str] = []  # partners whose mix is applied, in the order it was
         self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
         self.outgoing: set[str] = set()  # our offers in flight
-        self.accepted_by: set[str] = set()  # partners that accepted an offer of ours (their answer came)
         self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
         self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
         self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
@@ -277,8 +276,7 @@ class GradGossip:
 
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
-                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
-                                      on_answer=lambda: rnd.accepted_by.add(partner))
+                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner))
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
