@@ -6,6 +6,8 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
                    member swaps Δ with every other and takes their CenteredClip mean)
   diloco-hivemind  sync.mode diloco, sync.allreduce_transport hivemind (net/allreduce.py: hivemind's butterfly
                    averager, which waits the whole sync.matchmaking_s window, 3 s by default, every round)
+  diloco-overlap   diloco-exchange with `sync.overlap: delayed` (DiLoCoX's one-step delay): a round's all-reduce runs
+                   behind the next inner phase, and its mean is applied one round late
   diloco-sparse    diloco-exchange with `sync.grad_codec: sparse` (2-bit values, 2 % of each chunk, error feedback
                    β 0.95) and the outer recipe benchmarks/algorithms.py measured for it (γ 0, outer lr 1.0)
   gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
@@ -77,6 +79,7 @@ RESULTS_PATH = REPO / "benchmarks" / "results" / "loopback_sync.json"
 SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
+    "diloco-overlap": {"mode": "diloco", "allreduce_transport": "exchange", "overlap": "delayed"},
     "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
                       "error_feedback_decay": 0.95, "outer": {"lr": 1.0, "momentum": 0.0}},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},

@@ -41,6 +41,8 @@ def test_quick_run(tmp_path: Path) -> None:
     assert 0.9 <= exchange["bytes_ratio"] <= 1.5  # a pair swaps one fp32 Δ each: the ideal all-reduce's bytes
     assert hivemind["blocked_s"] >= 0.9 * written["matchmaking_s"]  # it waits the whole matchmaking window
     assert exchange["utilisation"] > hivemind["utilisation"]
+    overlap = rows[("diloco-overlap", 2)]  # each round reports the all-reduce of the round before: every one a pair
+    assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0 and 0.9 <= overlap["bytes_ratio"] <= 1.5
     assert rows[("gasloc", 2)]["codec"] == "fp16" and rows[("gasloc", 2)]["bytes_ratio"] > 0
 
     table = loopback_sync.markdown(report)

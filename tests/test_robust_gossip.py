@@ -37,7 +37,17 @@ from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import RoundContext
-from p2ptrain.sync.param_gossip import JUMP_GRACE_ROUNDS, OPENS_PER_ROUND, TOO_MANY_OFFERS, ParamGossip
+from p2ptrain.sync.param_gossip import (
+    FIRST_RETRY_S,
+    JUMP_GRACE_ROUNDS,
+    OFFER_BURST,
+    OFFERS_PER_S,
+    OPENS_PER_ROUND,
+    ROUND_RETRY_S,
+    TOO_MANY_OFFERS,
+    ParamGossip,
+    retry_delay_s,
+)
 from p2ptrain.tensor_layout import distance, norm
 
 Tensors = list[torch.Tensor]
@@ -313,6 +323,22 @@ def test_offers_beyond_the_token_bucket_are_refused_until_it_refills() -> None:
     assert limit.offer("p") and not limit.offer("p")
     assert [limit.accept("p", 5) for _ in range(3)] == [True, True, False]
     assert limit.accept("p", 6)
+
+
+def test_an_honest_partner_asking_again_on_the_retry_schedule_never_runs_out_of_offers() -> None:
+    """The quick first retries (a partner whose round opens a moment after our offer) stay within the token bucket
+    of an honest responder, even for a partner that asks without answer, stage after stage, for minutes."""
+    assert [retry_delay_s(a) for a in range(6)] == [FIRST_RETRY_S * 2 ** a for a in range(4)] + [ROUND_RETRY_S] * 2
+    now = [0.0]
+    limit = OfferLimit(per_round=OPENS_PER_ROUND, rate_per_s=OFFERS_PER_S, burst=OFFER_BURST, clock=lambda: now[0])
+    refused = 0
+    for _stage in range(200):  # 2 stages a round (an all-reduce's Δ and digests), each asked for its 2 s patience
+        started, attempt = now[0], 0
+        while now[0] - started < 2.0:
+            refused += not limit.offer("p")
+            now[0] += retry_delay_s(attempt)
+            attempt += 1
+    assert refused == 0
 
 
 @pytest.mark.network

@@ -63,7 +63,7 @@ from p2ptrain.sync.allreduce_agreement import (
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.param_gossip import ROUND_RETRY_S
+from p2ptrain.sync.param_gossip import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -295,8 +295,8 @@ class ExchangeAllReduce(GradGossip):
     async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
                             stats: RoundSync) -> None:
         """Open exchanges with all of `live_peers` at once (gossip opens one after another); those not in our
-        round yet are asked again every ROUND_RETRY_S for up to `patience_s`."""
-        give_up_at = time.monotonic() + patience_s
+        round yet are asked again (`retry_delay_s`) for up to `patience_s`."""
+        give_up_at, attempt = time.monotonic() + patience_s, 0
         candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
         while candidates:
             reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
@@ -304,7 +304,8 @@ class ExchangeAllReduce(GradGossip):
             candidates = [p for p, outcome in zip(reserved, outcomes, strict=True) if outcome in ASK_AGAIN]
             if not candidates or time.monotonic() >= give_up_at:
                 return
-            await asyncio.sleep(ROUND_RETRY_S)
+            await asyncio.sleep(retry_delay_s(attempt))
+            attempt += 1
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer

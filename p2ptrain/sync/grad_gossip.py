@@ -48,7 +48,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import ROUND_RETRY_S, TOO_MANY_OFFERS, WRONG_ROUND
+from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND, retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 KIND = "mix2"
 ROUND_OVER = "round over"  # the responder's Mix2 of that round has closed (or it is already past that round)
 ALREADY_PARTNERS = "already partners"  # mixed, mixing, or the partner's own offer to us is the one that counts
-# refusals after which an offer is made again (every ROUND_RETRY_S, up to the round's patience): the partner has not
+# refusals after which an offer is made again (`retry_delay_s`, up to the round's patience): the partner has not
 # reached our round, or its offer to us crossed ours and may itself have been refused as not in our round yet
 ASK_AGAIN = (WRONG_ROUND, ALREADY_PARTNERS)
 
@@ -206,7 +206,7 @@ class GradGossip:
                   patience_s: float) -> tuple[list[torch.Tensor], RoundSync]:
         """Blocking Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost.
 
-        Peers not yet in our round are asked again every ROUND_RETRY_S for up to `patience_s` seconds."""
+        Peers not yet in our round are asked again (`retry_delay_s`) for up to `patience_s` seconds."""
         try:  # the codec's top-k over the whole model runs off the event loop, which keeps answering others
             payload, sent, scale = await asyncio.get_running_loop().run_in_executor(None, self._prepare, delta)
         except ValueError as e:  # non-finite Δ: nothing can be sent
@@ -239,7 +239,7 @@ class GradGossip:
                             stats: RoundSync) -> None:
         """Offer our payload to random live peers until our D slots are taken or nobody is left to ask: those we
         reach directly first, then those behind relays; peers nobody can reach offer theirs to us instead."""
-        give_up_at = time.monotonic() + patience_s
+        give_up_at, attempt = time.monotonic() + patience_s, 0
         candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
         while candidates and rnd.free_slots() > 0:
             later = []
@@ -250,7 +250,8 @@ class GradGossip:
             if not later or time.monotonic() >= give_up_at:
                 return
             candidates = later
-            await asyncio.sleep(ROUND_RETRY_S)
+            await asyncio.sleep(retry_delay_s(attempt))
+            attempt += 1
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         """One exchange we start (its slot is reserved); returns "ok", "failed" or the partner's refusal."""
