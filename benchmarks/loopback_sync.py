@@ -115,14 +115,14 @@ class Settings:
             raise ValueError(f"--setups must name some of {', '.join(SETUPS)}; unknown: {', '.join(sorted(unknown))}")
 
 
-def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int) -> PeerConfig:
+def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int, seed: int = 0) -> PeerConfig:
     """A peer of the benchmark: loopback, the settings' model and batch, `sync` on the sync section's defaults
-    (its "outer" entry, if any, on the outer section's)."""
+    (its "outer" entry, if any, on the outer section's), `seed` the run's (θ_0 and batches)."""
     sync = dict(sync)
     outer = sync.pop("outer", {})
     return build_config({
         "run": {"run_id": run_id, "rounds": s.rounds, "device": "cpu", "progress": False,
-                "shard_index": shard % CORPUS["num_shards"]},
+                "shard_index": shard % CORPUS["num_shards"], "seed": seed},
         "model": {"name": s.model, "max_seq_len": s.seq_len},
         "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, **CORPUS},
         "inner": {"steps": s.inner_steps},
@@ -162,14 +162,17 @@ def daemons_cpu_s() -> float:
     return total
 
 
-def run_swarm(s: Settings, setup: str, n: int) -> dict[str, Any]:
-    """Start n peers (the first founds the swarm), run them to `s.rounds` in threads, shut them down."""
+def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Start n peers (the first founds the swarm), run them to `s.rounds` in threads, shut them down. `sync`: the
+    setup's sync section (default SETUPS[setup])."""
     run_id = f"bench-{setup}-{uuid.uuid4().hex[:6]}"
+    sync = SETUPS[setup] if sync is None else sync
     started, cpu_started = time.perf_counter(), time.process_time()
     peers: list[TrainingPeer] = []
     try:
-        peers.append(TrainingPeer(peer_config(s, SETUPS[setup], run_id, shard=0)))
-        peers += [TrainingPeer(peer_config(s, SETUPS[setup], run_id, shard=i), peers[0].maddrs) for i in range(1, n)]
+        peers.append(TrainingPeer(peer_config(s, sync, run_id, shard=0, seed=seed)))
+        peers += [TrainingPeer(peer_config(s, sync, run_id, shard=i, seed=seed), peers[0].maddrs)
+                  for i in range(1, n)]
         runs = [PeerRun(p) for p in peers]
         training = time.perf_counter()
         for r in runs:
