@@ -33,7 +33,8 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.grad_gossip import ROUND_OVER, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import ROUND_RETRY_S, WRONG_ROUND
+from p2ptrain.sync.param_gossip import WRONG_ROUND
+from p2ptrain.sync.round_retry import ROUND_RETRY_S
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
 SHAPES = [(64, 32), (32,), (5, 7)]

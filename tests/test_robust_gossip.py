@@ -38,16 +38,14 @@ from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import RoundContext
 from p2ptrain.sync.param_gossip import (
-    FIRST_RETRY_S,
     JUMP_GRACE_ROUNDS,
     OFFER_BURST,
     OFFERS_PER_S,
     OPENS_PER_ROUND,
-    ROUND_RETRY_S,
     TOO_MANY_OFFERS,
     ParamGossip,
-    retry_delay_s,
 )
+from p2ptrain.sync.round_retry import FIRST_RETRY_S, ROUND_RETRY_S, retry_delay_s
 from p2ptrain.tensor_layout import distance, norm
 
 Tensors = list[torch.Tensor]

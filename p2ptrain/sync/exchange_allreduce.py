@@ -63,7 +63,7 @@ from p2ptrain.sync.allreduce_agreement import (
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.param_gossip import retry_delay_s
+from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)

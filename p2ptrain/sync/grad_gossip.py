@@ -48,7 +48,8 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND, retry_delay_s
+from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND
+from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)

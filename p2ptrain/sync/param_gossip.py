@@ -40,6 +40,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.round_retry import ROUND_RETRY_S, retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -49,18 +50,6 @@ PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k
 # compares with our own link: peers on equally fast links measure speeds 30 % apart from CPU load alone (netns
 # testnet, 50 Mbit/s each: 2.8 and 3.6 MB/s), and ranking them by that noise left fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
-ROUND_RETRY_S = 0.25  # Mix1: wait before asking again a partner that has not reached our round yet
-# ... after a first wait of FIRST_RETRY_S, doubled each time up to ROUND_RETRY_S: a partner whose round opens a
-# moment after our offer (all-reduce members ending their inner phases together) is met within tens of milliseconds,
-# not a quarter second later (loopback DiLoCo, 2 peers: 0.25 s of a 0.8 s round); 4 quick asks fit OFFER_BURST
-FIRST_RETRY_S = 0.02
-
-
-def retry_delay_s(attempt: int) -> float:
-    """The wait before asking a partner not yet in our round again, after `attempt` asks (0: the first)."""
-    return min(ROUND_RETRY_S, FIRST_RETRY_S * 2 ** min(attempt, 16))
-
-
 WRONG_ROUND = "not in this round"
 TOO_MANY_OFFERS = "too many offers"
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves

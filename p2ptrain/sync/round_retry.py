@@ -1,0 +1,18 @@
+"""When to ask again a partner that refused our offer because it has not reached our round yet.
+
+A refusal "not in this round" is no failure: the partner is still in its inner phase (or an all-reduce member in an
+earlier stage) and will be there in a moment. All-reduce members end their inner phases within moments of each
+other, so the opener's offer often comes first: asked again a quarter second later, both waited that long (loopback
+DiLoCo, 2 peers: 0.25 s of a 0.8 s round). So the first wait is short and each next one doubles, up to
+ROUND_RETRY_S; the quick asks fit a responder's offer token bucket (param_gossip.OFFER_BURST).
+"""
+
+from __future__ import annotations
+
+ROUND_RETRY_S = 0.25  # the longest wait before asking again (a partner far behind is asked this often)
+FIRST_RETRY_S = 0.02
+
+
+def retry_delay_s(attempt: int) -> float:
+    """The wait before asking a partner not yet in our round again, after `attempt` asks (0: the first)."""
+    return min(ROUND_RETRY_S, FIRST_RETRY_S * 2 ** min(attempt, 16))
