@@ -40,7 +40,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.round_retry import ROUND_RETRY_S, retry_delay_s
+from p2ptrain.sync.round_retry import ROUND_RETRY_S
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class ParamGossip:
                   ) -> tuple[list[torch.Tensor], RoundSync]:
         """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value), each
         partner's value clipped (`clip_partner`) and w the weight both ends agreed on. Busy or refusing peers are
-        skipped, banned ones never asked; those not yet in our round (Mix1) are asked again (`retry_delay_s`) for
+        skipped, banned ones never asked; those not yet in our round (Mix1) are asked again every ROUND_RETRY_S for
         up to `patience_s` seconds. Peers too slow to wait for (`links`: announced speeds) and peers nobody can reach
         start exchanges with us instead; peers behind relays are drawn once direct ones are used up (`Routes.pools`).
         A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning."""
@@ -303,7 +303,7 @@ class ParamGossip:
         pools = self.routes.pools(self._eligible(live_peers, links, round_)) or [[]]
         live_peers, k = pools.pop(0), self.config.gossip_peers
         mixed, stats, tried = [v.clone() for v in value], RoundSync(group_size=1), set[str]()
-        self.give_up_at, attempt = time.monotonic() + patience_s, 0
+        self.give_up_at = time.monotonic() + patience_s
         while len(stats.partners) < k:
             candidates = draw_partners(live_peers, 1, self.rng, exclude=tried | set(stats.partners))
             if not candidates and pools:  # every direct partner tried: those behind relays next
@@ -313,8 +313,7 @@ class ParamGossip:
                 if time.monotonic() >= self.give_up_at or not self._waiting_for_round:
                     break
                 tried, self._waiting_for_round = set(), False
-                await asyncio.sleep(retry_delay_s(attempt))
-                attempt += 1
+                await asyncio.sleep(ROUND_RETRY_S)  # gossip peers do not end their rounds together: no quick asks
                 continue
             tried.add(candidates[0])
             result = await self._exchange_with(candidates[0], value, uniform_weight(k), round_, stats)
