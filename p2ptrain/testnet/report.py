@@ -96,8 +96,8 @@ def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
         results.append(check_loss_fell(record))
     if checks.resumed_from_checkpoint and any(life.resumed_from_round is not None for life in record.lives):
         results.append(check_resumed(record))
-    if checks.max_stall_rounds is not None:
-        results.append(check_stalls(record, checks.max_stall_rounds))
+    if checks.max_stall_s is not None:
+        results.append(check_stalls(record, checks.max_stall_s))
     if checks.max_consensus_distance is not None:
         results.append(check_consensus(record, checks.max_consensus_distance))
     if checks.attackers_banned and record.adversaries:
@@ -243,13 +243,15 @@ def longest_stall_s(times: Sequence[float], end: float, stopped: Sequence[tuple[
     return longest
 
 
-def check_stalls(record: RunRecord, max_stall_rounds: float) -> CheckResult:
-    """No peer went longer than ``max_stall_rounds`` median round times without a round (from its first round to
-    its last, or to its end if it was killed, stopped or still running then)."""
-    round_s = [row["round_s"] for rows in record.rows.values() for row in rows]
-    if not round_s:
-        return CheckResult("max_stall_rounds", False, "no peer logged a round")
-    median_s = statistics.median(round_s)
+def check_stalls(record: RunRecord, max_stall_s: float) -> CheckResult:
+    """No peer went longer than ``max_stall_s`` seconds without a round (from its first round to its last, or to
+    its end if it was killed, stopped or still running then), time spent stopped not counted.
+
+    Seconds, not rounds: what a fault costs is fixed seconds (an exchange deadline, the patience, a state
+    download), and a limit in median rounds moved with the round time. Quicker rounds failed runs whose stalls
+    had not grown, and a peer training alone at twice the pace halved the unit for every other peer."""
+    if not any(record.rows.values()):
+        return CheckResult("max_stall_s", False, "no peer logged a round")
     worst: dict[str, float] = {}
     for life in record.lives:
         times = [row["time"] for row in record.rows_of(life)]
@@ -257,11 +259,10 @@ def check_stalls(record: RunRecord, max_stall_rounds: float) -> CheckResult:
         if life.end_reason == "finished" and times:
             end = times[-1]  # it exited after its last round: its shutdown is no stall
         stall = longest_stall_s(times, end, stopped_intervals(record, life.peer))
-        worst[life.peer] = max(worst.get(life.peer, 0.0), stall / median_s)
-    bad = sorted(peer for peer, rounds in worst.items() if rounds > max_stall_rounds)
-    shown = ", ".join(f"{peer} {rounds:.1f}" for peer, rounds in sorted(worst.items()))
-    return CheckResult("max_stall_rounds", not bad, f"longest stall in rounds of {median_s:.1f} s (limit "
-                       f"{max_stall_rounds:g}): {shown}")
+        worst[life.peer] = max(worst.get(life.peer, 0.0), stall)
+    bad = sorted(peer for peer, seconds in worst.items() if seconds > max_stall_s)
+    shown = ", ".join(f"{peer} {seconds:.1f} s" for peer, seconds in sorted(worst.items()))
+    return CheckResult("max_stall_s", not bad, f"longest stall (limit {max_stall_s:g} s): {shown}")
 
 
 def consensus_at_last_common_checkpoint(checkpoint_dirs: dict[str, str]) -> tuple[int, float] | None:

@@ -17,7 +17,7 @@ duration_s (full examples in testnet/scenarios/)::
     adversary: {kind: aimed, peers: [peer3], from_round: 2}   # red team (testnet/adversary.py); or count: N
     nat: [peer2, [peer3, peer4]]                 # behind NAT (netns only): peer2 at its own home, 3 and 4 share one
     relays: [peer0]                              # peers started with --relay (the bootstrap always serves as one)
-    checks: {loss_fell: true, max_stall_rounds: 4, max_consensus_distance: 0.05, attackers_banned: true,
+    checks: {loss_fell: true, max_stall_s: 8, max_consensus_distance: 0.05, attackers_banned: true,
              reachability: true, min_nat_exchanges: 3}
 
 ``at_s`` counts from the moment the peers are started; ``after_round: N`` fires once peer ``of`` (default: any
@@ -221,14 +221,14 @@ class ChecksSpec:
 
     loss_fell: bool | None = True  # every surviving peer's validation loss ended below its first value
     resumed_from_checkpoint: bool | None = True  # a restarted peer's first round is >= its checkpoint's round
-    max_stall_rounds: float | None = None  # no running peer went longer than this many median rounds without one
+    max_stall_s: float | None = None  # no running peer went longer than this many seconds without a round
     max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
     attackers_banned: bool | None = None  # every honest survivor banned every adversary at some point
     reachability: bool | None = None  # every peer's reachability line says what its network makes it
     min_nat_exchanges: int | None = None  # every peer behind NAT completed this many exchanges (group members)
 
     def __post_init__(self) -> None:
-        for name in ("max_stall_rounds", "max_consensus_distance", "min_nat_exchanges"):
+        for name in ("max_stall_s", "max_consensus_distance", "min_nat_exchanges"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"checks.{name} must be > 0 (or null to turn it off), got {getattr(self, name)}")
 
