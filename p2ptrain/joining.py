@@ -1,10 +1,12 @@
-"""Joining and catching up with untrusted peers: which round, whose state, and checking that state before use.
+"""Joining and catching up with untrusted peers: which round, whose state, and checking that state before use
+(the rules are pure functions in join_rules.py; the Joiner runs them against the network).
 
 Any peer can announce any round and serve any finite, well-shaped state (issue 9: a peer announcing round 100000
 with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joins or falls behind:
 1. reads the round by quorum: the lower median of the rounds live peers announce. A peer more than
    `sync.join_max_round_lead` rounds ahead of it is suspect and never a donor; within that window the most
-   advanced round is joined as before (honest peers a round apart must converge);
+   advanced round is joined as before (honest peers a round apart must converge). A peer that finds more than
+   half the swarm more than the lead behind it ran ahead alone and takes the majority's state;
 2. downloads a donor's snapshot, its metadata checked before anything else (state_sharing);
 3. corroborates it: draws a secret seed *after* the download and asks up to WITNESSES other peers for the
    sketch of their own state under it (so the donor cannot shape its lie to pass), then compares distances:
@@ -29,15 +31,25 @@ import logging
 import math
 import random
 import secrets
-import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from p2ptrain.join_rules import (
+    DonorChoice,
+    Verdict,
+    Witnessed,
+    choose_donors,
+    choose_witnesses,
+    judge_loss,
+    judge_sketches,
+    median_claim,
+    snapshot_rounds,
+)
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
     Sketch,
@@ -63,142 +75,11 @@ ALIGNED_MAX_DISTANCE = 1e-3
 # for them to read it, beyond the join itself (download and checks)
 RECORD_MARGIN_S = 1.0
 FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (tiny model on loopback: ~0.5 s)
-LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 # a fresh gossip peer whose every donor failed (refused, or the download failed) tries again, at most JOIN_RETRIES
 # times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
 JOIN_RETRIES = 4
 JOIN_RETRY_ROUNDS = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class DonorChoice:
-    """Who may be a donor this round, by quorum: `trusted` (live, not banned, not joining, within the lead),
-    `suspects` (further ahead), and the `donors` to try, best first."""
-
-    quorum: int | None
-    trusted: list[PeerRecord]
-    suspects: list[PeerRecord]
-    donors: list[PeerRecord]
-
-
-@dataclasses.dataclass(frozen=True)
-class Witnessed:
-    """One peer's sketch of its own state, with what its record says of it."""
-
-    peer_id: str
-    synced: bool
-    sketch: Sketch
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    accepted: bool
-    detail: str  # for the log line: why refused, or what confirmed it
-    confirmed_by: int = 0
-    blame: bool = True  # refused on evidence no single other peer can forge: the donor is penalised
-
-
-def quorum_round(records: Sequence[PeerRecord]) -> int | None:
-    """The lower median of the rounds the records announce (None without records): liars announcing a later
-    round move it only if they are more than half the peers, and two peers' rounds resolve to the lower one."""
-    rounds = sorted(r.round for r in records)
-    return rounds[(len(rounds) - 1) // 2] if rounds else None
-
-
-def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
-                    is_banned: Callable[[str], bool]) -> tuple[int | None, list[PeerRecord], list[PeerRecord]]:
-    """(quorum round, trusted, suspects) among other live peers that are not joining and not banned."""
-    live = [r for r in others if r.phase != "joining" and not is_banned(r.peer_id)]
-    quorum = quorum_round(live)
-    if quorum is None:
-        return None, [], []
-    return (quorum, [r for r in live if r.round <= quorum + max_lead],
-            [r for r in live if r.round > quorum + max_lead])
-
-
-def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
-                  max_lead: int, is_banned: Callable[[str], bool]) -> DonorChoice:
-    """Peers to download state from, best first; none when we are in step with the swarm.
-
-    Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
-    (`in_step` false: a synced peer of our round is a donor). Every mode: a `fresh` process (round 0, never
-    joined) takes a trusted peer's state.
-    """
-    quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
-    ahead = [r for r in trusted if r.round > own_round] if aligned else []
-    if ahead or (fresh and trusted):
-        candidates = [r for r in trusted if r.round >= own_round]
-    elif not in_step and aligned:
-        candidates = [r for r in trusted if r.round == own_round and r.synced]
-    else:
-        candidates = []
-    # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
-    # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
-    donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
-    return DonorChoice(quorum, trusted, suspects, donors)
-
-
-def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, int]:
-    """The rounds a donor's snapshot may be of: the one it announced, or the next (it moved on meanwhile), never
-    past the lead."""
-    return donor_round, min(donor_round + 1, quorum + max_lead)
-
-
-def choose_witnesses(trusted: Sequence[PeerRecord], donor: str, round_: int, count: int,
-                     rng: random.Random) -> list[PeerRecord]:
-    """Up to `count` trusted peers other than the donor, those of `round_` first, then synced, then the nearest
-    rounds; random among equals (a fixed order would let a set of colluders pick ids that always come first)."""
-    pool = [r for r in trusted if r.peer_id != donor]
-    rng.shuffle(pool)
-    pool.sort(key=lambda r: (r.round != round_, not r.synced, abs(r.round - round_)))
-    return pool[:count]
-
-
-def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool, tight_max: float,
-                   loose_max: float) -> Verdict:
-    """Refuse when more answers lie far from the candidate than near it, the donor counting as one voice for its
-    own state: two honest answers outvote a lying donor, one lying witness cannot outvote an honest donor, and
-    an even vote (or none) passes on to the loss check. Which answers, and how far is far: with `tight` (aligned
-    rounds, a synced donor) the synced answers of the candidate's round, beyond `tight_max`, when there are any;
-    otherwise all the answers, beyond `loose_max`."""
-    same_round = [a for a in answers if tight and a.sketch.round == candidate.round and a.synced]
-    group, bound = (same_round, tight_max) if same_round else (list(answers), loose_max)
-    where = f" of round {candidate.round}" if same_round else ""
-    if not group:
-        return Verdict(True, "no other peer answered")
-    distances = sorted(candidate.distance(a.sketch) for a in group)
-    close = sum(d <= bound for d in distances)
-    far = len(group) - close
-    if far > close + 1:
-        return Verdict(False, f"its parameters are {distances[len(distances) // 2]:.3g} (relative) from "
-                              f"{far} of {_peers(len(group))}{where}")
-    if far:
-        return Verdict(True, f"{close} of {_peers(len(group))}{where} agree, {far} disagree: an even vote", close)
-    return Verdict(True, f"confirmed by {_peers(close)}{where} within {distances[-1]:.2g}", close)
-
-
-def _peers(count: int) -> str:
-    return f"{count} peer" if count == 1 else f"{count} peers"
-
-
-def median_claim(announced: Sequence[float | None]) -> float | None:
-    """The median of the validation losses peers announce (None when none is known)."""
-    values = [v for v in announced if v is not None and math.isfinite(v)]
-    return statistics.median(values) if values else None
-
-
-def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float) -> Verdict:
-    """Refuse a state whose validation loss is worse than our own state's, or than the median other peers claim,
-    by more than `tolerance` (relative) + LOSS_SLACK. Only the first is blamed on the donor: it is our own
-    measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned."""
-    for reference, whose, blame in ((own, "ours", True), (claimed, "the swarm's", False)):
-        limit = math.inf if reference is None else reference * (1 + tolerance) + LOSS_SLACK
-        if not loss <= limit:  # NaN fails too
-            return Verdict(False, f"its validation loss {loss:.3f} is above {limit:.3f} ({whose} {reference:.3f})",
-                           blame=blame)
-    swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"
-    return Verdict(True, f"validation loss {loss:.3f}, ours {own:.3f}{swarm}")
 
 
 @contextlib.contextmanager
@@ -266,6 +147,10 @@ class Joiner:
             peer.joined_ever = True
             return False
         own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
+        if choice.ran_ahead:  # our lone state may have the lower loss: only the swarm's claim bounds theirs
+            own_loss = math.inf
+            logger.warning(f"round {peer.round} is more than {self.config.join_max_round_lead} ahead of most of "
+                           f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
         for donor in choice.donors:
             snapshot = self._download(donor, choice)

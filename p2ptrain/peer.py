@@ -25,7 +25,8 @@ from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkp
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
-from p2ptrain.joining import Joiner, split_by_quorum
+from p2ptrain.join_rules import split_by_quorum
+from p2ptrain.joining import Joiner
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer

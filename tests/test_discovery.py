@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils import get_dht_time
 
-from p2ptrain.joining import choose_donors
+from p2ptrain.join_rules import choose_donors
 from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table

@@ -22,10 +22,7 @@ from swarm_utils import PeerThread, replace_section, start_peer, stop_and_shut_d
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.joining import (
-    ALIGNED_MAX_DISTANCE,
-    JOIN_RETRIES,
-    Joiner,
+from p2ptrain.join_rules import (
     Verdict,
     Witnessed,
     choose_donors,
@@ -33,10 +30,10 @@ from p2ptrain.joining import (
     judge_loss,
     judge_sketches,
     median_claim,
-    parameters_set_to,
     quorum_round,
     snapshot_rounds,
 )
+from p2ptrain.joining import ALIGNED_MAX_DISTANCE, JOIN_RETRIES, Joiner, parameters_set_to
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.reputation import Reputation
@@ -108,6 +105,32 @@ def test_the_usual_catching_up_cases_still_find_their_donor():
     assert donors_of([record("a", 5, synced=False), record("b", 5)], 5, in_step=False) == ["b"]  # fell out of a group
     assert donors_of([record("a", 5), record("b", 5)], 5) == []  # in step: nothing to do
     assert donors_of([record("a", 9)], 5, aligned=False) == []  # gossip peers never catch up after joining
+
+
+def test_a_peer_that_ran_ahead_of_most_of_the_swarm_takes_the_majoritys_state():
+    """A peer that averaged alone raced ahead: the others count it a suspect and never take its state, so it must
+    take theirs, or it trains alone for the rest of the run (CI, Docker backend: 121 rounds alone)."""
+    swarm = [record("p0", 10), record("p1", 25), record("p3", 25)]
+    choice = choose_donors(swarm, 60, True, False, True, 2, nobody_banned)
+    assert choice.ran_ahead and choice.quorum == 25
+    assert sorted(r.peer_id for r in choice.donors) == ["p1", "p3"]  # the majority's round, not the straggler's
+    # and the others, for their part, keep away from it
+    assert donors_of([record("p0", 10), record("p2", 60), record("p3", 25)], 25) == []
+    assert not choose_donors(swarm, 27, True, False, True, 2, nobody_banned).ran_ahead  # within the lead
+
+
+def test_running_ahead_needs_a_majority_of_the_swarm_behind_not_one_peer_or_half():
+    # two peers: each is half the swarm; the one behind catches up, the one ahead keeps its state
+    assert donors_of([record("restarted", 5)], 19) == []
+    assert donors_of([record("a", 19)], 5) == ["a"]
+    # half of four behind (two restarted peers), the other ahead with us: no
+    assert donors_of([record("r1", 10), record("r2", 20), record("b", 40)], 40) == []
+    # three of four behind (liars announcing an old round need a majority of the live swarm, banned ones not counted)
+    old = [record("l1", 3), record("l2", 3), record("l3", 3), record("b", 40)]
+    assert sorted(donors_of(old, 40)) == ["l1", "l2", "l3"]
+    assert donors_of(old, 40, banned=("l1",)) == []
+    assert donors_of(old, 40, aligned=False) == []  # gossip rounds count a peer's own steps: never
+    assert donors_of(old, 0, fresh=True) == ["l1", "l2", "l3"]  # a fresh peer (round 0) joins the quorum too
 
 
 def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tuple[Joiner, list[int]]:

@@ -1,0 +1,153 @@
+"""The pure rules of joining and catching up (joining.py runs them against the network): which round to trust,
+whom to ask for a state, and how to judge the state and the witnesses' answers about it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+
+from p2ptrain.net.discovery import PeerRecord
+from p2ptrain.net.state_sharing import Sketch
+
+LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
+
+
+@dataclasses.dataclass(frozen=True)
+class DonorChoice:
+    """Who may be a donor this round, by quorum: `trusted` (live, not banned, not joining, within the lead),
+    `suspects` (further ahead), the `donors` to try, best first, and whether we `ran_ahead` of the swarm."""
+
+    quorum: int | None
+    trusted: list[PeerRecord]
+    suspects: list[PeerRecord]
+    donors: list[PeerRecord]
+    ran_ahead: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Witnessed:
+    """One peer's sketch of its own state, with what its record says of it."""
+
+    peer_id: str
+    synced: bool
+    sketch: Sketch
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    accepted: bool
+    detail: str  # for the log line: why refused, or what confirmed it
+    confirmed_by: int = 0
+    blame: bool = True  # refused on evidence no single other peer can forge: the donor is penalised
+
+
+def quorum_round(records: Sequence[PeerRecord]) -> int | None:
+    """The lower median of the rounds the records announce (None without records): liars announcing a later
+    round move it only if they are more than half the peers, and two peers' rounds resolve to the lower one."""
+    rounds = sorted(r.round for r in records)
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+
+def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
+                    is_banned: Callable[[str], bool]) -> tuple[int | None, list[PeerRecord], list[PeerRecord]]:
+    """(quorum round, trusted, suspects) among other live peers that are not joining and not banned."""
+    live = [r for r in others if r.phase != "joining" and not is_banned(r.peer_id)]
+    quorum = quorum_round(live)
+    if quorum is None:
+        return None, [], []
+    return (quorum, [r for r in live if r.round <= quorum + max_lead],
+            [r for r in live if r.round > quorum + max_lead])
+
+
+def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
+                  max_lead: int, is_banned: Callable[[str], bool]) -> DonorChoice:
+    """Peers to download state from, best first; none when we are in step with the swarm.
+
+    Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
+    (`in_step` false: a synced peer of our round is a donor), or when we `ran_ahead`: more than half the swarm,
+    counting us, is more than the lead behind us. A peer that averaged alone (it started before the others could
+    see it) raced ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer was
+    in its round: it trained alone for the whole run (CI, Docker backend). It takes the majority's state. Every
+    mode: a `fresh` process (round 0, never joined) takes a trusted peer's state.
+    """
+    quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
+    ahead = [r for r in trusted if r.round > own_round] if aligned else []
+    behind = [r for r in trusted if r.round < own_round - max_lead]
+    ran_ahead = aligned and not fresh and 2 * len(behind) > len(trusted) + len(suspects) + 1
+    if ahead or (fresh and trusted):
+        candidates = [r for r in trusted if r.round >= own_round]
+    elif ran_ahead:
+        candidates = [r for r in trusted if quorum is not None and r.round >= quorum]
+    elif not in_step and aligned:
+        candidates = [r for r in trusted if r.round == own_round and r.synced]
+    else:
+        candidates = []
+    # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
+    # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
+    donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
+    return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
+
+
+def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, int]:
+    """The rounds a donor's snapshot may be of: the one it announced, or the next (it moved on meanwhile), never
+    past the lead."""
+    return donor_round, min(donor_round + 1, quorum + max_lead)
+
+
+def choose_witnesses(trusted: Sequence[PeerRecord], donor: str, round_: int, count: int,
+                     rng: random.Random) -> list[PeerRecord]:
+    """Up to `count` trusted peers other than the donor, those of `round_` first, then synced, then the nearest
+    rounds; random among equals (a fixed order would let a set of colluders pick ids that always come first)."""
+    pool = [r for r in trusted if r.peer_id != donor]
+    rng.shuffle(pool)
+    pool.sort(key=lambda r: (r.round != round_, not r.synced, abs(r.round - round_)))
+    return pool[:count]
+
+
+def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool, tight_max: float,
+                   loose_max: float) -> Verdict:
+    """Refuse when more answers lie far from the candidate than near it, the donor counting as one voice for its
+    own state: two honest answers outvote a lying donor, one lying witness cannot outvote an honest donor, and
+    an even vote (or none) passes on to the loss check. Which answers, and how far is far: with `tight` (aligned
+    rounds, a synced donor) the synced answers of the candidate's round, beyond `tight_max`, when there are any;
+    otherwise all the answers, beyond `loose_max`."""
+    same_round = [a for a in answers if tight and a.sketch.round == candidate.round and a.synced]
+    group, bound = (same_round, tight_max) if same_round else (list(answers), loose_max)
+    where = f" of round {candidate.round}" if same_round else ""
+    if not group:
+        return Verdict(True, "no other peer answered")
+    distances = sorted(candidate.distance(a.sketch) for a in group)
+    close = sum(d <= bound for d in distances)
+    far = len(group) - close
+    if far > close + 1:
+        return Verdict(False, f"its parameters are {distances[len(distances) // 2]:.3g} (relative) from "
+                              f"{far} of {_peers(len(group))}{where}")
+    if far:
+        return Verdict(True, f"{close} of {_peers(len(group))}{where} agree, {far} disagree: an even vote", close)
+    return Verdict(True, f"confirmed by {_peers(close)}{where} within {distances[-1]:.2g}", close)
+
+
+def _peers(count: int) -> str:
+    return f"{count} peer" if count == 1 else f"{count} peers"
+
+
+def median_claim(announced: Sequence[float | None]) -> float | None:
+    """The median of the validation losses peers announce (None when none is known)."""
+    values = [v for v in announced if v is not None and math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float) -> Verdict:
+    """Refuse a state whose validation loss is worse than our own state's, or than the median other peers claim,
+    by more than `tolerance` (relative) + LOSS_SLACK. Only the first is blamed on the donor: it is our own
+    measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned."""
+    for reference, whose, blame in ((own, "ours", True), (claimed, "the swarm's", False)):
+        limit = math.inf if reference is None else reference * (1 + tolerance) + LOSS_SLACK
+        if not loss <= limit:  # NaN fails too
+            return Verdict(False, f"its validation loss {loss:.3f} is above {limit:.3f} ({whose} {reference:.3f})",
+                           blame=blame)
+    swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"
+    return Verdict(True, f"validation loss {loss:.3f}, ours {own:.3f}{swarm}")
