@@ -4,16 +4,16 @@ A refusal "not in this round" is no failure: the partner is still in its inner p
 earlier stage) and will be there in a moment. All-reduce members end their inner phases within moments of each
 other, so the opener's offer often comes first: asked again a quarter second later, both waited that long (loopback
 DiLoCo, 2 peers: 0.25 s of a 0.8 s round). The schedule starts at FIRST_RETRY_S and doubles up to ROUND_RETRY_S;
-quick asks fit a responder's offer token bucket (param_gossip.OFFER_BURST). FIRST_RETRY_S says why it is not
-quick yet.
+quick asks fit a responder's offer token bucket (param_gossip.OFFER_BURST). GASLoC's parameter gossip (Mix1)
+keeps the fixed ROUND_RETRY_S: gossip peers do not end their rounds together, so quick asks buy them nothing.
 """
 
 from __future__ import annotations
 
 ROUND_RETRY_S = 0.25  # the longest wait before asking again (a partner far behind is asked this often)
-# 0.02 s measured: DiLoCo's loopback rounds 0.8 -> 0.55 s (2 peers); but it made the testnet scenarios' stall checks,
-# which count in rounds, fail on the same stalls in seconds (3 CI runs, 2 failed): off until they count seconds
-FIRST_RETRY_S = ROUND_RETRY_S
+# DiLoCo's loopback rounds 0.8 -> 0.55 s (2 peers). Off for a while: the testnet stall checks counted rounds, and
+# the shorter rounds failed them on stalls of the same seconds; they count seconds now (checks.max_stall_s)
+FIRST_RETRY_S = 0.02
 
 
 def retry_delay_s(attempt: int) -> float:
