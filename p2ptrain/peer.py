@@ -114,8 +114,7 @@ class TrainingPeer:
 
     # ---- network set-up -------------------------------------------------------------------------------------
     def _start_network(self, initial_peers: Sequence[str]) -> None:
-        cfg = self.config
-        network = cfg.network
+        cfg, network = self.config, self.config.network
         if reachable_before_joining(network, initial_peers) is False:  # nobody can connect to us: a DHT client
             network = dataclasses.replace(network, client_mode=True)
         self.dht = start_dht(network, initial_peers)
