@@ -414,14 +414,17 @@ def served(round_: object) -> StateSnapshot:
     return StateSnapshot.capture({"round": round_, "run_id": "run", "fingerprint": "fp"}, named)
 
 
-async def serve_and_fetch(snapshot: StateSnapshot, banned: bool, seed: int) -> tuple[object, object]:
-    """Serve `snapshot` from one peer (banning the other when `banned`); the other downloads it and asks for its
-    sketch under `seed`. Returns both results, or the exceptions they raised."""
+async def serve_and_fetch(snapshot: StateSnapshot, banned: bool, seed: int,
+                          wanted: StateSnapshot | None = None) -> tuple[object, object]:
+    """Serve `snapshot` from one peer (banning the other when `banned`); the other downloads it, expecting the
+    layout of `wanted` (by default the snapshot's), and asks for its sketch under `seed`. Returns both results, or
+    the exceptions they raised."""
     a, b = await start_pair()
+    wanted = wanted or snapshot
     try:
         server = StateServer(lambda: snapshot, refuses=lambda peer: banned and peer == b.peer_id.to_base58())
         await server.add_p2p_handlers(a, namespace="run")
-        layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(snapshot.names, snapshot.tensors, strict=True)]
+        layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(wanted.names, wanted.tensors, strict=True)]
         results = []
         for call in (download_state(b, a.peer_id, "run", layout, 2**20, 5.0, EXPECTED),
                      request_sketch(b, a.peer_id, "run", seed, 5.0)):
@@ -443,6 +446,16 @@ def test_a_peer_downloads_a_snapshot_and_its_sketch_under_a_seed_of_its_choosing
     assert all(torch.equal(x, y) for x, y in zip(downloaded.tensors, snapshot.tensors, strict=True))
     assert isinstance(answer, Sketch) and answer.round == 7
     assert answer == snapshot.sketch(2**63 + 5) == downloaded.sketch(2**63 + 5)
+
+
+@pytest.mark.network
+def test_a_download_cut_short_says_so_rather_than_blaming_the_layout():
+    """The donor's stream ends early (it shut down mid-transfer): a WireError saying how far it got, not a state
+    mismatch ("has 1 tensors, expected 2" read as a wrong model)."""
+    whole = served(7)
+    cut = StateSnapshot(whole.metadata, whole.names[:1], whole.tensors[:1])  # the layout promises 2, one comes
+    downloaded, _ = asyncio.run(asyncio.wait_for(serve_and_fetch(cut, banned=False, seed=1, wanted=whole), 60))
+    assert isinstance(downloaded, WireError) and "ended after 1 of 2 tensors" in str(downloaded), downloaded
 
 
 @pytest.mark.network

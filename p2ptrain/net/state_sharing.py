@@ -266,12 +266,15 @@ async def download_state(
         raise WireError(f"peer {peer_id} sent {len(metadata_parts)} metadata blocks instead of one")
     metadata = decode_metadata(metadata_parts[0])
     check_snapshot_metadata(metadata, expected_metadata)
+    if [list(x) for x in metadata.get("layout", [])] != [[n, list(s), d] for n, s, d in expected]:
+        raise StateMismatchError(f"peer {peer_id} serves a state of another layout (a different model or config)")
+    if len(serialized) < len(expected):  # the layout matched: the stream was cut (the donor stopped, a link dropped)
+        raise WireError(f"the state download from {peer_id} ended after {len(serialized)} of {len(expected)} "
+                        f"tensors: cut off")
     try:
         tensors = [deserialize_torch_tensor(t) for t in serialized]
     except Exception as e:  # corrupt buffers surface as assorted numpy/torch errors
         raise WireError(f"peer {peer_id} sent an undecodable tensor: {e}") from None
-    if [list(x) for x in metadata.get("layout", [])] != [[n, list(s), d] for n, s, d in expected]:
-        raise StateMismatchError(f"peer {peer_id} serves a state of another layout (a different model or config)")
     check_tensors(expected, tensors, what=f"state from {peer_id}")
     names = tuple(name for name, _, _ in expected)
     return StateSnapshot(metadata, names, tuple(tensors))
