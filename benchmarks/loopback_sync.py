@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.sim.entry import publish  # noqa: E402
+from benchmarks.sim.rows import CODEC_RECIPE  # noqa: E402
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
 from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
@@ -76,12 +77,14 @@ from p2ptrain.net.allreduce import BYTES_PER_VALUE, allreduce_traffic_bytes  # n
 from p2ptrain.peer import TrainingPeer  # noqa: E402
 
 RESULTS_PATH = REPO / "benchmarks" / "results" / "loopback_sync.json"
+# the outer step the simulation measured for the compressing codecs (sim/rows.py), as a sync.outer section
+CODEC_OUTER = {"lr": CODEC_RECIPE["outer_lr"], "momentum": CODEC_RECIPE["momentum"]}
 SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
     "diloco-overlap": {"mode": "diloco", "allreduce_transport": "exchange", "overlap": "delayed"},
     "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
-                      "error_feedback_decay": 0.95, "outer": {"lr": 1.0, "momentum": 0.0}},
+                      "error_feedback_decay": CODEC_RECIPE["ef_decay"], "outer": CODEC_OUTER},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},
 }
 # loopback only, no NAT probing or relays; records refreshed often, so peers see each other's rounds quickly

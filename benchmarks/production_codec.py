@@ -35,11 +35,10 @@ from p2ptrain.config import build_config  # noqa: E402
 from p2ptrain.data import build_tokenizer  # noqa: E402
 
 RESULTS_PATH = REPO / "benchmarks" / "results" / "production_codec.json"
-RECIPE = {"lr": 1.0, "momentum": 0.0}  # benchmarks/sim/rows.py CODEC_RECIPE: the outer step for both rows
+RECIPE = loopback_sync.CODEC_OUTER  # the outer step for both rows, so only the codec differs
 ROWS: dict[str, dict[str, Any]] = {
     "fp32": {"mode": "diloco", "outer": RECIPE},
-    "sparse2-2%": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
-                   "error_feedback_decay": 0.95, "outer": RECIPE},
+    "sparse2-2%": loopback_sync.SETUPS["diloco-sparse"],
 }
 TARGET_RATIO, TARGET_GAP_PERCENT = 1 / 100, 1.0
 
