@@ -16,7 +16,16 @@ from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet import netns_run
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 from p2ptrain.testnet.plan import Timeline, churn_events, plan_run
-from p2ptrain.testnet.report import EventRecord, Life, RunRecord, longest_stall_s, run_checks, write_report
+from p2ptrain.testnet.report import (
+    EventRecord,
+    Life,
+    RunRecord,
+    longest_stall_s,
+    peer_logs,
+    run_checks,
+    verdict_line,
+    write_report,
+)
 from p2ptrain.testnet.scenario import (
     ChecksSpec,
     ChurnSpec,
@@ -411,3 +420,22 @@ def test_nat_checks_read_the_reachability_lines_and_count_exchanges() -> None:
     assert not run_checks(record, ChecksSpec(min_nat_exchanges=5))[-1].passed
     record.reachability["peer1"] = ["x reachability: reachable directly at /ip4/10.213.1.2/tcp/31337"]
     assert not run_checks(record, ChecksSpec(reachability=True))[-1].passed  # a NATed peer cannot be direct
+
+
+def test_a_failed_run_shows_each_peers_last_warnings_and_a_passed_one_does_not(tmp_path: Path) -> None:
+    """CI keeps the test's output, not the peers' logs: a failed run's last line carries what the peers warned."""
+    info = [f"2026-11-25 02:37:{i:02d},000 INFO p2ptrain.peer: round {i}" for i in range(20)]
+    warns = [f"2026-11-25 02:38:{i:02d},000 WARN p2ptrain.joining: state download {i} failed" for i in range(12)]
+    (tmp_path / "peer0.log").write_text("\n".join(info + warns + ["2026-11-25 02:39:00,000 ERROR p2ptrain: boom"]))
+    (tmp_path / "peer1.log").write_text("\n".join(info))  # nothing to show
+    record = kill_restart_record(tmp_path)
+    logs = peer_logs(tmp_path, ["peer0", "peer1", "peer9"])  # peer9 never wrote a log
+    record = dataclasses.replace(record, **logs)
+    assert list(record.warnings) == ["peer0"] and len(record.warnings["peer0"]) == 8
+    assert record.warnings["peer0"][-1].endswith("ERROR p2ptrain: boom")
+    assert "state download 5 failed" in record.warnings["peer0"][0]  # the last 8: downloads 5-11 and the error
+    line = verdict_line(False, record)
+    assert line.startswith("testnet: FAILED") and "peer0: " in line and "download 11 failed" in line
+    assert "round 3" not in line and "peer1" not in line
+    assert verdict_line(True, record) == "testnet: every check passed"
+

@@ -4,9 +4,9 @@ A backend (``HostControl``: ``netns_run.NetnsHosts`` or ``docker_run.DockerHosts
 ``p2ptrain bootstrap|peer`` on a host, signals, pauses and reaps it, shapes a host's link and cuts or heals a
 partition. Everything else is here, the same for every backend: the peers' flags and rounds, the lives of each peer,
 the scenario's events on their timeline (kills, stops, restarts from checkpoint, rate changes, partitions, new
-peers, random churn), the metrics files, and at the end the report and its checks. Teardown always runs: in
-``finally`` on success, failure and SIGINT/SIGTERM/SIGHUP (and through the backend's guard if the launcher itself is
-killed). The workdir is shared with every host at the same path, so metrics and checkpoints are read from it.
+peers, random churn), the metrics files, and at the end the report and its checks. Teardown always runs (in
+``finally``, on SIGINT/SIGTERM/SIGHUP too, and by the backend's guard if the launcher itself is killed). The workdir
+is shared with every host at the same path, so metrics, checkpoints and logs are read from it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from p2ptrain.testnet.report import (
     Life,
     RunRecord,
     format_checks,
-    reachability_lines,
+    peer_logs,
     run_checks,
+    verdict_line,
     write_report,
 )
 from p2ptrain.testnet.scenario import BOOTSTRAP, Event, Scenario, load_scenario, peer_index
@@ -90,8 +91,7 @@ class Fleet:
 
     def __init__(self, hosts: HostControl, workdir: Path, plan: RunPlan, peer_args: list[str], num_shards: int):
         self.hosts, self.workdir, self.plan = hosts, workdir, plan
-        self.peer_args = peer_args  # the flags every peer gets
-        self.num_shards = num_shards
+        self.peer_args, self.num_shards = peer_args, num_shards  # the flags every peer gets; the corpus's shards
         self.run_id = f"{hosts.kind}-{uuid.uuid4().hex[:8]}"
         self.bootstrap_maddr = ""
         self.lives: list[Life] = []
@@ -381,7 +381,7 @@ def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, wo
     checkpoint_dirs = {peer: str(fleet.checkpoint_dir(peer)) for peer in fleet.rows}
     peer_rates = {host: rate for host, rate in rates.items() if host != "bootstrap"}
     record = RunRecord(started, time.time(), fleet.rows, fleet.lives, events, unfired_events(script), checkpoint_dirs,
-                       peer_rates, outcome, dataclasses.asdict(plan), reachability_lines(workdir, list(fleet.rows)))
+                       peer_rates, outcome, dataclasses.asdict(plan), **peer_logs(workdir, list(fleet.rows)))
     return _report(record, plan, Path(options.report_dir or workdir / "report"), error)
 
 
@@ -396,5 +396,5 @@ def _report(record: RunRecord, plan: RunPlan, report_dir: Path, error: BaseExcep
     if error is not None:
         raise error
     ok = all(r.passed for r in results)
-    click.echo("testnet: every check passed" if ok else "testnet: FAILED — see the checks above")
+    click.echo(verdict_line(ok, record))
     return ok

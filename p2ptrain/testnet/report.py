@@ -11,14 +11,16 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.testnet.plots import write_plots
 from p2ptrain.testnet.scenario import ChecksSpec
 
 SURVIVING_ENDS = ("finished", "stopped_at_end")  # life end reasons of a peer that was running at the end
 SCENARIO_ENDS = ("killed", "restarted")  # ends the scenario caused; anything else but SURVIVING_ENDS is a failure
+WARNINGS_SHOWN, LOG_LEVELS_SHOWN = 8, (" WARN ", " WARNING ", " ERROR ", " CRITICAL ")  # a failed run's digest
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class RunRecord:
     outcome: str  # done | duration | timeout | interrupted | error
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)
     reachability: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # peer → its reachability lines
+    warnings: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # peer → its last warnings and errors
 
     def lives_of(self, peer: str) -> list[Life]:
         return [life for life in self.lives if life.peer == peer]
@@ -126,14 +129,39 @@ def check_reachability(record: RunRecord) -> CheckResult:
     return CheckResult("reachability", not wrong, "; ".join(wrong) if wrong else "; ".join(shown))
 
 
-def reachability_lines(workdir: Path, peers: list[str]) -> dict[str, list[str]]:
-    """Each peer's reachability lines (net/reachability.py), in the order its log holds them (every life)."""
+def log_lines(workdir: Path, peers: list[str], keep: Callable[[str], bool]) -> dict[str, list[str]]:
+    """Each peer's log lines that `keep` picks, in the order its log holds them (every life)."""
     found: dict[str, list[str]] = {}
     for peer in peers:
         log = workdir / f"{peer}.log"
         text = log.read_text(errors="replace") if log.exists() else ""
-        found[peer] = [line.strip() for line in text.splitlines() if "reachability: " in line]
+        found[peer] = [line.strip() for line in text.splitlines() if keep(line)]
     return found
+
+
+def reachability_lines(workdir: Path, peers: list[str]) -> dict[str, list[str]]:
+    """Each peer's reachability lines (net/reachability.py)."""
+    return log_lines(workdir, peers, lambda line: "reachability: " in line)
+
+
+def warning_lines(workdir: Path, peers: list[str], last: int = WARNINGS_SHOWN) -> dict[str, list[str]]:
+    """Each peer's last `last` warnings and errors: what a failed run's report shows of why (a CI run keeps only
+    the test's output, not the logs)."""
+    found = log_lines(workdir, peers, lambda line: any(level in line for level in LOG_LEVELS_SHOWN))
+    return {peer: lines[-last:] for peer, lines in found.items() if lines}
+
+
+def peer_logs(workdir: Path, peers: list[str]) -> dict[str, dict[str, list[str]]]:
+    """What a run record keeps of the peers' logs (RunRecord fields): reachability lines and last warnings."""
+    return {"reachability": reachability_lines(workdir, peers), "warnings": warning_lines(workdir, peers)}
+
+
+def verdict_line(ok: bool, record: RunRecord) -> str:
+    """The run's last line; a failed run's also shows each peer's last warnings."""
+    if ok:
+        return "testnet: every check passed"
+    shown = "".join(f"\n  {peer}: {line[:300]}" for peer, lines in record.warnings.items() for line in lines)
+    return "testnet: FAILED — see the checks above" + (f"; the peers' last warnings:{shown}" if shown else "")
 
 
 def check_nat_exchanges(record: RunRecord, minimum: int) -> CheckResult:
@@ -308,7 +336,8 @@ def check_consensus(record: RunRecord, bound: float) -> CheckResult:
 def report_dict(record: RunRecord, results: list[CheckResult]) -> dict[str, Any]:
     """The merged report: per-peer lives and rounds, events, checks."""
     peers = {peer: {"rate_mbit": record.rates_mbit.get(peer), "checkpoint_dir": record.checkpoint_dirs.get(peer),
-                    "lives": [dataclasses.asdict(life) for life in record.lives_of(peer)], "rounds": rows}
+                    "lives": [dataclasses.asdict(life) for life in record.lives_of(peer)], "rounds": rows,
+                    "last_warnings": record.warnings.get(peer, [])}
              for peer, rows in record.rows.items()}
     return {"passed": all(r.passed for r in results), "outcome": record.outcome, "started": record.started,
             "ended": record.ended, "checks": [dataclasses.asdict(r) for r in results], "plan": record.plan,
@@ -327,53 +356,3 @@ def write_report(record: RunRecord, results: list[CheckResult], out_dir: str | P
 
 def format_checks(results: list[CheckResult]) -> str:
     return "\n".join(f"  {'PASS' if r.passed else 'FAIL'} {r.name}: {r.detail}" for r in results)
-
-
-def write_plots(record: RunRecord, out: Path) -> list[Path]:
-    """loss.png (validation loss vs wall clock, events marked), utilisation.png, bytes.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = {
-        "loss.png": ("validation loss", lambda row: row["val_loss"]),
-        "utilisation.png": ("compute time / round time", lambda row: row["compute_s"] / max(row["round_s"], 1e-9)),
-    }
-    written = []
-    for file_name, (label, value) in series.items():
-        fig, ax = plt.subplots(figsize=(10, 5))
-        for index, peer in enumerate(record.rows):
-            for n, life in enumerate(record.lives_of(peer)):
-                rows = record.rows_of(life)
-                ax.plot([row["time"] - record.started for row in rows], [value(row) for row in rows], marker=".",
-                        color=f"C{index % 10}", label=peer if n == 0 else None)
-        _mark_events(ax, record)
-        ax.set(xlabel="seconds since the peers started", ylabel=label, title=f"{label} per peer")
-        ax.legend(loc="best", fontsize="small")
-        written.append(_save(fig, out / file_name, plt))
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for index, (peer, rows) in enumerate(record.rows.items()):
-        ax.plot([row["round"] for row in rows], [(row["bytes_sent"] + row["bytes_received"]) / 1e6 for row in rows],
-                marker=".", linestyle="", color=f"C{index % 10}", label=peer)
-    ax.set(xlabel="round", ylabel="MB sent + received", title="bytes per round per peer")
-    ax.legend(loc="best", fontsize="small")
-    written.append(_save(fig, out / "bytes.png", plt))
-    return written
-
-
-def _mark_events(ax: Any, record: RunRecord) -> None:
-    for event in record.events:
-        if not event.ok:
-            continue
-        x = event.time - record.started
-        ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-        ax.text(x, 0.98, f" {event.description}", rotation=90, va="top", ha="right", fontsize=7,
-                transform=ax.get_xaxis_transform())
-
-
-def _save(fig: Any, path: Path, plt: Any) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
