@@ -13,6 +13,9 @@ from p2ptrain.net.discovery import PeerRecord
 from p2ptrain.net.state_sharing import Sketch
 
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
+# a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
+# than its own (CI: 1.69 alone against the others' 2.0, ×1.18). A liar majority can cost it no more than this
+RAN_AHEAD_LOSS_FACTOR = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,12 @@ def median_claim(announced: Sequence[float | None]) -> float | None:
     """The median of the validation losses peers announce (None when none is known)."""
     values = [v for v in announced if v is not None and math.isfinite(v)]
     return statistics.median(values) if values else None
+
+
+def own_loss_bound(own: float, ran_ahead: bool) -> float:
+    """The loss our own state sets as the bound on a candidate's: ours, or RAN_AHEAD_LOSS_FACTOR times ours when we
+    ran ahead of the swarm (our lone state's loss is no fair bar for the swarm's)."""
+    return own * RAN_AHEAD_LOSS_FACTOR if ran_ahead else own
 
 
 def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float) -> Verdict:

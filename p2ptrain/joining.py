@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import random
 import secrets
 import time
@@ -48,6 +47,7 @@ from p2ptrain.join_rules import (
     judge_loss,
     judge_sketches,
     median_claim,
+    own_loss_bound,
     snapshot_rounds,
 )
 from p2ptrain.net.discovery import PeerRecord, SwarmView
@@ -147,8 +147,7 @@ class Joiner:
             peer.joined_ever = True
             return False
         own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
-        if choice.ran_ahead:  # our lone state may have the lower loss: only the swarm's claim bounds theirs
-            own_loss = math.inf
+        if choice.ran_ahead:
             logger.warning(f"round {peer.round} is more than {self.config.join_max_round_lead} ahead of most of "
                            f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
@@ -257,7 +256,7 @@ class Joiner:
         if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
             own_loss = self.peer.inner.evaluate(self.peer.val_batches)
         claimed = median_claim([r.val_loss for r in others])  # what the donor claims of itself proves nothing
-        judged = judge_loss(loss, own_loss, claimed, self.config.join_loss_tolerance)
+        judged = judge_loss(loss, own_loss_bound(own_loss, choice.ran_ahead), claimed, self.config.join_loss_tolerance)
         return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}") if judged.accepted else judged
 
     def _ask(self, witnesses: Sequence[PeerRecord], seed: int) -> list[Witnessed]:

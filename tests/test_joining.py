@@ -30,6 +30,7 @@ from p2ptrain.join_rules import (
     judge_loss,
     judge_sketches,
     median_claim,
+    own_loss_bound,
     quorum_round,
     snapshot_rounds,
 )
@@ -131,6 +132,16 @@ def test_running_ahead_needs_a_majority_of_the_swarm_behind_not_one_peer_or_half
     assert donors_of(old, 40, banned=("l1",)) == []
     assert donors_of(old, 40, aligned=False) == []  # gossip rounds count a peer's own steps: never
     assert donors_of(old, 0, fresh=True) == ["l1", "l2", "l3"]  # a fresh peer (round 0) joins the quorum too
+
+
+def test_a_peer_that_ran_ahead_accepts_a_worse_swarm_state_but_only_so_much_worse():
+    """Its lone state took more steps than the swarm's: a state 18 % worse is the swarm's (CI), one twice as bad is
+    refused, so a liar majority cannot hand it anything at all."""
+    swarm_state, lone_state = 2.0, 1.69
+    assert not judge_loss(swarm_state, own_loss_bound(lone_state, False), None, 0.1).accepted  # the usual bar
+    assert judge_loss(swarm_state, own_loss_bound(lone_state, True), None, 0.1).accepted
+    assert not judge_loss(2 * lone_state, own_loss_bound(lone_state, True), None, 0.1).accepted
+    assert not judge_loss(float("nan"), own_loss_bound(lone_state, True), None, 0.1).accepted
 
 
 def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tuple[Joiner, list[int]]:
