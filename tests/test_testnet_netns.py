@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +24,10 @@ from p2ptrain.testnet.netns_run import PORT, NetnsTestnetOptions, run_netns_test
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The others' longest wait for a round while a peer is killed and restarted: a kill mid-exchange costs one exchange
+# deadline (the 5 s floor) beyond a round. Seconds, not rounds: a limit of 4 median rounds failed a CI run on a
+# 2.5 s wait once the quick retries (sync/round_retry.py) had made rounds 0.5 s
+KILL_STALL_LIMIT_S = 8.0
 # 2 MB of text: with 500 kB in 8 shards, shard 0 holds 421 bytes; its peer memorises them (train loss 0.1) and its
 # outer gradients drive the swarm's validation loss up.
 TINY_PEER_CONFIG = {
@@ -145,7 +148,7 @@ def test_kill_then_restart_from_checkpoint_while_the_others_train_on(netns_ok: N
     # end their run before it finished its own (CI: its second life ended "stopped_at_end")
     scenario = write_scenario(tmp_path, peers=3, rounds=30, events=[
         {"after_round": 4, "of": "peer2", "kill": "peer2"}, {"after_round": 7, "of": "peer0", "restart": "peer2"}],
-        checks={"loss_fell": True, "resumed_from_checkpoint": True, "max_stall_s": 8,
+        checks={"loss_fell": True, "resumed_from_checkpoint": True, "max_stall_s": KILL_STALL_LIMIT_S,
                 "max_consensus_distance": 0.01})
     # The run-wide checks hold the peer's sync to account too: a restarted peer that averaged a round alone must
     # count itself out of step and download the state again (else it keeps an offset anchor, consensus ~0.1).
@@ -179,8 +182,7 @@ def test_kill_then_restart_from_checkpoint_while_the_others_train_on(netns_ok: N
         assert len(rounds) >= 2 and rounds == sorted(set(rounds)), f"{peer} stalled during the outage: {rounds}"
         times = [outage[0]] + [r["time"] for r in during] + [outage[1]]
         longest_wait_s = max(b - a for a, b in zip(times, times[1:], strict=False))
-        median_round_s = statistics.median(r["round_s"] for r in others)
-        assert longest_wait_s < 4 * median_round_s, f"{peer} waited {longest_wait_s:.1f} s for a round in the outage"
+        assert longest_wait_s < KILL_STALL_LIMIT_S, f"{peer} waited {longest_wait_s:.1f} s for a round in the outage"
         assert others[-1]["round"] == 29
     assert_nothing_left(prefix, workdir, set(), root_before)
 
