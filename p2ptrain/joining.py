@@ -79,6 +79,7 @@ FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (t
 # times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
 JOIN_RETRIES = 4
+RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
 JOIN_RETRY_ROUNDS = 1
 
 
@@ -108,6 +109,7 @@ class Joiner:
         self.join_s = FIRST_JOIN_ESTIMATE_S  # how long our latest successful join took (download and checks)
         self.failed_joins = 0  # fresh joins (first or retried) whose every donor failed
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
+        self.ran_ahead_rounds = 0  # rounds in a row we found most of the swarm far behind us (join_rules.ran_ahead)
         # gossip modes: a process resumed from a checkpoint (its round, never joined) holds parameters its partners
         # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
         # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first (one
@@ -140,6 +142,8 @@ class Joiner:
         """Adopt the first donor's state that passes the checks; True if one was applied."""
         peer = self.peer
         choice = self.choose(view)
+        self.ran_ahead_rounds = self.ran_ahead_rounds + 1 if choice.ran_ahead else 0
+        choice = self._unless_too_soon(choice)
         if choice.donors and self.config.aligned_rounds:
             choice = self.round_to_join(choice)
         if self._starts_alike(choice):
@@ -189,13 +193,27 @@ class Joiner:
             return choice
         round_ = choice.donors[0].round
         logger.info(f"round {round_} is about to sync: joining at its next round")
+        # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
+        # peers each waiting for the other's next round stalled 52 s, until SIGTERM: CI, the churn scenario)
+        self.peer._announce(phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
-            later = self.choose(self.peer.swarm())
-            if later.donors and later.donors[0].round > round_ and all(r.phase == "inner" for r in later.donors
-                                                                       if r.round == later.donors[0].round):
+            later = self._unless_too_soon(self.choose(self.peer.swarm()))
+            if not later.donors:  # the donors left, or are waiting themselves: train on from ours
+                logger.info(f"no donor of round {round_} or later is left to join: training on")
                 return later
-        return self.choose(self.peer.swarm())
+            if later.donors[0].round > round_ and all(r.phase == "inner" for r in later.donors
+                                                      if r.round == later.donors[0].round):
+                return later
+        return self._unless_too_soon(self.choose(self.peer.swarm()))
+
+    def _unless_too_soon(self, choice: DonorChoice) -> DonorChoice:
+        """`choice`, without donors when we ran ahead for fewer than RAN_AHEAD_ROUNDS rounds in a row: a lead that
+        a round or two undoes (a member that averaged alone twice while the other waited, records of a peer just
+        killed) must not send us back to a state of rounds ago."""
+        if choice.ran_ahead and self.ran_ahead_rounds < RAN_AHEAD_ROUNDS:
+            return dataclasses.replace(choice, donors=[], ran_ahead=False)
+        return choice
 
     def _starts_alike(self, choice: DonorChoice) -> bool:
         """Whether a fresh peer whose donors are all in round 0 already holds their state: every peer of a run

@@ -34,7 +34,7 @@ from p2ptrain.join_rules import (
     quorum_round,
     snapshot_rounds,
 )
-from p2ptrain.joining import ALIGNED_MAX_DISTANCE, JOIN_RETRIES, Joiner, parameters_set_to
+from p2ptrain.joining import ALIGNED_MAX_DISTANCE, JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.reputation import Reputation
@@ -155,7 +155,8 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
     config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
                                  swarm=swarm, round=0, synced=True, joined_ever=False, routes=Routes("me"),
-                                 reputation=types.SimpleNamespace(is_banned=nobody_banned))
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned), announced=[])
+    peer._announce = lambda **fields: peer.announced.append(fields)
     return Joiner(peer), reads  # type: ignore[arg-type]
 
 
@@ -183,6 +184,31 @@ def test_a_joiner_waits_for_the_next_round_at_most_the_all_reduce_timeout():
     started = time.monotonic()
     choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing_in(-1, 5, phase="sync"))))
     assert [r.round for r in choice.donors] == [5, 5] and time.monotonic() - started < 5
+
+
+def test_a_joiner_waiting_says_so_and_stops_when_its_donors_wait_themselves():
+    """Two peers, each waiting for the other's next round, stalled 52 s (CI, churn scenario): a waiting peer
+    announces itself joining, so the other sees no donor and trains on, and so do we."""
+    syncing = syncing_in(-1, 5, phase="sync")
+    waiting = [r.copy(update={"phase": "joining"}) for r in syncing]
+    joiner, reads = joiner_seeing([syncing, waiting])
+    started = time.monotonic()
+    choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing)))
+    assert choice.donors == [] and time.monotonic() - started < 5 and reads[0] == 2
+    assert joiner.peer.announced == [{"phase": "joining"}]
+
+
+def test_a_lead_taken_in_a_round_or_two_does_not_send_a_peer_back():
+    """The majority must be far behind RAN_AHEAD_ROUNDS rounds in a row: a member that averaged alone twice while
+    the other waited, or the records of a peer just killed, make a lead that the next round undoes."""
+    joiner, _ = joiner_seeing([])
+    joiner.peer.round = 26
+    choice = joiner.choose(SwarmView("me", [record("p1", 23), record("p2", 23)]))
+    assert choice.ran_ahead and choice.donors
+    for rounds_in_a_row, held_back in ((1, True), (RAN_AHEAD_ROUNDS - 1, True), (RAN_AHEAD_ROUNDS, False)):
+        joiner.ran_ahead_rounds = rounds_in_a_row
+        assert (joiner._unless_too_soon(choice).donors == []) == held_back
+    assert joiner._unless_too_soon(joiner.choose(SwarmView("me", [record("p1", 27)]))).donors  # catching up: at once
 
 
 def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace, list[int]]:
