@@ -79,8 +79,8 @@ FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (t
 # times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
 JOIN_RETRIES = 4
-RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
 JOIN_RETRY_ROUNDS = 1
+RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
 
 
 @contextlib.contextmanager
