@@ -145,9 +145,10 @@ def test_shaped_upload_measured_by_an_exchange_is_within_20_percent(swarm: Compo
     def exchanges() -> list[dict[str, Any]]:
         return [e for row in swarm.rows(SHAPED_PEER) for e in row["exchanges"] if e["bytes_sent"] > 200_000]
 
-    wait_until(lambda: len(exchanges()) >= 4, 180, f"{SHAPED_PEER} to finish 4 exchanges")
+    wait_until(lambda: len(exchanges()) >= 8, 300, f"{SHAPED_PEER} to finish 8 exchanges")
     # Each exchange sends our payload at the shaped rate, then takes the partner's answer from an unshaped link; the
-    # fastest is the one that shared our upload with no other transfer.
+    # fastest is the one that shared our upload with no other transfer. 8, not 4: the unshaped peers' 0.3 s rounds
+    # keep offering it exchanges, and in a CI run all of the first 4 shared its upload (best 1.12 of 2 Mbit/s).
     rates = [8 * e["bytes_sent"] / e["seconds"] / 1e6 for e in exchanges()]
     measured = max(rates)
     print(f"{SHAPED_PEER} upload: configured {SHAPED_MBIT} Mbit/s, measured {measured:.3f} Mbit/s "
