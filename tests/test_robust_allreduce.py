@@ -3,6 +3,7 @@ its use in DiLoCo (plain and overlapped) and Factored's all-reduce Mix2, and a l
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from collections.abc import Sequence
@@ -326,6 +327,10 @@ def run_attacked_swarm(factor: float, **sync: object) -> tuple[list[list[RoundMe
     for history in histories[:HONEST]:
         print(f"{sync} ×{factor}: val loss {[round(m.val_loss, 3) for m in history]}, "
               f"group {[m.peers_averaged for m in history]}, banned {history[-1].banned_peers}")
+    # the attacker's side, for a failure's output: its rounds, groups and joins (a CI run once saw it missing from
+    # the last two groups, neither banned nor refused, and left nothing else to read)
+    print(f"attacker: rounds {[m.round for m in histories[HONEST]]}, group "
+          f"{[m.peers_averaged for m in histories[HONEST]]}, joined {[m.joined for m in histories[HONEST]]}")
     return histories[:HONEST], [t.params_after_round[SWARM_ROUNDS - 1] for t in threads[:HONEST]]
 
 
@@ -353,8 +358,9 @@ def test_a_member_sending_minus_1000_times_its_delta_is_left_out_and_banned():
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_member_aiming_inside_the_distance_bound_is_clipped_and_honest_peers_stay_in_step():
+def test_a_member_aiming_inside_the_distance_bound_is_clipped_and_honest_peers_stay_in_step(caplog):
     """−3 × Δ passes the 10 × ‖Δ‖ plausibility bound, so its Δ enters the group's inputs: CenteredClip bounds it."""
+    caplog.set_level(logging.INFO, logger="p2ptrain")  # a failure shows the rounds' story (joins, out of step)
     histories, params = run_attacked_swarm(-3.0)
     assert_honest_peers_train_in_step(histories, params)
     assert all(m.peers_averaged == HONEST + 1 for h in histories for m in h)  # a member, clipped, not refused
