@@ -717,13 +717,19 @@ def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tm
     finally:
         stop_and_shut_down(threads, [resumed])
     print("resumed peer's rounds:", [(m.round, m.joined, round(m.val_loss, 3)) for m in back], "offences:", offences)
+    for thread in threads:  # round, inner steps, seconds of the round and of its sync, failed exchanges
+        print("honest peer", thread.peer.peer_id, [(m.round, m.inner_steps, round(m.round_s, 1),
+                                                   round(m.comm_blocked_s, 1), m.failed_exchanges)
+                                                  for m in thread.history])
     # Two honest GASLoC peers of the tiny model a few rounds apart under load hard-clip each other now and then (a
     # CI run: one clip each way, once in ~15 runs), so one clip either way is allowed; without the join its
     # partners clipped the resumed peer 1 + 1 and 3 + 1 times in two runs, and it clipped both of them.
     clipped_it = sum(found.get(resumed_id, {}).get("clipped", 0) for found in offences[:2])
     it_clipped = sum(found.get("clipped", 0) for found in offences[2].values())
     assert clipped_it <= 1 and it_clipped <= 1, offences
-    assert not any(resumed_id in found for found in banned), banned
+    # no honest peer banned: in CI one of the two stalled 5 s while the other trained 25 rounds alone, and they
+    # banned each other for the hard clips of closing in again (maths/drift_excuse.py)
+    assert banned == [{}, {}], banned
     assert back[0].joined and back[-1].val_loss < left.val_loss  # it took the swarm's state and trained on
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from p2ptrain.maths.drift_excuse import DriftExcuse
 from p2ptrain.tensor_layout import distance
 
 MIN_PARTNERS_FOR_MEDIAN = 3  # below this many known partners, τ rests on own_scale alone
@@ -47,10 +48,14 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 class AdaptiveClip:
     """One peer's clipping radius for one kind of value (parameters, outer gradients), learnt per partner."""
 
-    def __init__(self, multiplier: float = 2.0, max_partners: int = 64, spread: float = SPREAD):
+    def __init__(self, multiplier: float = 2.0, max_partners: int = 64, spread: float = SPREAD,
+                 excuse: DriftExcuse | None = None):
+        """`excuse`: for values that persist between exchanges (gossiped parameters), hard clips of honest
+        partners that drifted apart and are closing in again are no offences (`maths/drift_excuse.py`)."""
         if multiplier <= 0 or spread <= 0:
             raise ValueError(f"the clipping multiplier and spread must be > 0, got {multiplier}, {spread}")
         self.multiplier, self.spread, self.max_partners = multiplier, spread, max_partners
+        self.excuse = excuse
         self._distances: OrderedDict[str, float] = OrderedDict()  # partner → its latest (clipped) distance
 
     def typical(self, own_scale: float) -> float:
@@ -68,30 +73,31 @@ class AdaptiveClip:
         return HARD_CLIP_FACTOR * self.spread * self.typical(own_scale)
 
     def clip(self, partner_id: str, theirs: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
-             own_scale: float) -> tuple[list[torch.Tensor], float, bool]:
-        """(own + clip(theirs − own, τ), the distance before clipping, whether it was clipped hard).
+             own_scale: float, rounds: tuple[int, object] | None = None) -> tuple[list[torch.Tensor], float, bool]:
+        """(own + clip(theirs − own, τ), the distance before clipping, whether it was clipped hard: an offence).
 
         The returned value stands in for the partner's in any mix: an exchange then moves us by at most w·τ.
-        Raises ValueError for a non-finite partner value (nothing to clip toward).
+        `rounds`: (our round, the partner's claimed round), for the `excuse`. Raises ValueError for a non-finite
+        partner value (nothing to clip toward).
         """
-        radius, hard_radius = self.radius(own_scale), self.hard_radius(own_scale)
+        radius, hard_radius, typical = self.radius(own_scale), self.hard_radius(own_scale), self.typical(own_scale)
         gap = distance(theirs, own)
         if not math.isfinite(gap):
             raise ValueError("partner's value is not finite")
         self._remember(partner_id, min(gap, self.spread * own_scale))
+        excused = self.excuse.excused(partner_id, gap, hard_radius, radius, typical, rounds) \
+            if self.excuse is not None else gap <= hard_radius
         if gap <= radius:
             return [t.clone() for t in theirs], gap, False
         scale = radius / gap
         clipped = [o + (t - o) * scale for t, o in zip(theirs, own, strict=True)]
-        return clipped, gap, gap > hard_radius
+        return clipped, gap, not excused
 
     def _remember(self, partner_id: str, value: float) -> None:
         self._distances.pop(partner_id, None)
         self._distances[partner_id] = value
         while len(self._distances) > self.max_partners:
             self._distances.popitem(last=False)
-
-
 
 
 def own_move(new: Sequence[torch.Tensor], old: Sequence[torch.Tensor], shift: Sequence[torch.Tensor] | None) -> float:

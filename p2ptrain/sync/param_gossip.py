@@ -29,6 +29,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
+from p2ptrain.maths.drift_excuse import DriftExcuse
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.robust import AdaptiveClip, agreed_weight, all_finite, own_move
@@ -56,8 +57,7 @@ TOO_MANY_OFFERS = "too many offers"
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks
 # again every ROUND_RETRY_S while we have not reached its round: it uses half of the rate)
 OPENS_PER_ROUND = 2
-OFFERS_PER_S = 2 / ROUND_RETRY_S
-OFFER_BURST = 32
+OFFERS_PER_S, OFFER_BURST = 2 / ROUND_RETRY_S, 32
 # rounds after a jump of our round (`round`) in which partners we clip hard (still clipped) are not penalised: our first
 JUMP_GRACE_ROUNDS = 2  # steps from an adopted or resumed state are no yardstick yet (tests/test_joining.py)
 # The floor of τ's yardstick, × our value's norm: before our first step (a joiner, a GASLoC responder in its first
@@ -78,7 +78,7 @@ class _Exchange:
 
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         partner = self.mixer.decode_partner(partner_header, partner_payload, own=self.public)
-        partner = self.mixer.clip_partner(self.sender, partner, own=self.public)
+        partner = self.mixer.clip_partner(self.sender, partner, self.public, partner_header.get("round"))
         traffic = (payload_bytes(self.payload), payload_bytes(partner_payload))
         return lambda: self.mixer.add_correction_(self.weight, partner, self.public, traffic)
 
@@ -121,7 +121,7 @@ class ParamGossip:
         self.last_payload_bytes = self.raw_bytes // 2  # one direction of our latest exchange (fp16 until then)
         self.announced: dict[str, float] = {}  # peers' announced link speeds, as of our latest mix
         self.reputation = reputation if reputation is not None else Reputation()
-        self.clip = AdaptiveClip(config.param_clip_multiplier) if config.robust else None
+        self.clip = AdaptiveClip(config.param_clip_multiplier, excuse=DriftExcuse()) if config.robust else None
         self.own_scale: float | None = None  # the base's latest move as of our latest mix (see `yardstick`)
         self.offer_limit = OfferLimit(OPENS_PER_ROUND, OFFERS_PER_S, OFFER_BURST)
 
@@ -241,14 +241,15 @@ class ParamGossip:
             return math.inf
         return self.clip.radius(max(self.yardstick() or 0.0, MIN_OWN_SCALE * norm(own)))
 
-    def clip_partner(self, partner_id: str, theirs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we mix in place of `theirs`: own + clip(theirs − own, τ); a partner clipped hard is penalised
-        (once τ has a yardstick: before our first step honest partners may well be far)."""
+    def clip_partner(self, partner_id: str, theirs: list[torch.Tensor], own: list[torch.Tensor],
+                     their_round: object = None) -> list[torch.Tensor]:
+        """own + clip(theirs − own, τ); a hard clip is penalised once τ has a yardstick (before our first step honest
+        partners may well be far) unless drift explains it (`their_round`: its header's claim; maths/drift_excuse)."""
         if self.clip is None:
             return theirs
         known = self.yardstick()
         scale = max(known or 0.0, MIN_OWN_SCALE * norm(own))
-        clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale)
+        clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale, (self._round, their_round))
         if hard and known is not None and self._round >= self._quiet_until:
             self.reputation.penalise(partner_id, "clipped",
                                      f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
@@ -393,7 +394,7 @@ class ParamGossip:
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
-            theirs = self.clip_partner(partner, theirs, own=value)
+            theirs = self.clip_partner(partner, theirs, value, answer.get("round"))
             return lambda: received.append((theirs, used))
 
         return validate

@@ -1,0 +1,87 @@
+"""When a gossip partner clipped hard is no offender: honest peers that drifted apart, closing in again.
+
+A hard clip (a partner beyond `HARD_CLIP_FACTOR × spread × typical`, see `maths/robust.py`) is an offence, and
+offences get a peer banned. Gossiped parameters persist between exchanges, and two honest GASLoC peers drift far
+apart when they stop mixing: one stalls (in CI, 5 s on an exchange with a peer that had just left), the other's
+offers are refused (too many per the stalled peer's round) and it trains alone. In that run the other one trained
+25 rounds alone; they met 15 own steps apart, clipped each other hard 5 times each and banned each other for 60 s.
+
+The excuse: a run of hard clips with one partner is excused when its first gap is explained by drift, the rounds
+both sides took since their previous exchange (ours, counted here; theirs, as the partner's header claims, capped
+at MAX_DRIFT_ROUNDS, since a claim is unverified) times the typical honest distance. While the run lasts, each
+further clip is excused only if the partner came CLOSING_MARGIN × τ closer than the run's closest so far:
+clipped mixing pulls honest partners together by about τ per exchange. So:
+- a partner met far away with no drift to explain it (a first exchange, or one in step) pays from the first clip,
+  and for every clip of that run, closing in or not (an attacker that follows our value from afar, −7 × ours,
+  closes in as we move);
+- a partner that holds its distance, grows it, or wanders pays;
+- a drifted partner closing in steadily is clipped each time and is not banned for it. It moves us by at most
+  w·τ per exchange, as any partner just inside the offence threshold can, unbanned, every time.
+A run ends when the partner is back within the hard radius.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+MAX_DRIFT_ROUNDS = 32  # the most rounds since our previous exchange that a partner's claimed round may add
+CLOSING_MARGIN = 0.1  # × τ: how much closer than the run's closest a partner clipped hard must come to be excused
+
+
+@dataclasses.dataclass
+class _Run:
+    closest: float
+    excused: bool  # its first gap was explained by drift
+
+
+class DriftExcuse:
+    """Per partner: the rounds of our previous exchange, and the current run of hard clips."""
+
+    def __init__(self, max_partners: int = 64):
+        self.max_partners = max_partners
+        self._rounds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # partner → (our round, its claimed round)
+        self._runs: OrderedDict[str, _Run] = OrderedDict()
+
+    def drift_rounds(self, partner_id: str, rounds: tuple[int, object] | None) -> int:
+        """Rounds both sides took since our previous exchange with `partner_id` (0 for a first one, or a claim
+        that is no round); records `rounds` (ours, the partner's claim) for the next."""
+        previous = self._rounds.get(partner_id)
+        claimed = claimed_round(rounds[1]) if rounds is not None else None
+        if rounds is None or claimed is None:
+            return 0
+        rounds = (rounds[0], claimed)
+        _remember(self._rounds, partner_id, rounds, self.max_partners)
+        if previous is None:
+            return 0
+        ours = min(max(0, rounds[0] - previous[0]), MAX_DRIFT_ROUNDS)
+        theirs = min(max(0, rounds[1] - previous[1]), MAX_DRIFT_ROUNDS)
+        return ours + theirs
+
+    def excused(self, partner_id: str, gap: float, hard_radius: float, radius: float, typical: float,
+                rounds: tuple[int, object] | None) -> bool:
+        """Whether this exchange's clip is no offence (one within `hard_radius` never is one)."""
+        drift = self.drift_rounds(partner_id, rounds)
+        run = self._runs.pop(partner_id, None)
+        if gap <= hard_radius:
+            return True
+        if run is None:
+            run = _Run(gap, excused=gap <= hard_radius + drift * typical)
+            _remember(self._runs, partner_id, run, self.max_partners)
+            return run.excused
+        closing = gap <= run.closest - CLOSING_MARGIN * radius
+        run.closest = min(run.closest, gap)
+        _remember(self._runs, partner_id, run, self.max_partners)
+        return run.excused and closing
+
+
+def claimed_round(value: object) -> int | None:
+    """A partner's header round as a round, or None (a claim that is not a plausible round excuses nothing)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40 else None
+
+
+def _remember(table: OrderedDict, key: str, value: object, limit: int) -> None:
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > limit:
+        table.popitem(last=False)

@@ -1,0 +1,73 @@
+"""maths/drift_excuse: honest gossip partners that drifted apart are clipped but not offenders while they close in;
+a partner far away with no drift to explain it pays for every clip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.maths.drift_excuse import MAX_DRIFT_ROUNDS, DriftExcuse, claimed_round
+from p2ptrain.maths.robust import HARD_CLIP_FACTOR, SPREAD, AdaptiveClip
+
+OWN = [torch.zeros(10)]
+HARD = HARD_CLIP_FACTOR * SPREAD  # one partner, own_scale 1: τ = 1, offences beyond 8
+
+
+def at(length: float) -> list[torch.Tensor]:
+    value = torch.zeros(10)
+    value[0] = length
+    return [value]
+
+
+def offences(exchanges: list[tuple[float, tuple[int, object] | None]], excuse: bool = True) -> list[bool]:
+    """Whether each (gap, (our round, its claimed round)) exchange with one partner was an offence."""
+    clip = AdaptiveClip(multiplier=1.0, excuse=DriftExcuse() if excuse else None)
+    return [clip.clip("p", at(gap), OWN, own_scale=1.0, rounds=rounds)[2] for gap, rounds in exchanges]
+
+
+def test_a_partner_that_trained_alone_for_rounds_is_excused_while_it_closes_in_and_again_after_the_next_drift():
+    """The CI case: we stalled one round while it trained 25 alone; it comes back 15 steps away, then closer."""
+    back = [(1.0, (5, 5)), (HARD + 7, (6, 30)), (HARD + 6, (7, 31)), (HARD + 5, (8, 32)), (2.0, (9, 33))]
+    assert offences(back) == [False, False, False, False, False]
+    assert offences(back, excuse=False) == [False, True, True, True, False]  # the rule before: banned after 5
+    # from its side the drift is its own rounds, which it counts itself
+    assert offences([(1.0, (5, 5)), (HARD + 7, (30, 6))]) == [False, False]
+
+
+def test_a_partner_far_away_with_no_drift_to_explain_it_pays_for_every_clip_even_closing_in():
+    """An attacker that follows our value from afar (−7 × ours) comes closer as we move: still an offence."""
+    in_step = [(1.0, (r, r)) for r in range(3)] + [(HARD + 20 - i, (3 + i, 3 + i)) for i in range(4)]
+    assert offences(in_step) == [False] * 3 + [True] * 4
+    assert offences([(HARD + 20 - i, (i, i)) for i in range(3)]) == [True] * 3  # met far away at once
+
+
+def test_an_excused_run_ends_in_offences_once_the_partner_stops_closing_in():
+    drifted = [(1.0, (0, 0)), (HARD + 10, (1, 20))]
+    assert offences(drifted + [(HARD + 10, (2, 21)), (HARD + 11, (3, 22))]) == [False, False, True, True]
+    assert offences(drifted + [(HARD + 9.95, (2, 21))]) == [False, False, True]  # less than 0.1 τ closer
+    # wandering out and back in again: excused only for a new closest
+    wander = drifted + [(HARD + 9, (2, 21)), (HARD + 10, (3, 22)), (HARD + 9, (4, 23)), (HARD + 8, (5, 24))]
+    assert offences(wander) == [False, False, False, True, True, False]
+
+
+def test_a_claimed_round_excuses_at_most_max_drift_rounds_and_a_claim_that_is_no_round_excuses_nothing():
+    beyond = HARD + 2 * MAX_DRIFT_ROUNDS + 5  # more than the cap (ours 1 + theirs capped) explains
+    assert offences([(1.0, (0, 0)), (beyond, (1, 10**9))]) == [False, True]
+    assert offences([(1.0, (0, 0)), (HARD + MAX_DRIFT_ROUNDS, (1, 10**9))]) == [False, False]
+    for claim in ("30", 30.0, True, -5, None, [30], 2**41):
+        assert claimed_round(claim) is None
+        assert offences([(1.0, (0, 0)), (HARD + 7, (1, claim))]) == [False, True], claim
+    assert offences([(1.0, (0, 40)), (HARD + 7, (1, 10))]) == [False, True]  # a round that went back: no drift
+
+
+def test_partners_remembered_are_bounded():
+    excuse = DriftExcuse(max_partners=4)
+    clip = AdaptiveClip(multiplier=1.0, excuse=excuse)
+    for i in range(10):
+        clip.clip(f"p{i}", at(HARD + 5), OWN, own_scale=1.0, rounds=(i, i))
+    assert len(excuse._rounds) <= 4 and len(excuse._runs) <= 4
+
+
+@pytest.mark.parametrize("gap", [0.5, 3.0, HARD])
+def test_within_the_hard_radius_nothing_is_an_offence_and_a_run_ends(gap: float):
+    assert offences([(gap, (0, 0)), (gap, (1, 1))]) == [False, False]
