@@ -11,6 +11,8 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
   diloco-sparse    diloco-exchange with `sync.grad_codec: sparse` (2-bit values, 2 % of each chunk, error feedback
                    β 0.95) and the outer recipe benchmarks/algorithms.py measured for it (γ 0, outer lr 1.0)
   gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
+  gasloc-overlap   gasloc with `sync.overlap: delayed`: the exchanges a peer starts run during its next inner phase,
+                   and their pull joins the next round's proposal
 and a reference with no network: the same model, batches and inner steps run by `InnerTrainer.run_phase` (the
 peer's own inner phase), one trainer alone and n trainers at once in threads (the CPU share n peers get).
 
@@ -86,6 +88,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
                       "error_feedback_decay": CODEC_RECIPE["ef_decay"], "outer": CODEC_OUTER},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},
+    "gasloc-overlap": {"mode": "gasloc", "gossip_peers": 1, "overlap": "delayed"},
 }
 # loopback only, no NAT probing or relays; records refreshed often, so peers see each other's rounds quickly
 NETWORK = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False, "use_relay": False,
@@ -270,6 +273,9 @@ def round_figures(rounds: list[dict[str, Any]], n: int, parameters: int, sync: d
     return {
         "codec": codec, "payload_bytes": payload, "bytes_basis": "S" if mode == "gasloc" else "2·S·(n−1)/n",
         "utilisation": statistics.median(m["compute_s"] / m["round_s"] for m in rounds),
+        # the network's share alone: the round less its validation (which the reference's loop does not run)
+        "utilisation_less_eval": statistics.median(m["compute_s"] / (m["round_s"] - m["eval_s"]) for m in rounds),
+        "eval_s": statistics.median(m["eval_s"] for m in rounds),
         "compute_s": compute, "blocked_s": statistics.median(m["comm_blocked_s"] for m in rounds),
         "round_s": statistics.median(m["round_s"] for m in rounds),
         "compute_vs_reference": compute / reference_s if reference_s else None,
@@ -332,7 +338,9 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
 
 
 NOTES = ("Notes: figures over every peer's rounds after its first. utilisation = compute_s / round_s (the peer's "
-         "inner phase over the round's wall time, evaluation and DHT reads included in the latter). ref s = one "
+         "inner phase over the round's wall time, evaluation and DHT reads included in the latter); less eval: "
+         "compute_s / (round_s − eval_s), the round's validation (eval s, measured) left out, as the reference's "
+         "loop has none: what the network and the round's bookkeeping cost. ref s = one "
          "InnerTrainer alone, the same H steps, no network; compute ÷ ref = the peers' median compute_s over that "
          "of n trainers at once in threads, no network (what the network stack takes from training beyond the "
          "cores and GIL the peers share). bytes ÷ ideal: mean bytes_sent per peer per round over 2·S·(n−1)/n "
@@ -365,21 +373,24 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['cpu_count']} CPU cores, load average {report['load_before']:.1f} before, "
              f"{report['load_after']:.1f} after  \nwall {report['wall_s']:.0f} s, CPU of this process "
              f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
-             "| setup | peers | utilisation | compute s | ref s, 1 alone | compute ÷ ref, n at once | blocked s "
-             "| round s | group | full groups | bytes ÷ ideal | codec | val loss | daemons CPU s | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| setup | peers | utilisation | less eval | compute s | ref s, 1 alone | compute ÷ ref, n at once "
+             "| blocked s | eval s | round s | group | full groups | bytes ÷ ideal | codec | val loss | daemons CPU s "
+             "| wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if r["setup"] == "reference":
             who = "1 alone" if r["peers"] == 1 else f"{r['peers']} at once"
-            lines.append(f"| reference, {who} | {r['peers']} | 1 | {_fmt(r['compute_s'], '.3f')} "
-                         f"| | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
+            lines.append(f"| reference, {who} | {r['peers']} | 1 | 1 | {_fmt(r['compute_s'], '.3f')} "
+                         f"| | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
             continue
         trouble = " (timed out)" if r["timed_out"] else f" ({len(r['errors'])} errors)" if r["errors"] else ""
         full = _fmt(r.get("full_groups"), ".0%")
         lines.append(f"| {r['setup']}{trouble} | {r['peers']} | {_fmt(r.get('utilisation'), '.3f')} "
+                     f"| {_fmt(r.get('utilisation_less_eval'), '.3f')} "
                      f"| {_fmt(r.get('compute_s'), '.3f')} | {_fmt(r['reference_compute_s'], '.3f')} "
                      f"| {_fmt(r.get('compute_vs_reference'), '.2f')} | {_fmt(r.get('blocked_s'), '.3f')} "
-                     f"| {_fmt(r.get('round_s'), '.3f')} | {_fmt(r.get('group_size'), 'g')} | {full} "
+                     f"| {_fmt(r.get('eval_s'), '.3f')} | {_fmt(r.get('round_s'), '.3f')} "
+                     f"| {_fmt(r.get('group_size'), 'g')} | {full} "
                      f"| {_bytes_cell(r)} | {r.get('codec', '–')} | {_fmt(r['val_loss'], '.4f')} "
                      f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
     return "\n".join(lines + ["", report["notes"]]) + "\n"

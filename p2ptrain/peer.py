@@ -241,7 +241,7 @@ class TrainingPeer:
             self.peer_id, round_, phase.steps, phase.mean_loss, val_loss, phase.tokens / max(phase.compute_s, 1e-9),
             phase.compute_s, comm_blocked_s, result.bytes_sent, result.bytes_received, result.group_size,
             time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
-            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
+            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s, eval_s=self.inner.last_eval_s,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
             refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges],
             banned_peers=sorted(self.reputation.banned()), mix2_averaged=result.mix2_group_size)

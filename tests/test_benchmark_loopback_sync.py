@@ -43,7 +43,11 @@ def test_quick_run(tmp_path: Path) -> None:
     assert exchange["utilisation"] > hivemind["utilisation"]
     overlap = rows[("diloco-overlap", 2)]  # each round reports the all-reduce of the round before: every one a pair
     assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0 and 0.9 <= overlap["bytes_ratio"] <= 1.5
-    assert rows[("gasloc", 2)]["codec"] == "fp16" and rows[("gasloc", 2)]["bytes_ratio"] > 0
+    for setup in ("gasloc", "gasloc-overlap"):
+        assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0
+    for key, row in rows.items():  # validation is measured, and leaving it out only raises utilisation
+        if key[0] != "reference":
+            assert row["eval_s"] > 0 and row["utilisation_less_eval"] > row["utilisation"], key
 
     table = loopback_sync.markdown(report)
     assert table.count("\n| diloco-exchange | 2 |") == table.count("\n| gasloc | 2 |") == 1

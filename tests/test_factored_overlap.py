@@ -15,7 +15,6 @@ import pytest
 import torch
 from swarm_utils import run_swarm, tiny_config
 
-from p2ptrain.errors import ConfigError
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.maths.outer_rules import DelayedOuterGradient
 from p2ptrain.sync.config import SyncConfig
@@ -105,11 +104,6 @@ def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap)
     finally:
         sync.shutdown()
     assert mix2.threads and all(name.startswith("mix2") for name in mix2.threads)
-
-
-def test_overlap_is_refused_for_gasloc_with_one_line():
-    with pytest.raises(ConfigError, match="sync.overlap applies to sync.mode diloco and factored"):
-        SyncConfig(mode="gasloc", overlap="delayed")
 
 
 @pytest.mark.network

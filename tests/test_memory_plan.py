@@ -138,6 +138,9 @@ def test_an_all_reduce_holds_about_three_copies_per_member() -> None:
     assert sync_buffers(config, 1000).round == allreduce_round(MAX_MEMBERS, 1.0)
     gossip = sync_buffers(SyncConfig(mode="gasloc"), 8)
     assert gossip.kept == 5 and gossip.snapshot == 2
+    # overlapped, the proposal's mix lives through the next inner phase, beside the training state
+    overlapped = sync_buffers(SyncConfig(mode="gasloc", overlap="delayed"), 8)
+    assert overlapped.kept == gossip.kept + gossip.round == 5 + 7 and overlapped.round < gossip.round
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------------------

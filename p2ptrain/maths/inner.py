@@ -119,6 +119,7 @@ class InnerTrainer:
         if config.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.forward_model = self.node.wrap(model)  # DDP on a node of several processes
+        self.last_eval_s = 0.0  # seconds of the latest `evaluate`
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -186,13 +187,15 @@ class InnerTrainer:
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
-        """Mean loss over held-out batches."""
+        """Mean loss over held-out batches; `last_eval_s` keeps how long it took."""
+        started = time.monotonic()
         self.model.eval()
         losses = []
         for batch in batches:
             batch = batch.to(self.device)
             with self._autocast():
                 losses.append(float(self.model(input_ids=batch, labels=batch).loss))
+        self.last_eval_s = time.monotonic() - started
         return sum(losses) / max(1, len(losses))
 
     def state_dict(self) -> dict[str, Any]:

@@ -82,7 +82,12 @@ def sync_buffers(config: SyncConfig, peers: int) -> Buffers:
                        how + (" (during the next inner phase)" if overlap else ""))
     if config.mode == "gasloc":
         k = config.gossip_peers
-        return Buffers(THETA_0 + GOSSIP_KEPT + 1, 5 + k * (1 + 2 * param_share), 2,
+        mixing = 5 + k * (1 + 2 * param_share)
+        if overlap:  # the proposal's mix runs during the next inner phase: it is held beside the training state
+            return Buffers(THETA_0 + GOSSIP_KEPT + 1 + mixing, 2, 2, "θ_0, gossip reference/base/correction, x, "
+                           "the last proposal's mix", f"proposal; its mix with {k} partner(s) during the next inner "
+                           "phase")
+        return Buffers(THETA_0 + GOSSIP_KEPT + 1, mixing, 2,
                        "θ_0, gossip reference/base/correction, x", f"proposal, mix with {k} partner(s)")
     mix1 = 3 + 2 * param_share
     d = config.mix2_group_size - 1

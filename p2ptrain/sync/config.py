@@ -36,7 +36,8 @@ class SyncConfig:
     # (n−1)·S bytes each); hivemind: its butterfly averager (2·S·(n−1)/n bytes, but any member sets the mean)
     allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
-    # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late)
+    # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late);
+    # gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull applied then)
     overlap: str = "none"
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
@@ -83,10 +84,12 @@ class SyncConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.overlap != "none" and self.mode not in ("diloco", "factored"):
-            raise ConfigError("sync.overlap applies to sync.mode diloco and factored (gasloc never blocks on others)")
-        if self.overlap_momentum is not None and (self.overlap == "none" or not 0 <= self.overlap_momentum < 1):
-            raise ConfigError("sync.overlap_momentum applies with sync.overlap delayed or eager and must be in [0, 1)")
+        if self.overlap == "eager" and self.mode == "gasloc":
+            raise ConfigError("sync.overlap eager applies to sync.mode diloco and factored (gasloc: none or delayed)")
+        if self.overlap_momentum is not None and (self.overlap == "none" or self.mode == "gasloc"
+                                                  or not 0 <= self.overlap_momentum < 1):
+            raise ConfigError("sync.overlap_momentum applies with sync.overlap delayed or eager (diloco, factored; "
+                              "gasloc's is sync.gasloc_momentum) and must be in [0, 1)")
         if self.gasloc_momentum is not None and (self.mode != "gasloc" or not 0 <= self.gasloc_momentum < 1):
             raise ConfigError("sync.gasloc_momentum applies with sync.mode gasloc and must be in [0, 1)")
         if self.gossip_peers not in (1, 2):

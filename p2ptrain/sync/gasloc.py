@@ -1,9 +1,14 @@
 """GASLoC: the proposal y = θ − ηΔ mixed with 1–2 random live peers by parameter gossip, then momentum on the
 mixed iterates (ALGORITHMS.md §2). A round whose Δ is not finite (a diverged inner phase) proposes θ itself: the
-peer takes no step but still mixes, and never sends or applies a non-finite value."""
+peer takes no step but still mixes, and never sends or applies a non-finite value.
+
+With `sync.overlap: delayed` the exchanges this peer starts no longer block: DiLoCoX's one-step delay applied to
+GASLoC's mixing. Round r's proposal is mixed in the background during round r + 1's inner phase, and its pull
+(mixed − y_r) joins round r + 1's proposal, as the corrections of exchanges that others start with us always do."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Sequence
 
@@ -19,6 +24,8 @@ from p2ptrain.sync.param_gossip import ParamGossip
 
 logger = logging.getLogger(__name__)
 
+Mixed = tuple[list[torch.Tensor], RoundSync]
+
 
 class GaslocSync:
     """GASLoC: y = θ − ηΔ (+ what others' exchanges moved us by), mixed with 1–2 random peers, then momentum."""
@@ -26,6 +33,8 @@ class GaslocSync:
     def __init__(self, outer: OuterOptimizer, mixer: ParamGossip, loop: BackgroundLoop, config: SyncConfig):
         self.outer, self.mixer, self.loop, self.config = outer, mixer, loop, config
         self.state = GaslocState([a.detach().float().cpu() for a in outer.anchor], outer.config.momentum)
+        self.overlapped = config.overlap == "delayed"
+        self.pending: tuple[list[torch.Tensor], concurrent.futures.Future[Mixed]] | None = None  # (y_r, its mix)
 
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
@@ -37,20 +46,46 @@ class GaslocSync:
         if not all_finite(proposal):
             logger.warning(f"round {context.round}: the outer gradient is not finite; dropping it (no step this round)")
             proposal = [a.detach().clone() for a in self.outer.anchor]
-        y = [t.float().cpu() + c for t, c in zip(proposal, self.mixer.take_correction_(), strict=True)]
+        late_pull, stats = self._collect_pending()
+        y = [t.float().cpu() + c + p for t, c, p in zip(proposal, self.mixer.take_correction_(), late_pull,
+                                                        strict=True)]
         self.mixer.set_base_(y)  # exchanges others start while we mix see our proposal
-        mixed, stats = self.loop.run(self.mixer.mix(y, context.live_peers, context.round,
-                                                    links=context.link_bytes_per_s))
-        x = [m + c for m, c in zip(mixed, self.mixer.take_correction_(), strict=True)]
+        mix = self.mixer.mix(y, context.live_peers, context.round, links=context.link_bytes_per_s)
+        if self.overlapped:
+            self.pending, x = (y, self.loop.submit(mix)), y
+        else:
+            mixed, stats = self.loop.run(mix)
+            x = [m + c for m, c in zip(mixed, self.mixer.take_correction_(), strict=True)]
         self.outer.set_params_(self.state.momentum_step(x))
         self.mixer.set_base_(self.outer.anchor)
         return stats.add_incoming_(self.mixer.take_incoming_stats())
+
+    def _collect_pending(self) -> tuple[list[torch.Tensor], RoundSync]:
+        """The pull of the mix started last round (overlap), waiting for it if it is still running, and what it
+        did; zeros and an empty report when none is pending (or it failed)."""
+        pending, self.pending = self.pending, None
+        zeros = [torch.zeros_like(a, dtype=torch.float32, device="cpu") for a in self.outer.anchor]
+        if pending is None:
+            return zeros, RoundSync()
+        value, future = pending
+        try:
+            mixed, stats = future.result()
+        except Exception as e:  # the exchange's own errors are handled inside `mix`; this is a bug or shutdown
+            logger.warning(f"the overlapped mix failed: {e!r}; its pull is dropped")
+            return zeros, RoundSync()
+        return [m - v for m, v in zip(mixed, value, strict=True)], stats
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"x_prev:{i}", x) for i, x in enumerate(self.state.x_prev)]
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._drop_pending()  # its pull is relative to the value we had, not to the state adopted
         self.state.load_state_dict({"momentum": self.state.momentum, "x_prev": [t.clone() for t in tensors]})
 
     def shutdown(self) -> None:
-        pass
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[1].cancel()

@@ -22,7 +22,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -61,9 +61,7 @@ OFFERS_PER_S, OFFER_BURST = 2 / ROUND_RETRY_S, 32
 # rounds after a jump of our round (`round`) in which partners we clip hard (still clipped) are not penalised: our first
 JUMP_GRACE_ROUNDS = 2  # steps from an adopted or resumed state are no yardstick yet (tests/test_joining.py)
 # The floor of τ's yardstick, × our value's norm: before our first step (a joiner, a GASLoC responder in its first
-# inner phase) partners are clipped to 2e-3 of our norm, and fp16 round-off between equal values (≤ 2⁻¹¹ of
-# ‖θ − θ_0‖) always passes
-MIN_OWN_SCALE = 1e-3
+MIN_OWN_SCALE = 1e-3  # inner phase) partners are clipped to 2e-3 of our norm; fp16 round-off (≤ 2⁻¹¹) always passes
 
 
 class _Exchange:
@@ -104,16 +102,14 @@ class ParamGossip:
         self.reference = [t.detach().float().cpu().clone() for t in reference]
         self.raw_bytes = sum(t.numel() * 4 for t in self.reference)
         self.max_payload_bytes = self.raw_bytes + 2**20
-        self.rng = random.Random(seed)
+        self.rng, self._lock = random.Random(seed), threading.Lock()
         self._round, self._quiet_until = 0, 0  # our round; penalties for hard clips resume at `_quiet_until`
-        self._lock = threading.Lock()
         self._base = [t.clone() for t in self.reference]
         self._base_moved: float | None = None  # how far the latest `set_base_` moved the base (None: first one)
         self._base_set = False
         self._mix_shift: list[torch.Tensor] | None = None  # Σ (mixed − value) of our mixes since the last base
         self._correction = [torch.zeros_like(t) for t in self.reference]
-        self._responding = False
-        self._waiting_for_round = False
+        self._responding = self._waiting_for_round = False
         self.give_up_at = 0.0  # `mix` stops waiting for partners to reach its round at this time.monotonic()
         self.links = links if links is not None else LinkSpeeds()
         self.incoming = RoundSync(group_size=0)  # what exchanges others started with us did this round
@@ -255,7 +251,7 @@ class ParamGossip:
                                      f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
         return clipped
 
-    # ---- initiator -----------------------------------------------------------------------------------------------
+    # ---- initiator and links ---------------------------------------------------------------------------------------
     def choose_codec(self, partner: str) -> str:
         if self.config.param_codec != "adaptive":
             return self.config.param_codec
@@ -265,7 +261,6 @@ class ParamGossip:
         one_way_bytes_per_s = self.links.estimate_bytes_per_s(partner) / 2
         return choose_codec_for_link(self.raw_bytes, one_way_bytes_per_s, budget_s, PARAM_CODECS_ADAPTIVE).name
 
-    # ---- links ----------------------------------------------------------------------------------------------------
     def own_link_bytes_per_s(self) -> float:
         return self.links.own_bytes_per_s(self.announced)
 
@@ -287,20 +282,24 @@ class ParamGossip:
         limit = max(hidden_s, 1.25 * self.expected_exchange_s())
         return [p for p in live_peers if self.expected_exchange_s(links.get(p, 0.0)) <= limit]
 
-    async def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int,
-                  patience_s: float = 0.0, links: dict[str, float] | None = None,
-                  ) -> tuple[list[torch.Tensor], RoundSync]:
+    def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int, patience_s: float = 0.0,
+            links: dict[str, float] | None = None) -> Coroutine[Any, Any, tuple[list[torch.Tensor], RoundSync]]:
         """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value), each
         partner's value clipped (`clip_partner`) and w the weight both ends agreed on. Busy or refusing peers are
         skipped, banned ones never asked; those not yet in our round (Mix1) are asked again every ROUND_RETRY_S for
         up to `patience_s` seconds. Peers too slow to wait for (`links`: announced speeds) and peers nobody can reach
         start exchanges with us instead; peers behind relays are drawn once direct ones are used up (`Routes.pools`).
-        A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning."""
+        A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning. τ's yardstick
+        is taken now, not when the coroutine runs: an overlapped mix runs after the round loop moved the base on."""
+        with self._lock:
+            self.own_scale = self._base_moved
+        return self._mix(value, live_peers, round_, patience_s, links)
+
+    async def _mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int, patience_s: float,
+                   links: dict[str, float] | None) -> tuple[list[torch.Tensor], RoundSync]:
         if not all_finite(value):
             logger.warning(f"round {round_}: our value is not finite; not mixing it this round")
             return [v.clone() for v in value], RoundSync(group_size=1)
-        with self._lock:
-            self.own_scale = self._base_moved
         pools = self.routes.pools(self._eligible(live_peers, links, round_)) or [[]]
         live_peers, k = pools.pop(0), self.config.gossip_peers
         mixed, stats, tried = [v.clone() for v in value], RoundSync(group_size=1), set[str]()
