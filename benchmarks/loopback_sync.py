@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.sim.entry import publish  # noqa: E402
 from benchmarks.sim.rows import CODEC_RECIPE  # noqa: E402
+from benchmarks.wire_bytes import daemon_pids, tcp_bytes  # noqa: E402
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
 from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
@@ -180,7 +181,8 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
         peers += [TrainingPeer(peer_config(s, sync, run_id, shard=i, seed=seed), peers[0].maddrs)
                   for i in range(1, n)]
         runs = [PeerRun(p) for p in peers]
-        training = time.perf_counter()
+        daemons = daemon_pids()
+        wire_before, training = tcp_bytes(daemons), time.perf_counter()
         for r in runs:
             r.thread.start()
         deadline = training + RUN_TIMEOUT_S + ROUND_TIMEOUT_S * s.rounds
@@ -191,7 +193,7 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
             r.peer.stop()
         for r in runs:
             r.thread.join(ROUND_TIMEOUT_S)
-        training_s, daemons_s = time.perf_counter() - training, daemons_cpu_s()
+        training_s, daemons_s, wire_after = time.perf_counter() - training, daemons_cpu_s(), tcp_bytes(daemons)
     finally:
         for p in peers:
             p.shutdown()
@@ -199,7 +201,8 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
             "histories": [[dataclasses.asdict(m) for m in r.history] for r in runs],
             "errors": [r.error for r in runs if r.error], "timed_out": timed_out, "training_wall_s": training_s,
             "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
-            "daemons_cpu_s": daemons_s}
+            "daemons_cpu_s": daemons_s,
+            "wire_bytes_sent": (wire_after - wire_before).sent if wire_before and wire_after else None}
 
 
 def run_reference(s: Settings, trainers: int) -> dict[str, Any]:
@@ -281,7 +284,7 @@ def round_figures(rounds: list[dict[str, Any]], n: int, parameters: int, sync: d
         "compute_vs_reference": compute / reference_s if reference_s else None,
         "group_size": statistics.median(m["peers_averaged"] for m in rounds),
         "full_groups": None if mode == "gasloc" else sum(m["peers_averaged"] == n for m in rounds) / len(rounds),
-        "bytes_sent": sent, "bytes_ratio": sent / ideal,
+        "bytes_sent": sent, "bytes_ratio": sent / ideal, "ideal_bytes": ideal,
         # gossip: exchanges others opened with us (peers_averaged is ourselves, those we opened, those we answered)
         "answered": statistics.fmean(m["peers_averaged"] - 1 - len(m["exchanges"]) for m in rounds)
         if mode == "gasloc" else None,
@@ -300,6 +303,11 @@ def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str
            "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs)}
     if rounds:
         row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup], reference_s))
+    # the daemons' TCP counters over the whole run (first rounds included), per peer and round
+    wire = _mean([r["wire_bytes_sent"] / max(1, sum(len(h) for h in r["histories"])) for r in runs
+                  if r.get("wire_bytes_sent") is not None])
+    row["wire_bytes_per_round"] = wire
+    row["wire_ratio"] = wire / row["ideal_bytes"] if wire is not None and row.get("ideal_bytes") else None
     return row
 
 
@@ -340,7 +348,10 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
 NOTES = ("Notes: figures over every peer's rounds after its first. utilisation = compute_s / round_s (the peer's "
          "inner phase over the round's wall time, evaluation and DHT reads included in the latter); less eval: "
          "compute_s / (round_s − eval_s), the round's validation (eval s, measured) left out, as the reference's "
-         "loop has none: what the network and the round's bookkeeping cost. ref s = one "
+         "loop has none: what the network and the round's bookkeeping cost. wire ÷ ideal: what the swarm's P2P "
+         "daemons sent over TCP from the first round to the last (the kernel's counters, benchmarks/wire_bytes.py: "
+         "payloads, framing, encryption, DHT, matchmaking, joins), per peer and round, over the same ideal. "
+         "ref s = one "
          "InnerTrainer alone, the same H steps, no network; compute ÷ ref = the peers' median compute_s over that "
          "of n trainers at once in threads, no network (what the network stack takes from training beyond the "
          "cores and GIL the peers share). bytes ÷ ideal: mean bytes_sent per peer per round over 2·S·(n−1)/n "
@@ -374,14 +385,14 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['load_after']:.1f} after  \nwall {report['wall_s']:.0f} s, CPU of this process "
              f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
              "| setup | peers | utilisation | less eval | compute s | ref s, 1 alone | compute ÷ ref, n at once "
-             "| blocked s | eval s | round s | group | full groups | bytes ÷ ideal | codec | val loss | daemons CPU s "
-             "| wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| blocked s | eval s | round s | group | full groups | bytes ÷ ideal | wire ÷ ideal | codec | val loss "
+             "| daemons CPU s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if r["setup"] == "reference":
             who = "1 alone" if r["peers"] == 1 else f"{r['peers']} at once"
             lines.append(f"| reference, {who} | {r['peers']} | 1 | 1 | {_fmt(r['compute_s'], '.3f')} "
-                         f"| | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
+                         f"| | | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
             continue
         trouble = " (timed out)" if r["timed_out"] else f" ({len(r['errors'])} errors)" if r["errors"] else ""
         full = _fmt(r.get("full_groups"), ".0%")
@@ -391,7 +402,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {_fmt(r.get('compute_vs_reference'), '.2f')} | {_fmt(r.get('blocked_s'), '.3f')} "
                      f"| {_fmt(r.get('eval_s'), '.3f')} | {_fmt(r.get('round_s'), '.3f')} "
                      f"| {_fmt(r.get('group_size'), 'g')} | {full} "
-                     f"| {_bytes_cell(r)} | {r.get('codec', '–')} | {_fmt(r['val_loss'], '.4f')} "
+                     f"| {_bytes_cell(r)} | {_fmt(r.get('wire_ratio'), '.3f')} | {r.get('codec', '–')} "
+                     f"| {_fmt(r['val_loss'], '.4f')} "
                      f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
     return "\n".join(lines + ["", report["notes"]]) + "\n"
 

@@ -33,7 +33,8 @@ MODES = ("diloco", "gasloc", "factored")
 # rows beyond the three, by name: the sync section they run with
 VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"},
             "factored-overlap": {"mode": "factored", "overlap": "delayed"},  # Mix2 during the next inner phase
-            "diloco-overlap": {"mode": "diloco", "overlap": "delayed"}}
+            "diloco-overlap": {"mode": "diloco", "overlap": "delayed"},
+            "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"}}  # its exchanges during the next inner phase
 
 
 def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_steps: int) -> dict[str, Any]:

@@ -28,12 +28,14 @@ def _load() -> ModuleType:
 bench = _load()
 
 
-@pytest.mark.parametrize(("mode", "adapt"), [("diloco", False), ("gasloc", False), ("gasloc-paced", True)])
+@pytest.mark.parametrize(("mode", "adapt"), [("diloco", False), ("gasloc", False), ("gasloc-paced", True),
+                                             ("gasloc-overlap", False)])
 def test_every_row_shares_the_swarm_and_the_paced_row_adapts(mode: str, adapt: bool) -> None:
     scenario = bench.scenario(mode, peers=6, fast_mbit=20.0, budget_s=100.0, inner_steps=100)
     assert parse_bandwidth(scenario["bandwidth"]) == (20.0,) * 5 + (2.0,)  # one straggler at 10 %
     config = build_config(scenario["peer_config"])  # a valid peer config
     assert config.sync.mode == mode.split("-")[0] and config.sync.adapt_inner_steps is adapt
+    assert config.sync.overlap == ("delayed" if mode.endswith("-overlap") else "none")
     assert config.inner.steps == 100 and config.inner.min_steps == 5
 
 
