@@ -55,11 +55,10 @@ class GossipServicer(exchange.GossipServicer):  # same class name: hivemind rout
 
     async def rpc_exchange(self, requests: AsyncIterator[averaging_pb2.DownloadData],
                            _context: Any) -> AsyncIterator[averaging_pb2.DownloadData]:
-        async for _message in requests:  # the offer's header (we never validate it)
+        async for _message in requests:  # drain the offer (we never validate it)
             break
         if self.fault == "stall":
             await asyncio.sleep(3600)
-        yield averaging_pb2.DownloadData(metadata=encode_metadata(exchange.ACCEPTED))
         payload = self._payload()
         nbytes = sum(len(t.buffer) for t in payload) + (100 if self.fault == "truncated" else 0)
         parts = list(stream_parts(payload))

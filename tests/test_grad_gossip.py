@@ -308,24 +308,22 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
         accepted = asyncio.get_running_loop().create_future()
 
         async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:
-            yield averaging_pb2.DownloadData(metadata=encode_metadata(offer))
-            if not await accepted:  # noqa: B023  (each attempt waits on its own future)
-                return
-            for part in stream_parts(payload):
+            parts = list(stream_parts(payload))
+            yield averaging_pb2.DownloadData(tensor_part=parts[0], metadata=encode_metadata(offer))
+            for part in parts[1:]:
                 yield averaging_pb2.DownloadData(tensor_part=part)
-            await commit.wait()  # noqa: B023
-            yield averaging_pb2.DownloadData(metadata=encode_metadata({"commit": True}))
+            if await accepted:  # noqa: B023  (each attempt waits on its own future)
+                await commit.wait()  # noqa: B023
+                yield averaging_pb2.DownloadData(metadata=encode_metadata({"commit": True}))
 
         responses = await stub.rpc_exchange(requests())
-        reply = decode_metadata((await responses.__anext__()).metadata)
-        accepted.set_result(reply == exchange.ACCEPTED)
-        if reply == exchange.ACCEPTED:
-            first = await responses.__anext__()
-            answer = decode_metadata(first.metadata)
-            assert answer.get("status") == "ok", answer
+        first = await responses.__anext__()
+        answer = decode_metadata(first.metadata)
+        accepted.set_result(answer.get("status") == "ok")
+        if answer.get("status") == "ok":
             await read_payload(responses, first, int(answer["nbytes"]), chunk_timeout_s=5.0)
             return responses, commit
-        assert reply.get("reason") == WRONG_ROUND, reply
+        assert answer.get("reason") == WRONG_ROUND, answer
         await asyncio.sleep(ROUND_RETRY_S)  # what a real initiator does: ask again when it may have reached our round
 
 
@@ -351,9 +349,8 @@ class GossipServicer(exchange.GossipServicer):  # same class name: hivemind rout
 
     async def rpc_exchange(self, requests: AsyncIterator[averaging_pb2.DownloadData],
                            _context: Any) -> AsyncIterator[averaging_pb2.DownloadData]:
-        async for _message in requests:  # the offer's header (never validated here)
+        async for _message in requests:  # the offer's first message (never validated here)
             break
-        yield averaging_pb2.DownloadData(metadata=encode_metadata(exchange.ACCEPTED))
         codec, payload = self._answer()
         nbytes = payload_bytes(payload) + (100 if self.fault == "truncated" else 0)
         parts = list(stream_parts(payload))

@@ -1,10 +1,10 @@
 """The gossip exchange: one push-pull call over hivemind P2P in which two peers swap payloads, then both commit.
 
 Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metadata + tensor chunks):
-1. the initiator sends an offer header (run id, model fingerprint, kind, round, codec, tensor count, bytes);
-2. the responder refuses at once (busy, wrong run, wrong model, not in its round) or accepts, and only then does
-   the initiator send its payload (a refused offer costs a header, not a payload: DiLoCo asks a partner not yet in
-   its round again and again); the responder reads it whole, validates it, and answers with its header and payload;
+1. the initiator sends an offer header (run id, model fingerprint, kind, round, codec, tensor count, bytes) with
+   its payload;
+2. the responder refuses at once (busy, wrong run, wrong model) or reads the whole payload, decodes and validates
+   it, and answers with its own header and payload;
 3. the initiator reads and validates that payload and sends `commit`; the responder applies its mix and acks;
 4. the initiator applies its mix when the ack arrives.
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
@@ -51,9 +51,6 @@ logger = logging.getLogger(__name__)
 
 Payload = list[runtime_pb2.Tensor]
 Apply = Callable[[], None]
-
-
-ACCEPTED = {"status": "accepted"}  # the responder's first answer to an offer it takes: send the payload now
 
 
 class ExchangeRefused(Exception):
@@ -104,22 +101,19 @@ class ExchangeOutcome:
     seconds: float
 
 
-async def read_payload(messages: AsyncIterator[averaging_pb2.DownloadData],
-                       first: averaging_pb2.DownloadData | None, nbytes: int, chunk_timeout_s: float) -> Payload:
-    """Exactly `nbytes` of tensor data (its first chunk in `first`, if taken); more or less is a WireError."""
+async def read_payload(messages: AsyncIterator[averaging_pb2.DownloadData], first: averaging_pb2.DownloadData,
+                       nbytes: int, chunk_timeout_s: float) -> Payload:
+    """Read exactly `nbytes` of tensor data (the first chunk is in `first`); more or less is a WireError."""
     return await read_tensors(messages, lambda m: m.tensor_part, nbytes, chunk_timeout_s, first=first,
                               exact_bytes=nbytes)
 
 
-def _messages(header: dict[str, Any] | None, payload: Payload) -> list[averaging_pb2.DownloadData]:
-    """The payload as stream messages; the header, if any, rides on the first one."""
+def _messages(header: dict[str, Any], payload: Payload) -> list[averaging_pb2.DownloadData]:
+    """Header and payload as stream messages; the header rides on the first one."""
     parts = list(stream_parts(payload)) or [runtime_pb2.Tensor()]
-    first = averaging_pb2.DownloadData(tensor_part=parts[0], metadata=encode_metadata(header) if header else b"")
-    return [first] + [averaging_pb2.DownloadData(tensor_part=part) for part in parts[1:]]
-
-
-def _header_only(header: dict[str, Any]) -> averaging_pb2.DownloadData:
-    return averaging_pb2.DownloadData(metadata=encode_metadata(header))
+    messages = [averaging_pb2.DownloadData(tensor_part=parts[0], metadata=encode_metadata(header))]
+    messages += [averaging_pb2.DownloadData(tensor_part=part) for part in parts[1:]]
+    return messages
 
 
 def _refusal(reason: str) -> averaging_pb2.DownloadData:
@@ -249,13 +243,11 @@ class GossipServicer(ServicerBase):
             yield _refusal(opened)
             return
         inbound.opened = opened
-        yield _header_only(ACCEPTED)
-        async for message in self._answer(inbound, header, nbytes, opened):
+        async for message in self._answer(inbound, first, header, nbytes, opened):
             yield message
 
     async def _read_offer(self, inbound: _Inbound) -> tuple[averaging_pb2.DownloadData, dict[str, Any], int]:
-        """The offer's header message (no payload before we accept it), its header (with the sender libp2p
-        authenticated) and announced bytes."""
+        """The offer's first message, its header (with the sender libp2p authenticated) and announced bytes."""
         try:
             first = await asyncio.wait_for(inbound.requests.__anext__(), timeout=self.message_timeout_s)
         except StopAsyncIteration:
@@ -263,8 +255,6 @@ class GossipServicer(ServicerBase):
         except asyncio.TimeoutError:
             raise WireTimeout(f"no offer within {self.message_timeout_s:.1f} s") from None
         header = decode_metadata(first.metadata)
-        if first.HasField("tensor_part"):
-            raise WireError("the offer sent payload before it was accepted")
         header["sender"] = inbound.peer
         nbytes = header.get("nbytes")
         if type(nbytes) is not int:
@@ -274,11 +264,12 @@ class GossipServicer(ServicerBase):
         return first, header, nbytes
 
     async def _answer(
-        self, inbound: _Inbound, header: dict[str, Any], nbytes: int, opened: OpenExchange,
+        self, inbound: _Inbound, first: averaging_pb2.DownloadData, header: dict[str, Any], nbytes: int,
+        opened: OpenExchange,
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         inbound.arm(self.limits.transfer_s(nbytes) - (time.monotonic() - inbound.started), "slow_send")
         try:
-            partner_payload = await read_payload(inbound.requests, None, nbytes, self.message_timeout_s)
+            partner_payload = await read_payload(inbound.requests, first, nbytes, self.message_timeout_s)
             apply = opened.validate(header, partner_payload)
         except (WireError, ValueError) as e:
             inbound.disarm()
@@ -313,26 +304,22 @@ async def push_pull(
     The returned outcome's `apply` mixes on our side; the partner mixes when it reads our commit.
     """
     started = time.monotonic()
-    accepted, decision = (asyncio.get_running_loop().create_future() for _ in range(2))  # send the payload, commit
+    decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    offer = dict(header, nbytes=payload_bytes(payload))
 
     async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:
-        yield _header_only(dict(header, nbytes=payload_bytes(payload)))
-        if not await asyncio.shield(accepted):  # shielded: closing this stream must not cancel the futures
-            return
-        for message in _messages(None, payload):
+        for message in _messages(offer, payload):
             yield message
-        if await asyncio.shield(decision):
+        if await asyncio.shield(decision):  # shielded: closing this stream must not cancel the decision
             yield averaging_pb2.DownloadData(metadata=encode_metadata({"commit": True}))
 
     try:
         outcome = await asyncio.wait_for(
-            _initiate(p2p, peer_id, namespace, requests(), (accepted, decision), validate, max_payload_bytes,
-                      deadline_s, route),
+            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route),
             deadline_s)
     finally:
-        for future in (accepted, decision):
-            if not future.done():
-                future.set_result(False)
+        if not decision.done():
+            decision.set_result(False)
     outcome.bytes_sent = payload_bytes(payload)
     outcome.seconds = time.monotonic() - started
     return outcome
@@ -340,9 +327,8 @@ async def push_pull(
 
 async def _initiate(
     p2p: P2P, peer_id: PeerID, namespace: str, requests: AsyncIterator[averaging_pb2.DownloadData],
-    decisions: "tuple[asyncio.Future[bool], asyncio.Future[bool]]",
-    validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
-    route: Route | None,
+    decision: "asyncio.Future[bool]", validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int,
+    chunk_timeout_s: float, route: Route | None,
 ) -> ExchangeOutcome:
     if route is None:
         stream = await GossipServicer.get_stub(p2p, peer_id, namespace=namespace).rpc_exchange(requests)
@@ -351,21 +337,17 @@ async def _initiate(
     # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
     # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
     async with contextlib.aclosing(stream) as responses:
-        return await _exchange(responses, decisions, validate, max_payload_bytes, chunk_timeout_s)
+        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s)
 
 
 async def _exchange(
-    responses: AsyncIterator[averaging_pb2.DownloadData],
-    decisions: "tuple[asyncio.Future[bool], asyncio.Future[bool]]",
+    responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
 ) -> ExchangeOutcome:
-    """Our side once the offer's header is sent: `decisions` are (send our payload, commit)."""
-    accepted, decision = decisions
-    reply = decode_metadata((await _next_answer(responses)).metadata)
-    if reply != ACCEPTED:
-        raise ExchangeRefused(str(reply.get("reason", "refused")))
-    accepted.set_result(True)
-    first = await _next_answer(responses)
+    try:
+        first = await responses.__anext__()
+    except StopAsyncIteration:
+        raise WireError("partner closed the stream without an answer") from None
     answer = decode_metadata(first.metadata)
     if answer.get("status") != "ok":
         raise ExchangeRefused(str(answer.get("reason", "refused")))
@@ -375,18 +357,13 @@ async def _exchange(
     partner_payload = await read_payload(responses, first, nbytes, chunk_timeout_s)
     apply = validate(answer, partner_payload)
     decision.set_result(True)
-    ack = await _next_answer(responses, "before confirming the mix")
+    try:
+        ack = await responses.__anext__()
+    except StopAsyncIteration:
+        raise WireError("partner closed the stream before confirming the mix") from None
     if decode_metadata(ack.metadata).get("applied") is not True:
         raise WireError("partner did not confirm the mix")
     return ExchangeOutcome(apply, answer, 0, payload_bytes(partner_payload), 0.0)
-
-
-async def _next_answer(responses: AsyncIterator[averaging_pb2.DownloadData],
-                       when: str = "without an answer") -> averaging_pb2.DownloadData:
-    try:
-        return await responses.__anext__()
-    except StopAsyncIteration:
-        raise WireError(f"partner closed the stream {when}") from None
 
 
 async def serve_exchanges(p2p: P2P, handler: ExchangeHandler, entry: RelayEntry | None = None) -> None:
