@@ -5,14 +5,20 @@ connections carried: payloads, protobuf and yamux framing, encryption, DHT traff
 `ss -tinpO` reads tcp_info per socket (bytes_acked, bytes_received) with the process that owns it. Connections
 that close before the second reading are not counted: libp2p keeps one connection per pair of peers open, so the
 counters of a swarm that trains between two readings hold what it sent.
+
+Alone, it prints what every P2P daemon on this machine has carried so far (a local testnet's, say):
+
+    python benchmarks/wire_bytes.py [--pids 1234,5678]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import shutil
 import subprocess
+import sys
 
 import psutil
 
@@ -67,3 +73,32 @@ def tcp_bytes(pids: set[int]) -> WireBytes | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_ss(output, pids)
+
+
+def all_daemon_pids() -> set[int]:
+    """Every P2P daemon on this machine."""
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == DAEMON_NAME}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="TCP bytes the P2P daemons on this machine have sent and received "
+                                                 "over their established connections (kernel counters, via ss)")
+    parser.add_argument("--pids", default="", help="comma-separated daemon pids (default: every p2pd)")
+    args = parser.parse_args(argv)
+    try:
+        pids = {int(p) for p in args.pids.split(",") if p} or all_daemon_pids()
+    except ValueError:
+        parser.error(f"--pids must be comma-separated numbers, got {args.pids!r}")
+    if not pids:
+        print("no P2P daemon (p2pd) is running on this machine")
+        return 0
+    print(f"{'pid':>8} {'sent MB':>10} {'received MB':>12}")
+    for pid in sorted(pids):
+        counted = tcp_bytes({pid})
+        print(f"{pid:>8} " + (f"{counted.sent / 1e6:>10.3f} {counted.received / 1e6:>12.3f}" if counted else
+                              f"{'–':>10} {'–':>12}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
-from benchmarks.wire_bytes import WireBytes, parse_ss, tcp_bytes  # noqa: E402
+import pytest  # noqa: E402
+
+from benchmarks.wire_bytes import WireBytes, main, parse_ss, tcp_bytes  # noqa: E402
 
 SS_OUTPUT = """\
 0 0 127.0.0.1:41234 127.0.0.1:38765 users:(("p2pd",pid=1234,fd=12)) cubic wscale:7,7 rto:204 mss:32768 \
@@ -31,3 +33,13 @@ def test_only_the_sockets_of_the_given_daemons_count_and_acked_bytes_are_what_wa
 
 def test_no_daemon_reads_as_unknown_not_zero():
     assert tcp_bytes(set()) is None
+
+
+def test_the_script_prints_a_row_per_daemon_and_refuses_bad_pids_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--pids", "999999"]) == 0  # no such process: no socket of its own, nothing counted
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["pid", "sent", "MB", "received", "MB"] and out[1].split() in (
+        ["999999", "0.000", "0.000"], ["999999", "–", "–"])  # "–" where ss is not installed
+    with pytest.raises(SystemExit) as exited:
+        main(["--pids", "12,x"])
+    assert exited.value.code == 2 and "--pids must be comma-separated numbers" in capsys.readouterr().err
