@@ -352,3 +352,53 @@ def test_a_diloco_swarm_with_the_sparse_codec_trains_in_step():
     assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
     for member in members:  # what the codec left out waits in each peer's own residual, to be sent later
         assert norm(member.sync.averager.exchange.feedback.residual) > 0  # type: ignore[attr-defined]
+
+
+def count_opens(transport: ExchangeAllReduce) -> list[tuple[int, str]]:
+    """Record every offer `transport` judges: (its stage, 'accepted' or the refusal)."""
+    seen: list[tuple[int, str]] = []
+    plain_open = transport.open
+
+    def open_(self: ExchangeAllReduce, header: dict[str, Any]) -> Any:
+        verdict = plain_open(header)
+        seen.append((header.get("round"), verdict if isinstance(verdict, str) else "accepted"))
+        return verdict
+
+    transport.open = types.MethodType(open_, transport)  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.network
+def test_an_offer_a_moment_early_is_held_until_the_member_gets_there_and_crosses_once():
+    """The opener ends its inner phase first: its offer waits at the other member, unread, until that member's
+    round begins, then is judged once and accepted (refused as 'not in this round', it was made again with its
+    whole payload every 20-250 ms). Its time mixes waiting with transfer, so it does not measure the link."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        opener, late = sorted(transports, key=lambda t: t.own_id)
+        seen = count_opens(late)
+
+        async def late_gather() -> Any:
+            await asyncio.sleep(1.0)  # still computing when the opener's offer arrives
+            return await late.gather(deltas(1), [opener.own_id], 0, 3.0)
+
+        results = await asyncio.gather(opener.gather(deltas(0), [late.own_id], 0, 3.0), late_gather())
+        mean = exact_average([deltas(0), deltas(1)])
+        assert all(r.group_size == 2 and distance(r.delta, mean) <= 1e-6 * norm(mean) for r in results)
+        assert [verdict for stage, verdict in seen if stage == 0] == ["accepted"], seen
+        assert opener.links.to(late.own_id).num_measurements == 0
+
+    with_transports(2, scenario)
+
+
+@pytest.mark.network
+def test_an_offer_is_held_no_longer_than_the_initiators_patience_when_the_member_never_comes():
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        opener, absent = sorted(transports, key=lambda t: t.own_id)
+        seen = count_opens(absent)
+        started = asyncio.get_running_loop().time()
+        result = await opener.gather(deltas(0), [absent.own_id], 0, 1.0)
+        elapsed = asyncio.get_running_loop().time() - started
+        assert result.group_size == 1 and 0.9 <= elapsed < 3.0, elapsed
+        assert seen and all(verdict == "not in this round" for _, verdict in seen), seen
+
+    with_transports(2, scenario)

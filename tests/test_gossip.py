@@ -235,7 +235,7 @@ def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
 def test_the_responder_learns_who_offers_from_libp2p_not_from_the_offer() -> None:
     seen: list[str] = []
 
-    class Recorder:
+    class Recorder(exchange.JudgedAtOnce):
         def open(self, header: dict[str, Any]) -> str:
             seen.append(header["sender"])
             return "busy"

@@ -49,7 +49,7 @@ class Exchange:
         self.handler.closed.set()
 
 
-class Handler:
+class Handler(exchange.JudgedAtOnce):
     """An ExchangeHandler that accepts `capacity` exchanges at once and records what happens to them."""
 
     namespace, max_payload_bytes, chunk_timeout_s = NS, 2**22, 60.0  # 60 s: SyncConfig.state_download_timeout_s

@@ -4,7 +4,8 @@ Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metad
 1. the initiator sends an offer header (run id, model fingerprint, kind, round, codec, tensor count, bytes) with
    its payload;
 2. the responder refuses at once (busy, wrong run, wrong model) or reads the whole payload, decodes and validates
-   it, and answers with its own header and payload;
+   it, and answers with its own header and payload; an offer for a round the responder is a moment from reaching
+   may first be held, its payload unread, for at most the offer's `hold_s` (the handler's `ready`);
 3. the initiator reads and validates that payload and sends `commit`; the responder applies its mix and acks;
 4. the initiator applies its mix when the ack arrives.
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
@@ -87,9 +88,21 @@ class ExchangeHandler(Protocol):
     @property
     def reputation(self) -> Reputation: ...  # the peer's one record of offences, shared by all its transports
 
+    async def ready(self, header: dict[str, Any]) -> None:
+        """Return once the offer can be judged: at once, or (bounded by the handler) when the round it is for, a
+        moment away, begins (sync/round_gate.py). Its payload is not read meanwhile."""
+        ...
+
     def open(self, header: dict[str, Any]) -> "OpenExchange | str":
         """Accept an offer (returns the open exchange) or refuse it (returns the reason)."""
         ...
+
+
+class JudgedAtOnce:
+    """An `ExchangeHandler` that holds no offer: `ready` returns at once."""
+
+    async def ready(self, header: dict[str, Any]) -> None:
+        return None
 
 
 @dataclasses.dataclass
@@ -130,7 +143,8 @@ class _Inbound:
 
     def __init__(self, servicer: "GossipServicer", peer: str, requests: AsyncIterator[averaging_pb2.DownloadData]):
         self.servicer, self.peer, self.requests = servicer, peer, requests
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # when we were ready to read its payload (after a hold)
+        self.held_s = 0.0  # how long the handler held the offer before judging it
         self.opened: OpenExchange | None = None
         self._task = asyncio.current_task()
         self._timer: asyncio.TimerHandle | None = None
@@ -238,6 +252,8 @@ class GossipServicer(ServicerBase):
             self._offence(inbound.peer, e)
             yield _refusal(f"malformed offer: {e}")
             return
+        await self.handler.ready(header)
+        inbound.held_s, inbound.started = time.monotonic() - inbound.started, time.monotonic()
         opened = self.handler.open(header)
         if isinstance(opened, str):
             yield _refusal(opened)
@@ -277,7 +293,7 @@ class GossipServicer(ServicerBase):
             self._offence(inbound.peer, e)
             yield _refusal(f"invalid payload: {e}")
             return
-        answer = dict(opened.header, status="ok", nbytes=payload_bytes(opened.payload))
+        answer = dict(opened.header, status="ok", nbytes=payload_bytes(opened.payload), held_s=inbound.held_s)
         # the initiator takes our payload, checks it and commits: as long as our payload takes to arrive
         inbound.arm(self.limits.transfer_s(answer["nbytes"]), "uncommitted")
         for message in _messages(answer, opened.payload):
@@ -296,16 +312,18 @@ class GossipServicer(ServicerBase):
 async def push_pull(
     p2p: P2P, peer_id: PeerID, namespace: str, header: dict[str, Any], payload: Payload,
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, deadline_s: float,
-    route: Route | None = None,
+    route: Route | None = None, hold_s: float = 0.0,
 ) -> ExchangeOutcome:
     """Offer `payload` to `peer_id` (directly, or through `route`'s relay) and take its payload back; raises
     ExchangeRefused, WireError or TimeoutError.
 
-    The returned outcome's `apply` mixes on our side; the partner mixes when it reads our commit.
+    `hold_s`: how long the partner may hold the offer before it judges it (while it has not reached our round),
+    on top of the exchange's `deadline_s`. The returned outcome's `apply` mixes on our side; the partner mixes when
+    it reads our commit.
     """
     started = time.monotonic()
     decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    offer = dict(header, nbytes=payload_bytes(payload))
+    offer = dict(header, nbytes=payload_bytes(payload), hold_s=hold_s)
 
     async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:
         for message in _messages(offer, payload):
@@ -316,7 +334,7 @@ async def push_pull(
     try:
         outcome = await asyncio.wait_for(
             _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route),
-            deadline_s)
+            deadline_s + hold_s)
     finally:
         if not decision.done():
             decision.set_result(False)

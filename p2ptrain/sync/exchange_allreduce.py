@@ -294,9 +294,11 @@ class ExchangeAllReduce(GradGossip):
     # ---- exchanges, and what they bring ----------------------------------------------------------------------------
     async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
                             stats: RoundSync) -> None:
-        """Open exchanges with all of `live_peers` at once (gossip opens one after another); those not in our
-        round yet are asked again (`retry_delay_s`) for up to `patience_s`."""
+        """Open exchanges with all of `live_peers` at once (gossip opens one after another); a member a moment
+        from our round holds our offer until it gets there (round_gate.py), and one that refuses it as not in its
+        round yet is asked again (`retry_delay_s`), for up to `patience_s` in all."""
         give_up_at, attempt = time.monotonic() + patience_s, 0
+        rnd.hold_until = give_up_at
         candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
         while candidates:
             reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]

@@ -49,6 +49,7 @@ from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND
+from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
@@ -72,6 +73,15 @@ def outer_gradient_codec(config: SyncConfig) -> Codec:
     return get_codec(config.grad_codec, **options)
 
 
+def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
+    """An exchange's transfer time: its `seconds` less what the responder says it held our offer (its word: it may
+    halve the time at most, or the exchange measures nothing; so a lie fakes a link twice as fast at most)."""
+    held_s = answer.get("held_s", 0.0)
+    if type(held_s) is not float or not 0.0 <= held_s <= seconds / 2:
+        return None
+    return seconds - held_s
+
+
 class RoundClosed(RuntimeError):
     """A commit after the round closed: raised in the servicer's apply, so no ack goes out and neither side mixes."""
 
@@ -93,6 +103,7 @@ class Mix2Round:
         self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
         self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
         self.closing = self.closed = False
+        self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
         self.idle = asyncio.Event()  # set while no accepted offer is in flight
         self.idle.set()
 
@@ -196,11 +207,22 @@ class GradGossip:
         self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
         self.rng = random.Random(seed)
         self.links = links if links is not None else LinkSpeeds()  # the peer's one table, shared with Mix1
-        self.current: Mix2Round | None = None  # the latest round's Mix2 (closed once `mix` returned)
+        self.gate = RoundGate()  # the round we are in, and offers held for the next one
+        self._current: Mix2Round | None = None
         self.namespace = f"{run_id}.{kind}"
         self.chunk_timeout_s = config.state_download_timeout_s
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
+
+    @property
+    def current(self) -> Mix2Round | None:
+        """The latest round's Mix2 (closed once `mix` returned)."""
+        return self._current
+
+    @current.setter
+    def current(self, rnd: Mix2Round) -> None:
+        self._current = rnd
+        self.gate.advance_(rnd.round)
 
     # ---- one round ------------------------------------------------------------------------------------------------
     async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
@@ -256,7 +278,7 @@ class GradGossip:
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         """One exchange we start (its slot is reserved); returns "ok", "failed" or the partner's refusal."""
-        nbytes = payload_bytes(rnd.payload)
+        nbytes, hold_s = payload_bytes(rnd.payload), max(0.0, rnd.hold_until - time.monotonic())
         link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
@@ -278,7 +300,8 @@ class GradGossip:
 
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
-                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner))
+                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
+                                      hold_s)
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
@@ -292,13 +315,19 @@ class GradGossip:
             return "failed"
         finally:
             rnd.release_(partner, outgoing=True)
-        if self.measures_link(rnd):
-            link.update_(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
+        measured_s = transfer_s(outcome.partner_header, outcome.seconds)
+        if self.measures_link(rnd) and measured_s is not None:
+            link.update_(outcome.bytes_sent + outcome.bytes_received, measured_s)
         stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
         return "ok"
 
     # ---- responder ------------------------------------------------------------------------------------------------
+    async def ready(self, header: dict[str, Any]) -> None:
+        """Hold an offer for a round we are a moment from reaching (round_gate.py), at most our patience."""
+        if type(header.get("round")) is int:
+            await self.gate.wait_for(header["round"], offered_hold_s(header, self.config.matchmaking_s))
+
     def open(self, header: dict[str, Any]) -> OpenExchange | str:
         """Accept an offer for our current round once our s is set, within our degree cap; refuse anything else.
 

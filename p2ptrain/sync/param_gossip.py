@@ -34,7 +34,7 @@ from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weig
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.robust import AdaptiveClip, agreed_weight, all_finite, own_move
 from p2ptrain.maths.topology import draw_partners
-from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.exchange import Apply, ExchangeRefused, JudgedAtOnce, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
@@ -84,7 +84,7 @@ class _Exchange:
         self.mixer.release_responder()
 
 
-class ParamGossip:
+class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
     """Offers and answers pairwise exchanges of one kind of value ("gasloc" proposals or "mix1" parameters).
 
     `links` is the peer's one table of measured links (shared with its gradient gossip, if any); `reputation` the
