@@ -5,7 +5,8 @@ Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metad
    its payload;
 2. the responder refuses at once (busy, wrong run, wrong model) or reads the whole payload, decodes and validates
    it, and answers with its own header and payload; an offer for a round the responder is a moment from reaching
-   may first be held, its payload unread, for at most the offer's `hold_s` (the handler's `ready`);
+   may first be held, its payload unread, for at most the offer's `hold_s` (the handler's `hold`): the responder
+   then says 'held' at once, so an initiator that hears nothing within its deadline still knows its partner gone;
 3. the initiator reads and validates that payload and sends `commit`; the responder applies its mix and acks;
 4. the initiator applies its mix when the ack arrives.
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
@@ -23,13 +24,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps the frames hivemind reads from peers)
+from p2ptrain.net.inbound_exchange import InboundExchange
 from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import ResponderLimits, Slots
@@ -51,6 +53,7 @@ from p2ptrain.net.wire import (
 logger = logging.getLogger(__name__)
 
 Payload = list[runtime_pb2.Tensor]
+HELD = "held"  # the responder holds our offer until it reaches our round; its answer follows
 Apply = Callable[[], None]
 
 
@@ -88,9 +91,9 @@ class ExchangeHandler(Protocol):
     @property
     def reputation(self) -> Reputation: ...  # the peer's one record of offences, shared by all its transports
 
-    async def ready(self, header: dict[str, Any]) -> None:
-        """Return once the offer can be judged: at once, or (bounded by the handler) when the round it is for, a
-        moment away, begins (sync/round_gate.py). Its payload is not read meanwhile."""
+    def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
+        """None to judge the offer at once; or a wait (bounded by the handler) that ends when the round the offer
+        is for, a moment away, begins (sync/round_gate.py). Its payload is not read meanwhile."""
         ...
 
     def open(self, header: dict[str, Any]) -> "OpenExchange | str":
@@ -99,9 +102,9 @@ class ExchangeHandler(Protocol):
 
 
 class JudgedAtOnce:
-    """An `ExchangeHandler` that holds no offer: `ready` returns at once."""
+    """An `ExchangeHandler` that holds no offer."""
 
-    async def ready(self, header: dict[str, Any]) -> None:
+    def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
         return None
 
 
@@ -133,61 +136,6 @@ def _refusal(reason: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
 
-class _Inbound:
-    """One inbound exchange holding a slot: who offers it, its messages, its deadline, and what to release.
-
-    The deadline is a timer that cancels the task serving the exchange (hivemind serves each inbound stream in its
-    own task, and ends the stream when that task ends). It is the one bound that also holds while we are suspended
-    handing our payload to an initiator that stopped reading it: no timeout of ours runs then.
-    """
-
-    def __init__(self, servicer: "GossipServicer", peer: str, requests: AsyncIterator[averaging_pb2.DownloadData]):
-        self.servicer, self.peer, self.requests = servicer, peer, requests
-        self.started = time.monotonic()  # when we were ready to read its payload (after a hold)
-        self.held_s = 0.0  # how long the handler held the offer before judging it
-        self.opened: OpenExchange | None = None
-        self._task = asyncio.current_task()
-        self._timer: asyncio.TimerHandle | None = None
-        self._released = False
-        self.payload_sent = self.committed = self.penalised = False  # our value shown; it committed; it paid
-
-    def arm(self, seconds: float, offence: str) -> None:
-        """Drop the exchange `seconds` from now, and penalise its sender for `offence`."""
-        self.disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, offence)
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def release(self) -> None:
-        """Free our slot and the handler's exchange, once: when the task ends or at the deadline, whichever comes
-        first (a task cancelled while suspended in our `yield` finalizes this generator only later)."""
-        if not self._released:
-            self._released = True
-            self.disarm()
-            if self.payload_sent and not self.committed:  # it saw our value and walked away (or the stream broke)
-                self.penalise("uncommitted", "took our payload and ended without a commit")
-            self.servicer.slots.give_back(self.peer)
-            if self.opened is not None:
-                self.opened.close()
-
-    def penalise(self, offence: str, detail: str) -> None:
-        """Record this exchange's one offence (a later one of the same exchange is not counted again)."""
-        if not self.penalised:
-            self.penalised = True
-            self.servicer.reputation.penalise(self.peer, offence, detail)
-
-    def _expire(self, offence: str) -> None:
-        detail = f"exchange dropped after {time.monotonic() - self.started:.1f} s"
-        logger.info(f"{detail}: {self.peer} ({offence})")
-        self.penalise(offence, detail)
-        self.release()
-        if self._task is not None:
-            self._task.cancel()
-
-
 class GossipServicer(ServicerBase):
     """Answers exchange offers for one run; `handler` decides what to send and how to mix, `reputation` (a private
     one if None) records offences, `limits` bound what initiators get."""
@@ -209,7 +157,7 @@ class GossipServicer(ServicerBase):
             yield _refusal(refusal)
             await self._drain_refused(requests)
             return
-        inbound = _Inbound(self, peer, requests)
+        inbound = InboundExchange(peer, requests, self.slots, self.reputation)
         try:
             async for message in self._respond(inbound):
                 yield message
@@ -245,15 +193,18 @@ class GossipServicer(ServicerBase):
                    else "malformed" if isinstance(error, WireError) else "invalid_payload")
         self.reputation.penalise(peer, offence, str(error))
 
-    async def _respond(self, inbound: _Inbound) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def _respond(self, inbound: InboundExchange) -> AsyncIterator[averaging_pb2.DownloadData]:
         try:
             first, header, nbytes = await self._read_offer(inbound)
         except WireError as e:
             self._offence(inbound.peer, e)
             yield _refusal(f"malformed offer: {e}")
             return
-        await self.handler.ready(header)
-        inbound.held_s, inbound.started = time.monotonic() - inbound.started, time.monotonic()
+        wait = self.handler.hold(header)
+        if wait is not None:
+            yield averaging_pb2.DownloadData(metadata=encode_metadata({"status": HELD}))
+            await wait
+            inbound.held_s, inbound.started = time.monotonic() - inbound.started, time.monotonic()
         opened = self.handler.open(header)
         if isinstance(opened, str):
             yield _refusal(opened)
@@ -262,7 +213,7 @@ class GossipServicer(ServicerBase):
         async for message in self._answer(inbound, first, header, nbytes, opened):
             yield message
 
-    async def _read_offer(self, inbound: _Inbound) -> tuple[averaging_pb2.DownloadData, dict[str, Any], int]:
+    async def _read_offer(self, inbound: InboundExchange) -> tuple[averaging_pb2.DownloadData, dict[str, Any], int]:
         """The offer's first message, its header (with the sender libp2p authenticated) and announced bytes."""
         try:
             first = await asyncio.wait_for(inbound.requests.__anext__(), timeout=self.message_timeout_s)
@@ -280,7 +231,7 @@ class GossipServicer(ServicerBase):
         return first, header, nbytes
 
     async def _answer(
-        self, inbound: _Inbound, first: averaging_pb2.DownloadData, header: dict[str, Any], nbytes: int,
+        self, inbound: InboundExchange, first: averaging_pb2.DownloadData, header: dict[str, Any], nbytes: int,
         opened: OpenExchange,
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         inbound.arm(self.limits.transfer_s(nbytes) - (time.monotonic() - inbound.started), "slow_send")
@@ -362,11 +313,9 @@ async def _exchange(
     responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
 ) -> ExchangeOutcome:
-    try:
-        first = await responses.__anext__()
-    except StopAsyncIteration:
-        raise WireError("partner closed the stream without an answer") from None
-    answer = decode_metadata(first.metadata)
+    first, answer = await _answer_of(responses, chunk_timeout_s)
+    if answer.get("status") == HELD:  # it is alive and will answer once in our round: `push_pull`'s deadline rules
+        first, answer = await _answer_of(responses, None)
     if answer.get("status") != "ok":
         raise ExchangeRefused(str(answer.get("reason", "refused")))
     nbytes = int(answer.get("nbytes", -1))
@@ -382,6 +331,16 @@ async def _exchange(
     if decode_metadata(ack.metadata).get("applied") is not True:
         raise WireError("partner did not confirm the mix")
     return ExchangeOutcome(apply, answer, 0, payload_bytes(partner_payload), 0.0)
+
+
+async def _answer_of(responses: AsyncIterator[averaging_pb2.DownloadData],
+                     timeout_s: float | None) -> tuple[averaging_pb2.DownloadData, dict[str, Any]]:
+    """The partner's next message and its header, within `timeout_s` (a partner that vanished says nothing)."""
+    try:
+        first = await asyncio.wait_for(responses.__anext__(), timeout_s)
+    except StopAsyncIteration:
+        raise WireError("partner closed the stream without an answer") from None
+    return first, decode_metadata(first.metadata)
 
 
 async def serve_exchanges(p2p: P2P, handler: ExchangeHandler, entry: RelayEntry | None = None) -> None:

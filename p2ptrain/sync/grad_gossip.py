@@ -31,7 +31,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import torch
@@ -323,10 +323,12 @@ class GradGossip:
         return "ok"
 
     # ---- responder ------------------------------------------------------------------------------------------------
-    async def ready(self, header: dict[str, Any]) -> None:
+    def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
         """Hold an offer for a round we are a moment from reaching (round_gate.py), at most our patience."""
-        if type(header.get("round")) is int:
-            await self.gate.wait_for(header["round"], offered_hold_s(header, self.config.matchmaking_s))
+        round_, hold_s = header.get("round"), offered_hold_s(header, self.config.matchmaking_s)
+        if type(round_) is not int or hold_s <= 0 or not self.gate.may_hold(round_):
+            return None
+        return self.gate.wait_for(round_, hold_s)
 
     def open(self, header: dict[str, Any]) -> OpenExchange | str:
         """Accept an offer for our current round once our s is set, within our degree cap; refuse anything else.
