@@ -202,8 +202,12 @@ class GossipServicer(ServicerBase):
             return
         wait = self.handler.hold(header)
         if wait is not None:
-            yield averaging_pb2.DownloadData(metadata=encode_metadata({"status": HELD}))
-            await wait
+            held = asyncio.ensure_future(wait)  # a task: an initiator gone before our notice leaves no coroutine
+            try:
+                yield averaging_pb2.DownloadData(metadata=encode_metadata({"status": HELD}))
+                await held
+            finally:
+                held.cancel()
             inbound.held_s, inbound.started = time.monotonic() - inbound.started, time.monotonic()
         opened = self.handler.open(header)
         if isinstance(opened, str):
