@@ -45,8 +45,10 @@ from p2ptrain.net.wire import (
     decode_metadata,
     drain,
     encode_metadata,
+    metadata_message,
     payload_bytes,
     read_tensors,
+    refusal,
     stream_parts,
 )
 
@@ -132,10 +134,6 @@ def _messages(header: dict[str, Any], payload: Payload) -> list[averaging_pb2.Do
     return messages
 
 
-def _refusal(reason: str) -> averaging_pb2.DownloadData:
-    return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
-
-
 class GossipServicer(ServicerBase):
     """Answers exchange offers for one run; `handler` decides what to send and how to mix, `reputation` (a private
     one if None) records offences, `limits` bound what initiators get."""
@@ -152,9 +150,9 @@ class GossipServicer(ServicerBase):
         self, requests: AsyncIterator[averaging_pb2.DownloadData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         peer = context.remote_id.to_base58()  # what libp2p authenticated, never what the offer claims
-        refusal = self._admit(peer)
-        if refusal is not None:  # no slot: the offer is not read, the refusal is all we send
-            yield _refusal(refusal)
+        why_not = self._admit(peer)
+        if why_not is not None:  # no slot: the offer is not read, the refusal is all we send
+            yield refusal(why_not)
             await self._drain_refused(requests)
             return
         inbound = InboundExchange(peer, requests, self.slots, self.reputation)
@@ -180,10 +178,10 @@ class GossipServicer(ServicerBase):
         """Take a slot for an offer from `peer`, or say why not (a ban, no admission, too many open exchanges)."""
         if self.reputation.refuses(peer):
             return "banned or not admitted"
-        refusal = self.slots.take(peer)
-        if refusal is not None and refusal != "busy":
-            self.reputation.penalise(peer, "too_many_opens", refusal)
-        return refusal
+        why_not = self.slots.take(peer)
+        if why_not is not None and why_not != "busy":
+            self.reputation.penalise(peer, "too_many_opens", why_not)
+        return why_not
 
     def _offence(self, peer: str, error: ValueError) -> None:
         """Penalise `peer` for what a failed read or validation of its offer or payload says about it."""
@@ -198,20 +196,20 @@ class GossipServicer(ServicerBase):
             first, header, nbytes = await self._read_offer(inbound)
         except WireError as e:
             self._offence(inbound.peer, e)
-            yield _refusal(f"malformed offer: {e}")
+            yield refusal(f"malformed offer: {e}")
             return
         wait = self.handler.hold(header)
         if wait is not None:
             held = asyncio.ensure_future(wait)  # a task: an initiator gone before our notice leaves no coroutine
             try:
-                yield averaging_pb2.DownloadData(metadata=encode_metadata({"status": HELD}))
+                yield metadata_message({"status": HELD})
                 await held
             finally:
                 held.cancel()
             inbound.held_s, inbound.started = time.monotonic() - inbound.started, time.monotonic()
         opened = self.handler.open(header)
         if isinstance(opened, str):
-            yield _refusal(opened)
+            yield refusal(opened)
             return
         inbound.opened = opened
         async for message in self._answer(inbound, first, header, nbytes, opened):
@@ -246,7 +244,7 @@ class GossipServicer(ServicerBase):
             inbound.disarm()
             logger.info(f"refusing an exchange with {inbound.peer}: {e}")
             self._offence(inbound.peer, e)
-            yield _refusal(f"invalid payload: {e}")
+            yield refusal(f"invalid payload: {e}")
             return
         answer = dict(opened.header, status="ok", nbytes=payload_bytes(opened.payload), held_s=inbound.held_s)
         # the initiator takes our payload, checks it and commits: as long as our payload takes to arrive

@@ -33,7 +33,7 @@ from hivemind.proto.averaging_pb2 import DownloadData
 
 from p2ptrain.net.dht import NetworkConfig
 from p2ptrain.net.routes import Route
-from p2ptrain.net.wire import WireError, decode_metadata, drain, encode_metadata
+from p2ptrain.net.wire import WireError, decode_metadata, drain, encode_metadata, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,6 @@ class ByteBudget:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-def _refusal(reason: str) -> DownloadData:
-    return DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
-
-
 async def _paced(messages: AsyncIterator[DownloadData], idle_s: float, budget: ByteBudget,
                  counted: Callable[[int], None]) -> AsyncIterator[DownloadData]:
     """Messages as they come, each within `idle_s` of the last, paced by `budget`, their bytes `counted`."""
@@ -120,7 +116,7 @@ class RelayServer(ServicerBase):
         peer, now = context.remote_id.to_base58(), time.monotonic()
         self.clients = {p: end for p, end in self.clients.items() if end > now}
         if peer not in self.clients and len(self.clients) >= self.limits.max_clients:
-            return _refusal(f"all {self.limits.max_clients} relay slots are taken")
+            return refusal(f"all {self.limits.max_clients} relay slots are taken")
         self.clients[peer] = now + self.limits.lease_s
         return DownloadData(metadata=encode_metadata({"status": "ok", "lease_s": self.limits.lease_s}))
 
@@ -133,10 +129,10 @@ class RelayServer(ServicerBase):
         except (StopAsyncIteration, asyncio.TimeoutError, WireError):
             return
         target, service = routing.get("to"), routing.get("service")
-        refusal = self._admit(source, target, service)
-        if refusal is not None:
+        why_not = self._admit(source, target, service)
+        if why_not is not None:
             self.refused += 1
-            yield _refusal(refusal)
+            yield refusal(why_not)
             await drain(requests, REFUSAL_DRAIN_S)
             return
         self.circuits[source] += 1
@@ -176,7 +172,7 @@ class RelayServer(ServicerBase):
             responses = await asyncio.wait_for(stub.rpc_relayed(upstream()), self.limits.idle_s)
         except Exception as e:  # the target's slot outlived its connection: P2P errors, timeouts
             logger.debug(f"relay: cannot reach {target}: {e!r}")
-            yield _refusal(f"the relay cannot reach {target}")
+            yield refusal(f"the relay cannot reach {target}")
             await drain(requests, REFUSAL_DRAIN_S)
             return
         async with contextlib.aclosing(responses):
@@ -198,7 +194,7 @@ class RelayEntry(ServicerBase):
     async def rpc_relayed(self, requests: AsyncIterator[DownloadData],
                           context: P2PContext) -> AsyncIterator[DownloadData]:
         if context.remote_id.to_base58() not in self.relays:
-            yield _refusal("this peer holds no slot on that relay")
+            yield refusal("this peer holds no slot on that relay")
             await drain(requests, REFUSAL_DRAIN_S)
             return
         try:
@@ -208,7 +204,7 @@ class RelayEntry(ServicerBase):
         source, service = routing.get("from"), routing.get("service")
         handler = self.services.get(service) if isinstance(service, str) else None
         if handler is None or not isinstance(source, str) or not PEER_ID.fullmatch(source):
-            yield _refusal("unknown service or malformed sender")
+            yield refusal("unknown service or malformed sender")
             await drain(requests, REFUSAL_DRAIN_S)
             return
         inner = P2PContext(handle_name=str(service), local_id=context.local_id, remote_id=PeerID.from_base58(source))

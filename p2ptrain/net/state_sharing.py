@@ -31,7 +31,7 @@ from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream fram
 from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.routes import Route
-from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, stream_parts
+from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, refusal, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
@@ -200,13 +200,13 @@ class StateServer(ServicerBase):
             seed = None
         peer = context.remote_id.to_base58()
         if snapshot is None or self.refuses(peer):
-            return _sketch_refusal("no snapshot to sketch")
+            return refusal("no snapshot to sketch")
         if not self.sketch_limit.take(peer):
             self.penalise(peer, "too_many_requests", f"more than {SKETCH_BURST:g} sketch requests at once or "
                                                      f"{SKETCHES_PER_S:g} a second")
-            return _sketch_refusal(f"at most {SKETCHES_PER_S:g} sketch requests a second")
+            return refusal(f"at most {SKETCHES_PER_S:g} sketch requests a second")
         if not _is_int(seed) or not 0 <= seed < MAX_SEED:
-            return _sketch_refusal("the seed must be an integer in [0, 2**64)")
+            return refusal("the seed must be an integer in [0, 2**64)")
         async with self._sketching:
             sketch = await asyncio.get_running_loop().run_in_executor(None, snapshot.sketch, seed)
         answer = {"round": sketch.round, "sketch": sketch.values, "norm": sketch.norm}
@@ -241,10 +241,6 @@ async def _call(p2p: P2P, peer_id: PeerID, namespace: str, method: str, request:
 
 async def _once(message: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
     yield message
-
-
-def _sketch_refusal(reason: str) -> averaging_pb2.DownloadData:
-    return averaging_pb2.DownloadData(metadata=encode_metadata({"status": "refused", "reason": reason}))
 
 
 async def download_state(

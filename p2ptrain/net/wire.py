@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from hivemind.proto import runtime_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 CHUNK_BYTES = 2**20  # bytes of tensor data per stream message
@@ -121,6 +121,16 @@ async def drain(messages: AsyncIterator[Any], timeout_s: float) -> None:
 
 def encode_metadata(metadata: dict[str, Any]) -> bytes:
     return json.dumps(metadata, sort_keys=True).encode()
+
+
+def metadata_message(metadata: dict[str, Any]) -> averaging_pb2.DownloadData:
+    """A stream message that carries metadata alone (a refusal, a notice, a commit)."""
+    return averaging_pb2.DownloadData(metadata=encode_metadata(metadata))
+
+
+def refusal(reason: str) -> averaging_pb2.DownloadData:
+    """The one way any of our services says no to a stream (exchange, relay, state sketches)."""
+    return metadata_message({"status": "refused", "reason": reason})
 
 
 def decode_metadata(raw: bytes) -> dict[str, Any]:
