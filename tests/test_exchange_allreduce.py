@@ -108,6 +108,19 @@ def test_outvoted_counts_reports_of_the_same_round_only():
     assert outvoted(previous, {"b": Reduction(4, digest("a"), {})}) == (2, 0)
 
 
+def test_where_groups_are_drawn_anew_only_the_members_of_our_last_reduction_vote():
+    """Factored's Mix2, 5 peers in groups of 3 then 2: we reduced {me, x, y}; this round's group is {me, u, v}, who
+    were a pair last round. Their reports (another group's reduction) must not make us out of step (a CI run: NAT
+    peers applied only their own Δ in 4 of 7 rounds)."""
+    previous = Reduction(4, digest("mine"), {"me": digest("0"), "x": digest("1"), "y": digest("2")})
+    pair = {"u": Reduction(4, digest("pair"), {"u": digest("3"), "v": digest("4")}),
+            "v": Reduction(4, digest("pair"), {"u": digest("3"), "v": digest("4")})}
+    assert outvoted(previous, pair) == (1, 2)  # one group (DiLoCo): every member has a say
+    assert outvoted(previous, pair, voters=previous.hashes) == (1, 0)
+    left_out = {"x": Reduction(4, digest("xy"), {}), "y": Reduction(4, digest("xy"), {})}  # they reduced without us
+    assert outvoted(previous, {**pair, **left_out}, voters=previous.hashes) == (1, 2)
+
+
 def test_an_equivocator_is_found_and_a_lone_liar_frames_nobody():
     mine = Reduction(2, digest("r"), {"me": digest("0"), "x": digest("1"), "y": digest("2"), "z": digest("3")})
     honest = {"y": Reduction(2, digest("r"), {"x": digest("4"), "y": digest("2")}),

@@ -98,17 +98,18 @@ def offer(payload: list[runtime_pb2.Tensor], **header: Any) -> list[Message]:
                                                                               for p in parts[1:]]
 
 
-async def initiate(p2p: P2P, responder: P2P, messages: list[Message], then: Awaitable[Any] | None = None,
-                   gate: Awaitable[Any] | None = None) -> AsyncIterator[Message]:
+async def initiate(p2p: P2P, responder: P2P, messages: list[Message], then: Callable[[], Awaitable[Any]] | None = None,
+                   gate: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[Message]:
     """Open an exchange by hand: send the first of `messages`, wait for `gate`, send the rest, then wait for `then`
-    (the stream stays open meanwhile); returns the responses. (libp2p opens a stream with its first message.)"""
+    (the stream stays open meanwhile); returns the responses. (libp2p opens a stream with its first message.) `gate`
+    and `then` are called only when reached: a stream closed before leaves no coroutine never awaited."""
     async def requests() -> AsyncIterator[Message]:
         for i, message in enumerate(messages):
             if i == 1 and gate is not None:
-                await gate
+                await gate()
             yield message
         if then is not None:
-            await then
+            await then()
 
     stub = exchange.GossipServicer.get_stub(p2p, responder.peer_id, namespace=NS)
     return await stub.rpc_exchange(requests())
@@ -189,14 +190,14 @@ def test_an_offer_that_stalls_before_its_last_byte_is_dropped_at_its_deadline_an
             servicer = await serve(responder, handler)
             never = asyncio.Event()
             started = time.monotonic()
-            stalled = await initiate(stalling, responder, offer(payload, nbytes=nbytes), then=never.wait())
+            stalled = await initiate(stalling, responder, offer(payload, nbytes=nbytes), then=never.wait)
             await asyncio.wait_for(handler.closed.wait(), timeout=30)
             held_s = time.monotonic() - started
             print(f"a stalled offer held the responder's slot for {held_s:.1f} s")
             assert ResponderLimits().transfer_s(nbytes) - 0.5 < held_s < ResponderLimits().transfer_s(nbytes) + 2
             assert offences(handler, stalling) == {"slow_send": 1}
             assert servicer.slots.held == {} and handler.applied == []
-            ok = await initiate(honest, responder, offer(payload), then=asyncio.sleep(0))
+            ok = await initiate(honest, responder, offer(payload), then=lambda: asyncio.sleep(0))
             assert (await answer_of(ok))["status"] == "ok" and handler.opened[-1] == honest.peer_id.to_base58()
             never.set()
             del stalled  # held until here: hivemind closes a stream whose responses are dropped
@@ -216,7 +217,7 @@ def test_an_initiator_that_takes_our_payload_and_never_commits_is_dropped() -> N
             servicer = await serve(responder, handler, limits)
             never = asyncio.Event()
             started = time.monotonic()
-            await initiate(initiator, responder, offer(tensors(16)), then=never.wait())
+            await initiate(initiator, responder, offer(tensors(16)), then=never.wait)
             await asyncio.wait_for(handler.closed.wait(), timeout=30)
             held_s = time.monotonic() - started
             print(f"an initiator that never committed held the slot for {held_s:.1f} s")
@@ -240,11 +241,11 @@ def test_offers_beyond_the_per_peer_and_total_caps_are_refused_without_reading_t
             await serve(responder, handler, limits)
             hold, held = asyncio.Event(), []  # (a stream whose responses are dropped is closed)
             for p2p in (greedy, greedy, other):  # three exchanges held open (accepted, never committed)
-                held.append(await initiate(p2p, responder, offer(tensors(16)), then=hold.wait()))
+                held.append(await initiate(p2p, responder, offer(tensors(16)), then=hold.wait))
                 assert (await answer_of(held[-1]))["status"] == "ok"
             for p2p, reason in ((greedy, "more than 2 exchanges at once"), (late, "busy")):
                 answered = asyncio.Event()  # the payload's second chunk is sent only after the refusal came
-                refused = await initiate(p2p, responder, offer(tensors(2**19)), gate=answered.wait())
+                refused = await initiate(p2p, responder, offer(tensors(2**19)), gate=answered.wait)
                 assert await answer_of(refused) == {"status": "refused", "reason": reason}
                 answered.set()
             assert len(handler.opened) == 3
@@ -292,7 +293,7 @@ def test_a_banned_peer_is_refused_at_once_and_others_are_served() -> None:
             await serve(responder, handler)
             handler.reputation.penalise(banned.peer_id.to_base58(), "wrong_state", "a lying snapshot")
             answered = asyncio.Event()
-            refused = await initiate(banned, responder, offer(tensors(2**19)), gate=answered.wait())
+            refused = await initiate(banned, responder, offer(tensors(2**19)), gate=answered.wait)
             assert await answer_of(refused) == {"status": "refused", "reason": "banned or not admitted"}
             answered.set()
             outcome = await exchange.push_pull(honest, responder.peer_id, NS, {}, tensors(16),

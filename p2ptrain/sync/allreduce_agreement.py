@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -100,10 +100,15 @@ def confirmation_verdict(own: str, confirmations: Mapping[str, str], members: in
     return OUT_OF_STEP if same >= 2 or others_agree else DISCARD
 
 
-def outvoted(previous: Reduction, reports: Mapping[str, Reduction]) -> tuple[int, int]:
+def outvoted(previous: Reduction, reports: Mapping[str, Reduction],
+             voters: Collection[str] | None = None) -> tuple[int, int]:
     """(members that reduced what we did in `previous.round`, ourselves included; the most that reduced one other
-    set): out of step when the second is larger. `reports`: this round's members' reports of that round."""
-    votes = collections.Counter(r.digest for r in reports.values() if r.round == previous.round)
+    set): out of step when the second is larger. `reports`: this round's members' reports of that round; only
+    those of `voters` count (None: all). Where groups are drawn anew each round (Factored's Mix2), this round's
+    members were mostly in other groups last round: they reduced other inputs by design, and only the members of
+    our own last reduction have a say on whether we hold what they hold."""
+    votes = collections.Counter(r.digest for peer, r in reports.items()
+                                if r.round == previous.round and (voters is None or peer in voters))
     same = votes.pop(previous.digest, 0) + 1
     return same, max(votes.values(), default=0)
 

@@ -284,7 +284,8 @@ class ExchangeAllReduce(GradGossip):
         for peer, why in equivocators(self.previous, reports, self.own_id):
             self.reputation.penalise(peer, "equivocated", why)
             cheats.append(peer)
-        same, other = outvoted(self.previous, reports)
+        voters = None if self.group_size is None else self.previous.hashes  # one group: every member has a say
+        same, other = outvoted(self.previous, reports, voters)
         if other > same:
             logger.warning(f"round {rnd.round // 2}: {other} member(s) reduced other inputs than this peer's {same} "
                            f"in round {self.previous.round}: out of step; applying this peer's own outer gradient, "
