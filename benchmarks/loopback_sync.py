@@ -23,12 +23,12 @@ Per setup and peer count, over the peers' rounds after the first (warm-up):
                 payload's share of fp32 bytes, memory/buffers.py's payload_share, × 4); gasloc has no
                 all-reduce to compare with: its figure is bytes ÷ S (one parameter payload = 1)
   val loss      mean over peers of the validation loss after the last round
-Where the bytes come from: the exchange transport and gossip count the tensor payload bytes they put on their
-streams, in the exchanges a peer opens and those it answers (net/wire.py payload_bytes; headers and protobuf
-envelopes not counted); gasloc's row also shows how many offers a peer answered per round (each sent about S back,
-counted). The hivemind transport cannot count its own: its
-bytes_sent is the formula 2·S·(n−1)/n for the group it formed (net/allreduce.py), not a measurement, so its ratio
-is 1 whenever a full group formed.
+Where the bytes come from: every transport's bytes_sent is measured on the peer's own streams
+(net/stream_bytes.py): each frame hivemind writes for it, headers, refused and held offers, commits and digests
+included, and for the hivemind transport its averager's streams, counted in the averager's own process; gasloc's
+row also shows how many offers a peer answered per round (each sent about S back, counted). Not in bytes_sent:
+libp2p's framing under the streams and the DHT's requests; the wire column (benchmarks/wire_bytes.py, the
+kernel's TCP counters of the peers' daemons) counts those too.
 
 Peers are threads of this process, one torch thread each, on a 2-core machine: they share the cores and the GIL
 (the tiny model's steps are short, much of them Python), so their compute_s stretches; the "n at once" reference

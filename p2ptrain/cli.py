@@ -152,9 +152,10 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
          red_team: str | None, show_plan: bool, workers: int | None, serve_relay: bool, **kwargs: Any) -> None:
     """Run a training peer."""
     from p2ptrain.config import load_config
+    from p2ptrain.device import resolve_device
     from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.net.dht import parse_maddr
-    from p2ptrain.peer import TrainingPeer, resolve_device
+    from p2ptrain.peer import TrainingPeer
 
     attack = None
     if red_team is not None:

@@ -24,6 +24,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
+from p2ptrain.device import resolve_device
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
 from p2ptrain.join_rules import split_by_quorum
 from p2ptrain.joining import Joiner
@@ -41,26 +42,13 @@ from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
+from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
 from p2ptrain.tensor_layout import check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine (try --device cpu)")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device mps: MPS is not available on this machine (try --device cpu)")
-    return torch.device(name)
 
 
 def round_peers(others: Sequence[PeerRecord], round_: int, overlapped: bool) -> list[str]:
@@ -119,6 +107,7 @@ class TrainingPeer:
             network = dataclasses.replace(network, client_mode=True)
         self.dht = start_dht(network, initial_peers)
         self.peer_id = str(self.dht.peer_id)
+        self.traffic = Traffic(counter_of(self.peer_id))  # made before the averager's process forks: it counts here
         self.loop = BackgroundLoop()
         try:
             self.admission = Admission.from_config(cfg.network, cfg.run.run_id, self.peer_id)
@@ -239,7 +228,7 @@ class TrainingPeer:
         val_loss = self.inner.evaluate(self.val_batches)
         metrics = RoundMetrics(
             self.peer_id, round_, phase.steps, phase.mean_loss, val_loss, phase.tokens / max(phase.compute_s, 1e-9),
-            phase.compute_s, comm_blocked_s, result.bytes_sent, result.bytes_received, result.group_size,
+            phase.compute_s, comm_blocked_s, *self.traffic.take_(), result.group_size,  # measured: stream_bytes.py
             time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
             partners=result.partners, codec=result.codec, exchange_s=result.exchange_s, eval_s=self.inner.last_eval_s,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,

@@ -46,7 +46,7 @@ def vocab_size_for(config: PeerConfig) -> int:
 
 def local_device(name: str) -> tuple[str, int]:
     """(device type, memory in bytes) of this machine's `name` device; CPU and MPS: the physical memory."""
-    from p2ptrain.peer import resolve_device
+    from p2ptrain.device import resolve_device
 
     device = resolve_device(name).type
     if device == "cuda":

@@ -57,8 +57,8 @@ class AveragingResult:
 
     delta: list[torch.Tensor]
     group_size: int  # peers whose gradients were averaged, ourselves included
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    bytes_sent: int = 0  # payload bytes where the transport counts them (the exchange's); the round's metrics
+    bytes_received: int = 0  # report what its streams carried (net/stream_bytes.py), for every transport
     seconds: float = 0.0
     claimed_norms: list[float] = dataclasses.field(default_factory=list)  # ‖Δ‖ the members announced (robust only)
     # ‖our input‖ and ‖mean − our input‖ where the all-reduce measured them (the exchange's CenteredClip does, for
@@ -80,7 +80,8 @@ def claimed_norms(gathered: Mapping[object, object]) -> list[float]:
 
 
 def allreduce_traffic_bytes(vector_bytes: int, group_size: int) -> int:
-    """Bytes one peer sends (and receives) in hivemind's butterfly all-reduce: 2·S·(n−1)/n."""
+    """Bytes one peer sends (and receives) in an ideal (butterfly) all-reduce, 2·S·(n−1)/n: what benchmarks
+    compare measured bytes with, never a measurement."""
     return int(2 * vector_bytes * (group_size - 1) / max(1, group_size))
 
 
@@ -108,7 +109,6 @@ class AllReduceAverager:
                  robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
         self.matchmaking_s, self.robust = matchmaking_s, robust
         self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
-        self.vector_bytes = sum(t.numel() * BYTES_PER_VALUE[codec] for t in template)
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
             dht=dht,
@@ -157,14 +157,13 @@ class AllReduceAverager:
         with self._averager.get_tensors() as tensors:
             mean = [t.clone() for t in tensors]
         assert isinstance(gathered, Mapping)
-        traffic = allreduce_traffic_bytes(self.vector_bytes, len(gathered))
         refused = sorted(str(peer) for peer in gathered if self.refuses(str(peer)))
         if refused:  # hivemind's matchmaking admits anyone who knows the group key: what they sent is not used
             logger.warning(f"the all-reduce group held {len(refused)} peer(s) this peer refuses (banned or not "
                            f"admitted: {', '.join(refused)}); applying this peer's own outer gradient")
-            return AveragingResult(own, 1, traffic, traffic, time.monotonic() - started)
+            return AveragingResult(own, 1, seconds=time.monotonic() - started)
         claims = claimed_norms(gathered) if self.robust else []
-        return AveragingResult(mean, len(gathered), traffic, traffic, time.monotonic() - started, claims)
+        return AveragingResult(mean, len(gathered), seconds=time.monotonic() - started, claimed_norms=claims)
 
     def forget_(self) -> None:
         pass  # nothing of a past round is kept

@@ -16,7 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ptrain.errors import ConfigError, UserError, one_line
-from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames, in the DHT process too)
+from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.identity import fresh_identity_path, load_identity_key
 from p2ptrain.net.lifetime import DiesWithStarter, kill_children
 

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase re
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps the frames hivemind reads from peers)
+from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.inbound_exchange import InboundExchange
 from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.reputation import Reputation

@@ -27,7 +27,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.errors import StateMismatchError
-from p2ptrain.net import frame_cap  # noqa: F401  (importing it caps stream frames)
+from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.relay import RelayEntry, open_relayed
 from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.routes import Route
