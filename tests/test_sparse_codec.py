@@ -16,6 +16,7 @@ from hivemind.compression import CompressionInfo
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths import index_coding
 from p2ptrain.maths.codecs import choose_codec_for_link, decode, get_codec
+from p2ptrain.maths.sparse_codec import payload_share
 from p2ptrain.net.wire import payload_bytes
 
 SHAPES = [(), (1,), (7,), (33, 17), (4096,), (3, 5000)]  # scalars, odd sizes, a partial last chunk
@@ -89,6 +90,10 @@ def test_bytes_are_exact_and_follow_density_and_bits(bits: int) -> None:
         k, n_chunks = round(density * 4096), -(-tensor.numel() // 4096)
         index_bits = 8.0 * index_coding.index_bytes(index_coding.best_coding(n_chunks, k, 4096), n_chunks, k, 4096)
         assert index_bits / (n_chunks * k) <= 2 + max(1.0, np.log2(1 / density))  # Elias–Fano, or the bitmap
+        whole_chunks = torch.randn(8 * 4096)  # the share memory plans and benchmarks use: the same bytes
+        share = payload_share(density, bits, 4096) * 4 * whole_chunks.numel() + 24
+        assert share == pytest.approx(len(codec.compress(whole_chunks, CompressionInfo.from_tensor(whole_chunks))
+                                          .buffer), rel=0.01, abs=4 * 8)  # (indices round per tensor)
     two_bit = [1 / get_codec("sparse", density=d, bits=2).estimate_compression_ratio(
         CompressionInfo.from_tensor(tensor)) for d in (0.01, 0.02, 0.03)]
     assert [round(r) for r in two_bit] == [248, 148, 107]  # the figures in the module docstring

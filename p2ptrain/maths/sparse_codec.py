@@ -56,6 +56,11 @@ MAX_BITS = 8
 TWO_MEANS_ITERATIONS = 4  # Lloyd steps of the 2-level fit (it settles in 2–3 on gradient-like values)
 
 
+def kept_per_chunk(density: float, chunk: int) -> int:
+    """k, the entries kept of a chunk of `chunk` values: at least one, at most all."""
+    return max(1, min(chunk, round(density * chunk)))
+
+
 def magnitude_levels(bits: int) -> int:
     """L, the magnitude levels of ``bits``-bit values (one bit is the sign)."""
     return 1 << (bits - 1)
@@ -114,13 +119,11 @@ class SparseCodec(CompressionBase):
             raise ConfigError(f"sparse chunk_size must be in [1, {MAX_CHUNK_SIZE}], got {chunk_size}")
         self.density, self.bits, self.chunk_size = density, bits, chunk_size
 
-    def _k(self, chunk: int) -> int:
-        return max(1, min(chunk, round(self.density * chunk)))
-
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         source = prepare_input(tensor)
         chunk, n_chunks = chunk_layout(source.numel(), self.chunk_size)
-        k, chunks, levels = self._k(chunk), as_chunks(source.reshape(-1), chunk, n_chunks), magnitude_levels(self.bits)
+        k, levels = kept_per_chunk(self.density, chunk), magnitude_levels(self.bits)
+        chunks = as_chunks(source.reshape(-1), chunk, n_chunks)
         indices = chunks.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         values = chunks.gather(1, indices)
         magnitudes = values.abs()
@@ -172,7 +175,7 @@ class SparseCodec(CompressionBase):
     def payload_bytes_for(self, numel: int) -> int:
         """Exact buffer bytes of a tensor of ``numel`` elements."""
         chunk, n_chunks = chunk_layout(max(1, numel), self.chunk_size)
-        k = self._k(chunk)
+        k = kept_per_chunk(self.density, chunk)
         n_scales = n_chunks * (2 if magnitude_levels(self.bits) > 1 else 1)
         return (self._HEADER.size + 4 * n_scales + index_bytes(best_coding(n_chunks, k, chunk), n_chunks, k, chunk)
                 + packed_bytes(n_chunks * k * self.bits))
@@ -180,3 +183,10 @@ class SparseCodec(CompressionBase):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         numel = max(1, info.descriptor.numel())
         return self.payload_bytes_for(numel) / (numel * torch.finfo(info.descriptor.dtype).bits / 8)
+
+
+def payload_share(density: float, bits: int, chunk_size: int) -> float:
+    """Payload bytes per fp32 byte of a tensor of whole chunks (its one header left out): what memory plans and
+    benchmarks take a sparse payload to cost."""
+    codec = SparseCodec(density, bits, chunk_size)
+    return (codec.payload_bytes_for(chunk_size) - SparseCodec._HEADER.size) / (4 * chunk_size)

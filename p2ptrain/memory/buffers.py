@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from p2ptrain.maths.index_coding import best_coding, index_bytes, packed_bytes
+from p2ptrain.maths import sparse_codec
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS
 from p2ptrain.sync.config import SyncConfig
 
@@ -51,10 +51,8 @@ def payload_share(codec: str, density: float = 1 / 32, bits: int = 2, chunk_size
     """Bytes of a payload per fp32 byte of the tensors it encodes (sync.grad_codec / sync.param_codec)."""
     if codec == "topk":
         return 3 * density / 4  # 3 bytes per kept entry (maths/codecs.py)
-    if codec == "sparse":  # a chunk's k values of `bits` bits, their indices, two fp32 scales (maths/sparse_codec.py)
-        k = max(1, min(chunk_size, round(density * chunk_size)))
-        coding = best_coding(1, k, chunk_size)
-        return (packed_bytes(k * bits) + index_bytes(coding, 1, k, chunk_size) + 8) / (4 * chunk_size)
+    if codec == "sparse":
+        return sparse_codec.payload_share(density, bits, chunk_size)
     return {"none": 1.0, "fp16": 0.5, "adaptive": 0.5, "int8": 0.25}[codec]
 
 
