@@ -43,7 +43,13 @@ def test_quick_run(tmp_path: Path) -> None:
     assert hivemind["blocked_s"] >= 0.9 * written["matchmaking_s"]  # it waits the whole matchmaking window
     assert exchange["utilisation"] > hivemind["utilisation"]
     overlap = rows[("diloco-overlap", 2)]  # each round reports the all-reduce of the round before: every one a pair
-    assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0 and 0.9 <= overlap["bytes_ratio"] <= 1.5
+    assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0
+    # A round's bytes are those its streams carried while it ran (net/stream_bytes.py), and an overlapped
+    # all-reduce runs across two rounds' windows: of the measured rounds' (all but the first), the first may have
+    # carried part of its bytes in round 0's window and the last launches none after it (a CI run of 4 rounds:
+    # 0.836; 10 rounds: 1.059)
+    least = (settings.rounds - 2) / (settings.rounds - 1)
+    assert 0.9 * least <= overlap["bytes_ratio"] <= 1.5, overlap["bytes_ratio"]
     for setup in ("gasloc", "gasloc-overlap"):
         assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0
     for key, row in rows.items():  # validation is measured, and leaving it out only raises utilisation
