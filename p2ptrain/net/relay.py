@@ -210,6 +210,10 @@ class RelayEntry(ServicerBase):
         inner = P2PContext(handle_name=str(service), local_id=context.local_id, remote_id=PeerID.from_base58(source))
         async for message in handler(requests, inner):
             yield message
+        # a service that answers without reading its request's end (the state download, a sketch): returning at
+        # once reset the stream while the relay's last message was on its way, and the answer in flight was lost
+        # (test_relay: the joiner read no message at all, about 1 run in 13)
+        await drain(requests, REFUSAL_DRAIN_S)
 
 
 async def open_relayed(p2p: P2P, route: Route, target: PeerID, service: str,
