@@ -5,9 +5,12 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
   diloco-exchange  sync.mode diloco, sync.allreduce_transport exchange (the default: sync/exchange_allreduce.py, every
                    member swaps Δ with every other and takes their CenteredClip mean)
   diloco-hivemind  sync.mode diloco, sync.allreduce_transport hivemind (net/allreduce.py: hivemind's butterfly
-                   averager, which waits the whole sync.matchmaking_s window, 3 s by default, every round)
+                   averager; its group forms once the round's live peers have joined, waiting out
+                   sync.matchmaking_s, 3 s by default, only for peers that do not come; it trusts each member with
+                   a span of the mean: not robust to a hostile member)
   diloco-overlap   diloco-exchange with `sync.overlap: delayed` (DiLoCoX's one-step delay): a round's all-reduce runs
                    behind the next inner phase, and its mean is applied one round late
+  diloco-hivemind-overlap  diloco-hivemind with `sync.overlap: delayed`
   diloco-sparse    diloco-exchange with `sync.grad_codec: sparse` (2-bit values, 2 % of each chunk, error feedback
                    β 0.95) and the outer recipe benchmarks/algorithms.py measured for it (γ 0, outer lr 1.0)
   gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
@@ -22,7 +25,8 @@ Per setup and peer count, over the peers' rounds after the first (warm-up):
                 parameters × bytes per value of the codec the round used (4: fp32, `grad_codec none`; sparse: its
                 payload's share of fp32 bytes, memory/buffers.py's payload_share, × 4); gasloc has no
                 all-reduce to compare with: its figure is bytes ÷ S (one parameter payload = 1)
-  val loss      mean over peers of the validation loss after the last round
+  val loss      mean over peers of the validation loss after the last round (peers validate every `--eval-every`
+                rounds, 0 by default: only their first, left out, and last, as the reference validates once)
 Where the bytes come from: every transport's bytes_sent is measured on the peer's own streams
 (net/stream_bytes.py): each frame hivemind writes for it, headers, refused and held offers, commits and digests
 included, and for the hivemind transport its averager's streams, counted in the averager's own process; gasloc's
@@ -86,6 +90,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
     "diloco-overlap": {"mode": "diloco", "allreduce_transport": "exchange", "overlap": "delayed"},
+    "diloco-hivemind-overlap": {"mode": "diloco", "allreduce_transport": "hivemind", "overlap": "delayed"},
     "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
                       "error_feedback_decay": CODEC_RECIPE["ef_decay"], "outer": CODEC_OUTER},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},
@@ -112,11 +117,14 @@ class Settings:
     batch_size: int = 8  # samples per inner step
     seq_len: int = 128  # tokens per sample
     repeats: int = 1  # runs of each setup per peer count, interleaved
+    eval_every: int = 0  # the peers' run.eval_every; 0: the first (not measured) and last rounds only
     setups: tuple[str, ...] = tuple(SETUPS)
 
     def __post_init__(self) -> None:
-        if min(self.peers, default=0) < 2 or self.rounds < 2 or min(self.inner_steps, self.repeats) < 1:
-            raise ValueError("--peers must list counts >= 2, --rounds be >= 2, --inner-steps and --repeats >= 1")
+        if min(self.peers, default=0) < 2 or self.rounds < 2 or min(self.inner_steps, self.repeats) < 1 \
+                or self.eval_every < 0:
+            raise ValueError("--peers must list counts >= 2, --rounds be >= 2, --inner-steps and --repeats >= 1, "
+                             "--eval-every >= 0")
         unknown = set(self.setups) - set(SETUPS)
         if unknown or not self.setups:
             raise ValueError(f"--setups must name some of {', '.join(SETUPS)}; unknown: {', '.join(sorted(unknown))}")
@@ -129,7 +137,7 @@ def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int, seed
     outer = sync.pop("outer", {})
     return build_config({
         "run": {"run_id": run_id, "rounds": s.rounds, "device": "cpu", "progress": False,
-                "shard_index": shard % CORPUS["num_shards"], "seed": seed},
+                "shard_index": shard % CORPUS["num_shards"], "seed": seed, "eval_every": s.eval_every or s.rounds},
         "model": {"name": s.model, "max_seq_len": s.seq_len},
         "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, **CORPUS},
         "inner": {"steps": s.inner_steps},
@@ -346,7 +354,9 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
 
 
 NOTES = ("Notes: figures over every peer's rounds after its first. utilisation = compute_s / round_s (the peer's "
-         "inner phase over the round's wall time, evaluation and DHT reads included in the latter); less eval: "
+         "inner phase over the round's wall time, evaluation and DHT reads included in the latter; peers validate "
+         "every run.eval_every rounds, by default here only in their last, as the reference validates once at the "
+         "end); less eval: "
          "compute_s / (round_s − eval_s), the round's validation (eval s, measured) left out, as the reference's "
          "loop has none: what the network and the round's bookkeeping cost. wire ÷ ideal: what the swarm's P2P "
          "daemons sent over TCP from the first round to the last (the kernel's counters, benchmarks/wire_bytes.py: "
@@ -380,7 +390,8 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [f"# Loopback sync benchmark\n\n`{report['command']}`  \nmodel {s['model']}, batch {s['batch_size']} x "
              f"{s['seq_len']} tokens, {s['rounds']} rounds x {s['inner_steps']} inner steps, {s['repeats']} run(s) "
-             f"per setup, sync.matchmaking_s {report['matchmaking_s']:g}, 1 torch thread per peer, "
+             f"per setup, sync.matchmaking_s {report['matchmaking_s']:g}, "
+             f"validation every {s.get('eval_every') or s['rounds']} rounds (run.eval_every), 1 torch thread per peer, "
              f"{report['cpu_count']} CPU cores, load average {report['load_before']:.1f} before, "
              f"{report['load_after']:.1f} after  \nwall {report['wall_s']:.0f} s, CPU of this process "
              f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
@@ -412,7 +423,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
     defaults = Settings()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", default=None, help=f"swarm sizes, comma-separated (default {defaults.peers})")
-    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats"):
+    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats", "eval_every"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(defaults, name)}")
     parser.add_argument("--model", default=None, help=f"model preset (default {defaults.model})")
@@ -421,7 +432,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
     parser.add_argument("--output", type=Path, default=RESULTS_PATH, help="where to write the JSON results")
     args = parser.parse_args(argv)
     values: dict[str, Any] = dict(QUICK) if args.quick else {}
-    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats", "model"):
+    for name in ("rounds", "inner_steps", "batch_size", "seq_len", "repeats", "eval_every", "model"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     try:

@@ -43,6 +43,9 @@ class RunConfig:
     torch_threads: int = 0  # intra-op threads for this peer; 0 = torch's default
     checkpoint_dir: str = ""  # empty = no checkpoints
     checkpoint_every: int = 10  # rounds between checkpoints (also written on Ctrl-C)
+    # rounds between validations: a round in between reports the latest val_loss (`evaluated` false in its metrics);
+    # a peer's first round, a round that adopted a state and the last of a run with `rounds` set are evaluated
+    eval_every: int = 1
     metrics_path: str = ""  # JSON lines, one per round; empty = none
     progress: bool = True  # show a progress bar
     # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
@@ -58,6 +61,8 @@ class RunConfig:
             raise ConfigError(f"run.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"run.checkpoint_every must be >= 1 round, got {self.checkpoint_every}")
+        if self.eval_every < 1:
+            raise ConfigError(f"run.eval_every must be >= 1 round, got {self.eval_every}")
         if not 10 <= self.node_timeout_s <= 86400:
             raise ConfigError(f"run.node_timeout_s must be in [10, 86400] seconds, got {self.node_timeout_s}")
         if self.torch_threads < 0:

@@ -40,6 +40,7 @@ class RoundMetrics:
     banned_peers: list[str] = dataclasses.field(default_factory=list)  # peers this peer refuses at the round's end
     mix2_averaged: int = 0  # factored: the group size of the Mix2 applied this round (0: none)
     eval_s: float = 0.0  # seconds of the round's validation (in round_s; neither compute nor network)
+    evaluated: bool = True  # val_loss was measured this round (false: the latest, `run.eval_every`)
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> str:

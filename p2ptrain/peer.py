@@ -83,6 +83,7 @@ class TrainingPeer:
         self.outer = OuterOptimizer(self.params, dataclasses.replace(
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.round, self.synced, self.joined_this_round = 0, True, False
+        self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
@@ -173,6 +174,7 @@ class TrainingPeer:
                 if metrics is None:
                     break
                 history.append(metrics)
+                self.rounds_run += 1
                 bar.round_done(metrics)
                 for callback in self.round_callbacks:
                     callback(self, metrics)
@@ -225,19 +227,26 @@ class TrainingPeer:
         others_here = max(context.same_round_peers, len(here_or_ahead))
         self._record_step(result.group_size, others_here)
         self.round += 1
-        val_loss = self.inner.evaluate(self.val_batches)
+        evaluated = self._evaluates_this_round()  # every run.eval_every rounds; in between, the latest loss
+        self.val_loss = self.inner.evaluate(self.val_batches) if evaluated else self.val_loss
         metrics = RoundMetrics(
-            self.peer_id, round_, phase.steps, phase.mean_loss, val_loss, phase.tokens / max(phase.compute_s, 1e-9),
-            phase.compute_s, comm_blocked_s, *self.traffic.take_(), result.group_size,  # measured: stream_bytes.py
+            self.peer_id, round_, phase.steps, phase.mean_loss, self.val_loss,
+            phase.tokens / max(phase.compute_s, 1e-9), phase.compute_s, comm_blocked_s,
+            *self.traffic.take_(), result.group_size,  # measured: stream_bytes.py
             time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
-            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s, eval_s=self.inner.last_eval_s,
+            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
+            eval_s=self.inner.last_eval_s if evaluated else 0.0, evaluated=evaluated,
             consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
             refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges],
             banned_peers=sorted(self.reputation.banned()), mix2_averaged=result.mix2_group_size)
         self.metrics_log.write(metrics)
-        self.announcer.update(val_loss=val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
+        self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))
         return metrics
+
+    def _evaluates_this_round(self) -> bool:
+        every, rounds = self.config.run.eval_every, self.config.run.rounds
+        return self.rounds_run % every == 0 or self.joined_this_round or self.rounds_run + 1 == rounds
 
     def _record_step(self, group_size: int, others_here: int) -> None:
         """In step when our group held a majority of the peers of our round or beyond; out of step stays so until a

@@ -40,8 +40,9 @@ def test_quick_run(tmp_path: Path) -> None:
     parameters = next(run["parameters"] for run in written["runs"] if run["setup"] == "diloco-exchange")
     assert exchange["codec"] == "none" and exchange["payload_bytes"] == 4 * parameters  # fp32
     assert 0.9 <= exchange["bytes_ratio"] <= 1.5  # a pair swaps one fp32 Δ each: the ideal all-reduce's bytes
-    assert hivemind["blocked_s"] >= 0.9 * written["matchmaking_s"]  # it waits the whole matchmaking window
-    assert exchange["utilisation"] > hivemind["utilisation"]
+    # its group forms once the round's peers have joined, not at the matchmaking window's end; the butterfly's bytes
+    assert hivemind["blocked_s"] < 0.5 * written["matchmaking_s"] and hivemind["full_groups"] == 1.0, hivemind
+    assert 0.9 <= hivemind["bytes_ratio"] <= 1.1, hivemind["bytes_ratio"]
     overlap = rows[("diloco-overlap", 2)]  # each round reports the all-reduce of the round before: every one a pair
     assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0
     # A round's bytes are those its streams carried while it ran (net/stream_bytes.py), and an overlapped
@@ -52,13 +53,14 @@ def test_quick_run(tmp_path: Path) -> None:
     assert 0.9 * least <= overlap["bytes_ratio"] <= 1.5, overlap["bytes_ratio"]
     for setup in ("gasloc", "gasloc-overlap"):
         assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0
-    for key, row in rows.items():  # validation is measured, and leaving it out only raises utilisation
-        if key[0] != "reference":
-            assert row["eval_s"] > 0 and row["utilisation_less_eval"] > row["utilisation"], key
+    for run in written["runs"]:  # peers validate in their first (warm-up) and last rounds only: --eval-every 0
+        for history in run.get("histories", []):
+            assert [m["evaluated"] for m in history] == [True] + [False] * (settings.rounds - 2) + [True], run
+            assert history[-1]["eval_s"] > 0 and history[1]["eval_s"] == 0
     # the daemons' TCP counters carry the payloads the peers counted, and framing, DHT and matchmaking besides
     if shutil.which("ss"):
-        assert exchange["wire_ratio"] >= exchange["bytes_ratio"], exchange
-        assert hivemind["wire_ratio"] > 1.1 * exchange["wire_ratio"], (hivemind, exchange)  # its matchmaking
+        for row in (exchange, hivemind):
+            assert row["wire_ratio"] >= row["bytes_ratio"], row
 
     table = loopback_sync.markdown(report)
     assert table.count("\n| diloco-exchange | 2 |") == table.count("\n| gasloc | 2 |") == 1

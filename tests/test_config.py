@@ -153,6 +153,7 @@ def test_null_section_and_null_optional_take_defaults() -> None:
         ({"run": {"device": "tpu"}}, "run.device"),
         ({"run": {"rounds": -1}}, "run.rounds"),
         ({"run": {"checkpoint_every": 0}}, "run.checkpoint_every"),
+        ({"run": {"eval_every": 0}}, "run.eval_every"),
         ({"network": {"heartbeat_s": 8.0, "record_ttl_s": 8.0}}, "network.heartbeat_s"),
         ({"network": {"heartbeat_s": 9.0, "record_ttl_s": 8.0}}, "network.heartbeat_s"),
         ({"network": {"heartbeat_s": 0.0}}, "network.heartbeat_s"),

@@ -277,6 +277,15 @@ def test_loss_fell_judges_the_trend_not_one_noisy_last_round(tmp_path: Path) -> 
     assert not run_checks(record, ChecksSpec())[3].passed
 
 
+def test_loss_fell_reads_only_the_rounds_that_measured_it(tmp_path: Path) -> None:
+    """With `run.eval_every`, a round in between repeats the latest loss: the check reads the measured ones."""
+    record = kill_restart_record(tmp_path)
+    for r, peer_row in enumerate(record.rows["peer0"]):  # measured at rounds 0 and 9 only, 5.0 then 4.0
+        peer_row["val_loss"], peer_row["evaluated"] = (4.0, True) if r == 9 else (5.0, r == 0)
+    result = run_checks(record, ChecksSpec())[3]
+    assert result.name == "loss_fell" and result.passed and "peer0 5.000->4.000" in result.detail, result
+
+
 def test_unplanned_exits_unfired_events_and_timeouts_fail(tmp_path: Path) -> None:
     record = kill_restart_record(tmp_path)
     record.lives[0].end_reason, record.lives[0].exit_code = "crashed", 1
@@ -335,6 +344,7 @@ def test_consensus_distance_from_checkpoints(tmp_path: Path) -> None:
 
 def test_report_json_and_plots(tmp_path: Path) -> None:
     record = kill_restart_record(tmp_path)
+    record.rows["peer0"][2]["evaluated"] = False  # not in the loss plot (run.eval_every)
     results = run_checks(record, ChecksSpec())
     paths = write_report(record, results, tmp_path / "report")
     assert [p.name for p in paths] == ["report.json", "loss.png", "utilisation.png", "bytes.png"]

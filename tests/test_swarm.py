@@ -50,6 +50,20 @@ def test_three_peers_train_agree_and_are_listed():
             p.shutdown()
 
 
+def test_a_peer_validates_every_eval_every_rounds_its_first_and_its_last():
+    config = tiny_config(f"eval-{uuid.uuid4().hex[:6]}", run={"rounds": 5, "eval_every": 3})
+    peer = start_peer(config)
+    try:
+        history = PeerThread(peer).start().join(timeout_s=120)
+    finally:
+        peer.shutdown()
+    assert [m.evaluated for m in history] == [True, False, False, True, True]
+    assert [m.eval_s > 0 for m in history] == [True, False, False, True, True]
+    assert history[1].val_loss == history[2].val_loss == history[0].val_loss  # the latest, reported again
+    assert history[3].val_loss != history[0].val_loss and history[4].val_loss < history[0].val_loss
+    assert peer.announcer.record.val_loss == history[4].val_loss
+
+
 def test_late_joiner_ends_its_first_round_equal_to_the_swarm():
     run_id = f"join-{uuid.uuid4().hex[:6]}"
     # rounds of a few seconds, as a joiner needs to download a state and reach the round its donor is in (rounds of
@@ -148,3 +162,20 @@ def test_a_round_reports_the_bytes_its_streams_carried(transport):
         for m in averaged:
             assert model_bytes <= m.bytes_sent <= 3 * model_bytes, (transport, m.bytes_sent)
             assert model_bytes <= m.bytes_received <= 3 * model_bytes, (transport, m.bytes_received)
+
+
+def test_the_hivemind_all_reduce_forms_its_group_once_the_rounds_peers_have_joined():
+    """The group's target size is the round's live peers (their DHT records), set before each step: the leader
+    assembles the group once they have joined, not after the whole matchmaking window (20 s here), and the butterfly
+    sends the ideal all-reduce's bytes, 2·S·(n − 1)/n = S for a pair, plus headers."""
+    window_s = 20.0
+    config = tiny_config(f"target-{uuid.uuid4().hex[:6]}", run={"rounds": 4},
+                         sync={"allreduce_transport": "hivemind", "matchmaking_s": window_s})
+    _threads, histories = run_swarm(config, peers=2)
+    model_bytes = 4 * 117_120
+    for history in histories:
+        averaged = [m for m in history if m.peers_averaged == 2]
+        assert len(averaged) >= 2, [m.peers_averaged for m in history]
+        assert sorted(m.comm_blocked_s for m in averaged)[len(averaged) // 2] < window_s / 4, \
+            [m.comm_blocked_s for m in averaged]
+        assert all(model_bytes <= m.bytes_sent <= 1.1 * model_bytes for m in averaged), [m.bytes_sent for m in averaged]

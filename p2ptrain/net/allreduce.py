@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.utils import MPFuture
 
 from p2ptrain.net.lifetime import DiesWithStarter
 from p2ptrain.tensor_layout import norm
@@ -43,12 +44,30 @@ from p2ptrain.tensor_layout import norm
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 in the group key
+MAX_GROUP_SIZE = 2**16  # no target: the group holds every live peer of the round
 CODECS: dict[str, type[CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2}
 
 
 class SwarmAverager(DiesWithStarter, hivemind.DecentralizedAverager):
-    """hivemind's averager, whose process ends with the peer's, however the peer ends (net/lifetime.py)."""
+    """hivemind's averager, whose process ends with the peer's, however the peer ends (net/lifetime.py), and whose
+    target group size can change from one step to the next."""
+
+    def set_target_group_size(self, size: int | None) -> None:
+        """The group the next step waits for: its leader assembles it as soon as `size` members have joined, and
+        waits out `min_matchmaking_time` only when some do not come. hivemind fixes the target at construction;
+        the change travels to the averager's process over its command pipe, as `set_group_bits` does."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result()
+
+    async def _set_target_group_size(self, size: int | None, future: MPFuture) -> None:
+        try:
+            self._matchmaking.target_group_size = size
+            future.set_result(None)
+        except Exception as e:  # reported to the caller, as hivemind's own setters do
+            if not future.done():
+                future.set_exception(e)
 
 
 @dataclasses.dataclass
@@ -101,13 +120,15 @@ class PendingAverage:
 
 
 class AllReduceAverager:
-    """Averages Δ with the peers of the round that show up within `matchmaking_s`; alone, returns Δ.
+    """Averages Δ with the peers of the round (up to `target_group_size`, if set): the group forms as soon as the
+    round's live peers, whom the DHT records name, have all joined, and otherwise at the end of `matchmaking_s`
+    with those that came (late ones average in the next round); alone, returns Δ.
     `robust`: announce our ‖Δ‖ and return the members' claims with the mean (for the sync layer's check)."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], matchmaking_s: float,
                  allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
                  robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
-        self.matchmaking_s, self.robust = matchmaking_s, robust
+        self.matchmaking_s, self.robust, self.target_group_size = matchmaking_s, robust, target_group_size
         self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
@@ -139,6 +160,7 @@ class AllReduceAverager:
         if not round_peers:
             return PendingAverage(self, own, None, started)
         self._averager.set_group_bits(round_group_bits(round_))
+        self._averager.set_target_group_size(min(len(round_peers) + 1, self.target_group_size or MAX_GROUP_SIZE))
         with self._averager.get_tensors() as tensors:
             for buffer, d in zip(tensors, own, strict=True):
                 buffer.copy_(d)

@@ -18,15 +18,15 @@ def write_plots(record: RunRecord, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     series = {
-        "loss.png": ("validation loss", lambda row: row["val_loss"]),
+        "loss.png": ("validation loss", lambda row: row["val_loss"] if row.get("evaluated", True) else None),
         "utilisation.png": ("compute time / round time", lambda row: row["compute_s"] / max(row["round_s"], 1e-9)),
     }
     written = []
-    for file_name, (label, value) in series.items():
+    for file_name, (label, value) in series.items():  # a value of None: not measured that round (run.eval_every)
         fig, ax = plt.subplots(figsize=(10, 5))
         for index, peer in enumerate(record.rows):
             for n, life in enumerate(record.lives_of(peer)):
-                rows = record.rows_of(life)
+                rows = [row for row in record.rows_of(life) if value(row) is not None]
                 ax.plot([row["time"] - record.started for row in rows], [value(row) for row in rows], marker=".",
                         color=f"C{index % 10}", label=peer if n == 0 else None)
         _mark_events(ax, record)

@@ -224,7 +224,7 @@ def check_loss_fell(record: RunRecord) -> CheckResult:
         return CheckResult("loss_fell", False, "no peer survived to the end")
     bad, shown = [], []
     for peer in survivors:
-        losses = [row["val_loss"] for row in record.rows[peer]]
+        losses = [row["val_loss"] for row in record.rows[peer] if row.get("evaluated", True)]  # run.eval_every
         k = min(LOSS_WINDOW_ROUNDS, len(losses) // 2)
         first, last = (statistics.median(losses[:k]), statistics.median(losses[-k:])) if k else (math.nan, math.nan)
         if not last < first:
