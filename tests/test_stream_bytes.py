@@ -89,8 +89,24 @@ def test_both_ends_of_a_stream_count_the_same_bytes(stop_after: int | None) -> N
             ours, theirs = stream_bytes.counter_of(initiator.peer_id), stream_bytes.counter_of(responder.peer_id)
             before_ours, before_theirs = ours.totals(), theirs.totals()
             requests = [Message(metadata=b"a" * 1000), Message(metadata=b"b" * 50_000)]
+            first_reply = asyncio.Event()
+
+            async def one_at_a_time() -> AsyncIterator[Message]:
+                """The second request goes once the first reply is here: a responder that stops after one request
+                closes its stream, and a reply still in flight when that close meets the second request is lost
+                (libp2p resets the stream), which would leave the two ends' counts apart for a reason not theirs."""
+                yield requests[0]
+                await first_reply.wait()
+                yield requests[1]
+
             stub = Echo.get_stub(initiator, responder.peer_id, namespace="bytes")
-            replies = [reply async for reply in await stub.rpc_echo(aiter_of(requests))]
+            replies = []
+            try:
+                async for reply in await stub.rpc_echo(one_at_a_time()):
+                    replies.append(reply)
+                    first_reply.set()
+            except ConnectionError:  # our second request met the closed stream (reset or broken pipe): a refusal
+                assert stop_after is not None
             await asyncio.sleep(0.5)  # the responder's side finishes counting after our last read
             sent = [ours.totals()[i] - before_ours[i] for i in (SENT, RECEIVED)]
             served = [theirs.totals()[i] - before_theirs[i] for i in (SENT, RECEIVED)]
