@@ -6,6 +6,7 @@ so the DHT and averager processes must notice their parent's death themselves (n
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -162,3 +163,30 @@ def test_the_join_timeout_is_the_configured_one(tmp_path: Path) -> None:
 def test_a_join_timeout_beyond_the_startup_timeout_is_refused(fields: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="network.join_timeout_s"):
         NetworkConfig(**fields)
+
+
+def test_a_round_whose_averager_process_does_not_answer_averages_alone_in_bounded_time() -> None:
+    """hivemind's averager runs in a process of its own, asked over a pipe; stopped (SIGSTOP here: a process hung
+    in a syscall, swapped out, or wedged), it used to hold the peer forever at the round's first question (hivemind's
+    setters wait without a bound). The round now waits at most 2 · matchmaking_s + 1 s, then keeps its own Δ."""
+    import signal
+
+    import torch
+
+    from p2ptrain.net.allreduce import AllReduceAverager
+
+    dht = start_dht(NetworkConfig.loopback())
+    averager = AllReduceAverager(dht, "stopped", [torch.zeros(4)], matchmaking_s=1.0, allreduce_timeout_s=5.0)
+    pid = averager._averager.pid
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        own = [torch.arange(4.0)]
+        result = averager.launch(own, round_=0, weight=1.0, round_peers=["QmSomeoneElse"]).result()
+        assert time.monotonic() - started < 2 * (2 * 1.0 + 1.0) + 1.0
+        assert result.group_size == 1 and torch.equal(result.delta[0], own[0])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        averager.shutdown()
+        dht.shutdown()

@@ -18,6 +18,7 @@ from p2ptrain.maths.centered_clip import stack
 from p2ptrain.maths.codecs import compress_all
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.net.exchange import serve_exchanges
+from p2ptrain.net.routes import OUTBOUND, RELAYED, Presence, Routes
 from p2ptrain.sync.allreduce_agreement import (
     APPLY,
     DISCARD,
@@ -274,6 +275,44 @@ def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
 
 
 @pytest.mark.network
+@pytest.mark.network
+def test_a_member_whose_relay_is_dead_is_asked_again_so_both_ends_leave_the_round_together():
+    """Two peers behind NAT meet through a relay; it has died. The one that opens the pair's stream cannot reach
+    the other, which waits for its offer the stage's whole patience: the opener asks again until then too, where it
+    used to give up at once, leave the round seconds early and reach the next all-reduce a round ahead of the rest
+    (netns testnet, a relay killed mid-run)."""
+    async def main() -> None:
+        p2ps = await start_p2ps(3)
+        dead_relay = p2ps.pop()
+        relay_id = dead_relay.peer_id.to_base58()
+        await dead_relay.shutdown()
+        p2ps.sort(key=lambda p: p.peer_id.to_base58())  # the lower id opens a pair's stream
+        try:
+            transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, deltas(0), config(), "allreduce.diloco", None,
+                                            routes=Routes(p.peer_id.to_base58())) for p in p2ps]
+            a, b = (t.own_id for t in transports)
+            for t in transports:
+                await serve_exchanges(t.p2p, t)
+                t.routes.set_own_(Presence(RELAYED, relay_id, "10.0.0.1") if t.own_id == b else Presence(OUTBOUND))
+                t.routes.known = {b: Presence(RELAYED, relay_id, "10.0.0.1")} if t.own_id == a else \
+                    {a: Presence(OUTBOUND, "", "10.0.0.2")}
+            assert {t.routes.opener(a, b) for t in transports} == {a}
+            patience_s = 2.0
+
+            async def timed(t: ExchangeAllReduce, i: int, view: list[str]) -> tuple[Any, float]:
+                started = asyncio.get_running_loop().time()
+                result = await t.gather(deltas(i), view, 0, patience_s)
+                return result, asyncio.get_running_loop().time() - started
+
+            (ra, ta), (rb, tb) = await asyncio.gather(timed(transports[0], 0, [b]), timed(transports[1], 1, [a]))
+            assert ra.group_size == rb.group_size == 1  # nothing reached anyone: each keeps its own
+            assert ta >= 0.8 * patience_s and abs(ta - tb) <= 0.5, (ta, tb)
+        finally:
+            await shutdown(p2ps)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
 def test_only_the_data_stage_measures_links_so_a_silent_member_costs_one_short_deadline():
     """The confirmations are a few bytes in a round trip: counted as link measurements they read as ~1/100 of the
     link, and the next data exchange's deadline (payload / speed × safety) reached sync.allreduce_timeout_s: the

@@ -15,6 +15,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
 
 from p2ptrain.net.exchange import ExchangeRefused, push_pull, serve_exchanges
+from p2ptrain.net.presence import PresenceAgent
 from p2ptrain.net.relay import NAMESPACE, ByteBudget, RelayEntry, RelayLimits, RelayServer, open_relayed, take_slot
 from p2ptrain.net.routes import RELAYED, Presence, Route, Routes
 from p2ptrain.net.state_sharing import SnapshotExpectation, StateServer, StateSnapshot, download_state
@@ -213,5 +214,31 @@ def test_an_exchange_refused_by_the_relay_is_a_refusal() -> None:
                                 10**6, 10.0, Route(relay.peer_id.to_base58(), NAMESPACE))
         finally:
             await shut(initiator, target, relay)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
+def test_a_relayed_peer_moves_on_once_its_connection_to_the_relay_is_gone_not_at_its_next_renewal() -> None:
+    """The relay dies: the peer's watch of its connection notices within a fraction of a second and its renewal
+    finds the relay gone (before, it noticed at the next renewal, a third of a lease later: 10 s here), so it is
+    unreachable through a dead relay for about a round at most. While the relay lives, it does not renew early."""
+    async def scenario() -> None:
+        relay, target, initiator, server, entry = await three_nodes(RelayLimits(lease_s=30.0))
+        relay_id, target_id = relay.peer_id.to_base58(), target.peer_id.to_base58()
+        try:
+            lease_s = await take_slot(target, relay_id, NAMESPACE, timeout_s=10)
+            entry.relays = {relay_id}
+            agent = PresenceAgent(target, Routes(target_id, NAMESPACE), entry, "dial-back", helpers=list,
+                                  relays=list, publish=lambda **_: None, use_relays=True, retry_s=1.0)
+            lease_ends = server.clients[target_id]
+            holding = asyncio.create_task(agent._hold(relay_id, lease_s))
+            await asyncio.sleep(1.5)
+            assert not holding.done() and server.clients[target_id] == lease_ends  # connected: no early renewal
+            await relay.shutdown()
+            gone_at = time.monotonic()
+            await asyncio.wait_for(holding, timeout=lease_s / 3)
+            assert time.monotonic() - gone_at < 5.0 and entry.relays == set()
+        finally:
+            await shut(initiator, target)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=90))

@@ -53,13 +53,22 @@ class SwarmAverager(DiesWithStarter, hivemind.DecentralizedAverager):
     """hivemind's averager, whose process ends with the peer's, however the peer ends (net/lifetime.py), and whose
     target group size can change from one step to the next."""
 
-    def set_target_group_size(self, size: int | None) -> None:
+    def prepare_step(self, group_bits: str, size: int | None, timeout_s: float) -> None:
+        """Set the next step's group key bits and target group size, waiting at most `timeout_s` for each (hivemind's
+        own setter waits forever: an averager process that stopped answering would hold the peer for good). Raises
+        TimeoutError."""
+        bits = MPFuture()
+        self._outer_pipe.send(("_set_group_bits", [], dict(group_bits=group_bits, future=bits)))
+        bits.result(timeout=timeout_s)
+        self.set_target_group_size(size, timeout_s)
+
+    def set_target_group_size(self, size: int | None, timeout_s: float | None = None) -> None:
         """The group the next step waits for: its leader assembles it as soon as `size` members have joined, and
         waits out `min_matchmaking_time` only when some do not come. hivemind fixes the target at construction;
         the change travels to the averager's process over its command pipe, as `set_group_bits` does."""
         future = MPFuture()
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
-        future.result()
+        future.result(timeout=timeout_s)
 
     async def _set_target_group_size(self, size: int | None, future: MPFuture) -> None:
         try:
@@ -159,8 +168,13 @@ class AllReduceAverager:
         own = [d.detach().float().cpu().clone() for d in delta]
         if not round_peers:
             return PendingAverage(self, own, None, started)
-        self._averager.set_group_bits(round_group_bits(round_))
-        self._averager.set_target_group_size(min(len(round_peers) + 1, self.target_group_size or MAX_GROUP_SIZE))
+        try:
+            self._averager.prepare_step(round_group_bits(round_),
+                                        min(len(round_peers) + 1, self.target_group_size or MAX_GROUP_SIZE),
+                                        timeout_s=self.matchmaking_s * 2 + 1.0)
+        except Exception as e:  # its process did not answer in time (or at all): this round averages alone
+            logger.warning(f"all-reduce of round {round_} did not start: hivemind's averager did not answer ({e!r})")
+            return PendingAverage(self, own, None, started)
         with self._averager.get_tensors() as tensors:
             for buffer, d in zip(tensors, own, strict=True):
                 buffer.copy_(d)

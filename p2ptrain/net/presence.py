@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P
@@ -21,6 +22,7 @@ from p2ptrain.net.routes import DIRECT, OUTBOUND, RELAYED, UNKNOWN, Presence, Ro
 logger = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 15.0  # one helper's dial-back (its own dial takes up to 3 s a port) or one relay's answer
+CONNECTION_CHECK_S = 0.25  # how often a relayed peer checks that its connection to its relay is still open
 
 
 class PresenceAgent:
@@ -85,12 +87,18 @@ class PresenceAgent:
         return "", 0.0
 
     async def _hold(self, relay: str, lease_s: float) -> None:
-        """Renew the slot every third of its lease while the relay answers; without a relay, wait `retry_s`."""
+        """Renew the slot every third of its lease while the relay answers; without a relay, wait `retry_s`. Between
+        renewals it watches the connection to the relay (every CONNECTION_CHECK_S): streams reach us through that
+        connection only, so once it is gone (the relay died, or the link dropped) it renews at once, which dials
+        the relay again or finds it gone, rather than staying unreachable for the rest of a third of the lease."""
         if not relay:
             await self._pause(self.retry_s)
             return
+        renew_at = time.monotonic() + lease_s / 3
         while not self.stopped.is_set():
-            await self._pause(lease_s / 3)
+            await self._pause(max(0.0, min(CONNECTION_CHECK_S, renew_at - time.monotonic())))
+            if self.stopped.is_set() or (time.monotonic() < renew_at and await self._connected(relay)):
+                continue
             try:
                 lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, min(ASK_TIMEOUT_S, lease_s))
             except Exception as e:
@@ -98,6 +106,16 @@ class PresenceAgent:
                     logger.info(f"relay {relay} is gone ({type(e).__name__}); looking for another")
                 self.entry.relays = set()
                 return
+            renew_at = time.monotonic() + lease_s / 3
+
+    async def _connected(self, relay: str) -> bool:
+        """Whether the daemon holds a connection to `relay` (a local question; when it cannot answer: yes, and the
+        next renewal tells)."""
+        try:
+            return any(info.peer_id.to_base58() == relay for info in await self.p2p.list_peers())
+        except Exception as e:
+            logger.debug(f"could not list connections: {e!r}")
+            return True
 
     async def _pause(self, seconds: float) -> None:
         try:
