@@ -165,10 +165,12 @@ def test_a_join_timeout_beyond_the_startup_timeout_is_refused(fields: dict[str, 
         NetworkConfig(**fields)
 
 
-def test_a_round_whose_averager_process_does_not_answer_averages_alone_in_bounded_time() -> None:
+@pytest.mark.parametrize("stopped", ["before the round", "during its step"])
+def test_a_round_whose_averager_process_does_not_answer_averages_alone_in_bounded_time(stopped: str) -> None:
     """hivemind's averager runs in a process of its own, asked over a pipe; stopped (SIGSTOP here: a process hung
-    in a syscall, swapped out, or wedged), it used to hold the peer forever at the round's first question (hivemind's
-    setters wait without a bound). The round now waits at most 2 · matchmaking_s + 1 s, then keeps its own Δ."""
+    in a syscall, swapped out, or wedged), it used to hold the peer forever (hivemind's setters and its step's
+    result wait without a bound). A round now waits at most 2 · matchmaking_s + 1 s for the setters, and the
+    step's own timeouts and a margin for its result, then keeps its own Δ."""
     import signal
 
     import torch
@@ -176,15 +178,19 @@ def test_a_round_whose_averager_process_does_not_answer_averages_alone_in_bounde
     from p2ptrain.net.allreduce import AllReduceAverager
 
     dht = start_dht(NetworkConfig.loopback())
-    averager = AllReduceAverager(dht, "stopped", [torch.zeros(4)], matchmaking_s=1.0, allreduce_timeout_s=5.0)
+    averager = AllReduceAverager(dht, "stopped", [torch.zeros(4)], matchmaking_s=1.0, allreduce_timeout_s=1.0)
     pid = averager._averager.pid
     assert pid is not None
     try:
-        os.kill(pid, signal.SIGSTOP)
-        started = time.monotonic()
         own = [torch.arange(4.0)]
-        result = averager.launch(own, round_=0, weight=1.0, round_peers=["QmSomeoneElse"]).result()
-        assert time.monotonic() - started < 2 * (2 * 1.0 + 1.0) + 1.0
+        if stopped == "before the round":
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        pending = averager.launch(own, round_=0, weight=1.0, round_peers=["QmSomeoneElse"])
+        if stopped == "during its step":
+            os.kill(pid, signal.SIGSTOP)
+        result = pending.result()
+        assert time.monotonic() - started < 2 * (2 * 1.0 + 1.0) + averager.step_bound_s
         assert result.group_size == 1 and torch.equal(result.delta[0], own[0])
     finally:
         os.kill(pid, signal.SIGCONT)

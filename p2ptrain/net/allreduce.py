@@ -27,6 +27,7 @@ it past their claims.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -113,6 +114,9 @@ def allreduce_traffic_bytes(vector_bytes: int, group_size: int) -> int:
     return int(2 * vector_bytes * (group_size - 1) / max(1, group_size))
 
 
+STEP_MARGIN_S = 5.0  # beyond its own timeouts, how long a step may take before the peer stops waiting for it
+
+
 class PendingAverage:
     """An all-reduce running in the background (one-step-delay overlap); `result()` waits for it."""
 
@@ -120,10 +124,14 @@ class PendingAverage:
         self.averager, self.own, self.control, self.started = averager, own, control, started
 
     def result(self) -> AveragingResult:
-        try:
-            gathered = self.control.result() if self.control is not None else None  # type: ignore[attr-defined]
+        try:  # bounded: hivemind's own wait has none, and an averager process that stopped answering never ends it
+            gathered = (self.control.result(timeout=self.averager.step_bound_s)  # type: ignore[attr-defined]
+                        if self.control is not None else None)
         except Exception as e:  # a failed all-reduce must not stop training: our own Δ stands in
             logger.warning(f"all-reduce failed ({e!r}); applying this peer's outer gradient")
+            if self.control is not None and not self.control.done():  # type: ignore[attr-defined]
+                with contextlib.suppress(Exception):  # (its process may be past listening)
+                    self.control.cancel()  # type: ignore[attr-defined]
             gathered = None
         return self.averager.collect(self.own, gathered, self.started)
 
@@ -138,6 +146,8 @@ class AllReduceAverager:
                  allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
                  robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
         self.matchmaking_s, self.robust, self.target_group_size = matchmaking_s, robust, target_group_size
+        # the longest a step may take: its matchmaking (`step`'s timeout below), the all-reduce, and a margin
+        self.step_bound_s = 2 * matchmaking_s + 1.0 + allreduce_timeout_s + STEP_MARGIN_S
         self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
