@@ -145,9 +145,10 @@ def test_diloco_behind_nat_moves_to_another_relay_when_its_relay_dies(nat_ok: No
         # NAT notice the relay's connection close within a fraction of a second and take a slot on the other relay,
         # partners read their new records the next round, and an exchange through the dead relay is asked again
         # until the stage's patience (both ends leave the round together). Before, a relay's death was noticed at
-        # the next renewal and a member that could not reach it left the round early: the rounds split for 2 to 7
-        # rounds. After the move, rounds average all four again; the last three but one may hold one hiccup of
-        # their own (an exchange's ack lost at the end of a round: one member out of step for a round, 1 of 6 runs).
+        # the next renewal and a member that could not reach it left the round early: rounds split for 0 to 6 rounds
+        # in 6 local runs, 7 in a CI run. After the move, rounds average all four again; the last three but one may
+        # hold one hiccup of their own (an exchange's ack lost at the end of a round: one member out of step for a
+        # round, 1 of 6 runs).
         after = [row for row in rows if row["time"] > killed_at]
         short = [row["round"] for row in after if row["peers_averaged"] < 4]
         assert len(short) <= 3 and sum(row["peers_averaged"] == 4 for row in after[-4:-1]) >= 2, short
