@@ -141,7 +141,7 @@ def test_diloco_behind_nat_moves_to_another_relay_when_its_relay_dies(nat_ok: No
         # (a later line may say outbound only: peer0, the second relay, can end its run first)
         assert any(line.startswith(f"behind NAT, reachable through relay {second}") for line in said[1:]), said
         rows = read_metrics(workdir / f"{peer}.jsonl")
-        # The move costs a round or none (measured in 5 local runs: 0 or 1 short rounds per peer): the peers behind
+        # The move costs a round or none (8 local runs: no short round in 6, 1 and 2 in the others): the peers behind
         # NAT notice the relay's connection close within a fraction of a second and take a slot on the other relay,
         # partners read their new records the next round, and an exchange through the dead relay is asked again
         # until the stage's patience (both ends leave the round together). Before, a relay's death was noticed at

@@ -63,7 +63,7 @@ from p2ptrain.sync.allreduce_agreement import (
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.round_retry import retry_delay_s
+from p2ptrain.sync.round_retry import RelayRetries, retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -140,12 +140,7 @@ class GatherRound(Mix2Round):
         return sorted([(self.own_id, self.sent), *self.received.items()])
 
 
-RELAY_FAILED = "relay failed"
-"""An exchange through the member's relay failed: asked again until the stage's patience runs out, not given up on at
-once. Its relay may have died (the member moves to another within a second or so, and we read its new record next
-round), and the member waits for our offer until its patience runs out: a member that gave up at once would leave
-the round seconds before the others and reach the next all-reduce a round ahead of them (netns testnet, a relay
-killed mid-run: rounds split for 5 rounds in 1 of 6 runs, for 7 in CI's)."""
+RELAY_FAILED = "relay failed"  # an exchange through the member's relay failed: asked again (`RelayRetries`)
 
 
 class ExchangeAllReduce(GradGossip):
@@ -161,6 +156,7 @@ class ExchangeAllReduce(GradGossip):
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
         self._token_payload = compress_all(self.feedback.codec, self._token)
+        self.relay_retries = RelayRetries()  # members whose relay route fails: asked again in the first round only
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
                      patience_s: float) -> AveragingResult:
@@ -323,7 +319,11 @@ class ExchangeAllReduce(GradGossip):
         """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer
         waited for."""
         outcome = await super()._exchange_with(rnd, partner, stats)
-        if outcome == "failed" and self.routes.route_to(partner) is not None:
+        round_ = rnd.round // 2 if isinstance(rnd, GatherRound) else rnd.round
+        if outcome == "ok":
+            self.relay_retries.reached_(partner)
+        elif outcome == "failed" and self.routes.route_to(partner) is not None and \
+                self.relay_retries.ask_again_(partner, round_):
             return RELAY_FAILED
         if outcome != "ok" and outcome not in ASK_AGAIN and isinstance(rnd, GatherRound):
             rnd.give_up_on_(partner)
