@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from docker_utils import DOCKER_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCKER_DIR = REPO_ROOT / "docker"
@@ -104,9 +105,12 @@ def test_entrypoints_parse_as_posix_sh() -> None:
 
 
 def _compose_config(*files: Path) -> dict[str, Any]:
-    """`docker compose config` of these files, as compose v2 resolves them (skips without compose v2)."""
+    """`docker compose config` of these files, as compose v2 resolves them. As root, the CLI and the compose plugin
+    are installed where missing (`.ci/docker-env tools`, as the Docker tests' `up` does); skips without them."""
+    if os.geteuid() == 0 and subprocess.run(["sh", "-c", "docker compose version"], capture_output=True).returncode:
+        subprocess.run([str(DOCKER_ENV), "tools"], capture_output=True, timeout=900)
     if shutil.which("docker") is None:
-        pytest.skip("docker CLI not installed, cannot run `docker compose config` (.ci/docker-env up installs it)")
+        pytest.skip("docker CLI not installed, cannot run `docker compose config` (.ci/docker-env tools installs it)")
     version = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     if version.returncode != 0:
         reason = (version.stderr.strip().splitlines() or ["no output"])[0]
