@@ -56,11 +56,9 @@ class SwarmAverager(DiesWithStarter, hivemind.DecentralizedAverager):
 
     def prepare_step(self, group_bits: str, size: int | None, timeout_s: float) -> None:
         """Set the next step's group key bits and target group size, waiting at most `timeout_s` for each (hivemind's
-        own setter waits forever: an averager process that stopped answering would hold the peer for good). Raises
-        TimeoutError."""
-        bits = MPFuture()
-        self._outer_pipe.send(("_set_group_bits", [], dict(group_bits=group_bits, future=bits)))
-        bits.result(timeout=timeout_s)
+        setter waits forever by default: an averager process that stopped answering would hold the peer for good).
+        Raises TimeoutError."""
+        self.set_group_bits(group_bits, wait=False).result(timeout=timeout_s)
         self.set_target_group_size(size, timeout_s)
 
     def set_target_group_size(self, size: int | None, timeout_s: float | None = None) -> None:
@@ -146,8 +144,9 @@ class AllReduceAverager:
                  allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
                  robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
         self.matchmaking_s, self.robust, self.target_group_size = matchmaking_s, robust, target_group_size
-        # the longest a step may take: its matchmaking (`step`'s timeout below), the all-reduce, and a margin
-        self.step_bound_s = 2 * matchmaking_s + 1.0 + allreduce_timeout_s + STEP_MARGIN_S
+        self.matchmaking_timeout_s = 2 * matchmaking_s + 1.0  # a step's matchmaking, and each question to hivemind
+        # the longest a step may take: its matchmaking, the all-reduce, and a margin
+        self.step_bound_s = self.matchmaking_timeout_s + allreduce_timeout_s + STEP_MARGIN_S
         self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
@@ -181,7 +180,7 @@ class AllReduceAverager:
         try:
             self._averager.prepare_step(round_group_bits(round_),
                                         min(len(round_peers) + 1, self.target_group_size or MAX_GROUP_SIZE),
-                                        timeout_s=self.matchmaking_s * 2 + 1.0)
+                                        timeout_s=self.matchmaking_timeout_s)
         except Exception as e:  # its process did not answer in time (or at all): this round averages alone
             logger.warning(f"all-reduce of round {round_} did not start: hivemind's averager did not answer ({e!r})")
             return PendingAverage(self, own, None, started)
@@ -191,7 +190,7 @@ class AllReduceAverager:
         gather: dict[str, float] = {"round": round_, "norm": norm(own)} if self.robust else {"round": round_}
         try:
             control = self._averager.step(gather=gather, weight=max(weight, 1e-6), wait=False,
-                                          timeout=self.matchmaking_s * 2 + 1.0, allow_retries=True)
+                                          timeout=self.matchmaking_timeout_s, allow_retries=True)
         except Exception as e:  # could not even start: our own Δ stands in
             logger.warning(f"all-reduce of round {round_} did not start ({e!r})")
             control = None
