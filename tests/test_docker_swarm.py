@@ -141,7 +141,7 @@ def test_killed_peer_container_resumes_from_its_checkpoint_with_its_peer_id(swar
     assert "resuming from the latest checkpoint in /data/checkpoints" in log, log[-3000:]
 
 
-def test_shaped_upload_measured_by_an_exchange_is_within_20_percent(swarm: Compose) -> None:
+def test_shaped_upload_measured_by_an_exchange_matches_the_shaping(swarm: Compose) -> None:
     def exchanges() -> list[dict[str, Any]]:
         return [e for row in swarm.rows(SHAPED_PEER) for e in row["exchanges"] if e["bytes_sent"] > 200_000]
 
@@ -149,11 +149,15 @@ def test_shaped_upload_measured_by_an_exchange_is_within_20_percent(swarm: Compo
     # Each exchange sends our payload at the shaped rate, then takes the partner's answer from an unshaped link; the
     # fastest is the one that shared our upload with no other transfer. 8, not 4: the unshaped peers' 0.3 s rounds
     # keep offering it exchanges, and in a CI run all of the first 4 shared its upload (best 1.12 of 2 Mbit/s).
+    # An exchange's seconds also hold the partner's answer, our commit and its ack (~0.4 s of ~2.4 s here), so even
+    # an exchange alone on the link reads ~80 % of it: the best of 8 read 1.60 and 1.56 Mbit/s in two CI runs (the
+    # second failed a ±20 % bound). Hence 0.65-1.2 × the configured rate for the best exchange (an unshaped link
+    # reads tens of Mbit/s, one shaped to half or double the rate reads ~0.8 or ~3.2), and no exchange above 1.2 ×.
     rates = [8 * e["bytes_sent"] / e["seconds"] / 1e6 for e in exchanges()]
     measured = max(rates)
     print(f"{SHAPED_PEER} upload: configured {SHAPED_MBIT} Mbit/s, measured {measured:.3f} Mbit/s "
           f"(exchanges: {', '.join(f'{r:.2f}' for r in rates)})")
-    assert abs(measured - SHAPED_MBIT) <= 0.2 * SHAPED_MBIT, rates
+    assert 0.65 * SHAPED_MBIT <= measured <= 1.2 * SHAPED_MBIT, rates
     assert f"upload on eth0 shaped to {SHAPED_MBIT:g} Mbit/s" in swarm.logs(SHAPED_PEER)
 
 
