@@ -61,7 +61,7 @@ class SwarmAverager(DiesWithStarter, hivemind.DecentralizedAverager):
         self.set_group_bits(group_bits, wait=False).result(timeout=timeout_s)
         self.set_target_group_size(size, timeout_s)
 
-    def set_target_group_size(self, size: int | None, timeout_s: float | None = None) -> None:
+    def set_target_group_size(self, size: int | None, timeout_s: float) -> None:
         """The group the next step waits for: its leader assembles it as soon as `size` members have joined, and
         waits out `min_matchmaking_time` only when some do not come. hivemind fixes the target at construction;
         the change travels to the averager's process over its command pipe, as `set_group_bits` does."""
