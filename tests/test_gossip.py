@@ -255,3 +255,32 @@ def test_the_responder_learns_who_offers_from_libp2p_not_from_the_offer() -> Non
             await b.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_payload_committed_to_whose_ack_never_comes_is_handed_back_only_to_a_caller_that_keeps_it(keep: bool) -> None:
+    """The partner sends its payload and then nothing: past the deadline, push_pull raises UnconfirmedMix (nothing
+    applied), or, with `keep_unconfirmed` (an all-reduce, whose members confirm what they reduced), returns the
+    validated payload marked unconfirmed."""
+    async def scenario() -> None:
+        a, b = await start_pair()
+        try:
+            await GossipServicer("no_ack").add_p2p_handlers(b, namespace=f"{RUN}.gasloc")
+            applied: list[int] = []
+            call = push_pull(a, b.peer_id, f"{RUN}.gasloc", {"round": 0}, relative_encode(near(reference()),
+                             reference(), "fp16"), lambda h, p: lambda: applied.append(len(p)), 10**8,
+                             deadline_s=1.0, keep_unconfirmed=keep)
+            if keep:
+                outcome = await call
+                assert not outcome.confirmed and outcome.bytes_received > 0 and outcome.seconds >= 1.0
+                outcome.apply()
+                assert applied == [len(SHAPES)]
+            else:
+                with pytest.raises(exchange.UnconfirmedMix) as raised:
+                    await call
+                assert not raised.value.outcome.confirmed and applied == []
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

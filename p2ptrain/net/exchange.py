@@ -9,6 +9,10 @@ Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metad
    then says 'held' at once, so an initiator that hears nothing within its deadline still knows its partner gone;
 3. the initiator reads and validates that payload and sends `commit`; the responder applies its mix and acks;
 4. the initiator applies its mix when the ack arrives.
+The last message can be lost where the first three were not (the partner applied, its ack did not come): the
+initiator then holds a partner's payload it validated and committed to, and the partner may or may not have mixed.
+`push_pull` raises `UnconfirmedMix` with that payload; a caller whose mix is judged later by both sides (an
+all-reduce's members confirm what they reduced) may keep it; every other caller applies nothing.
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
 side. What is mixed and how is decided by the peer's side through `ExchangeHandler` (this module moves bytes).
 
@@ -61,6 +65,15 @@ Apply = Callable[[], None]
 
 class ExchangeRefused(Exception):
     """The partner said no at once (busy, another run or model, or it found our payload invalid)."""
+
+
+class UnconfirmedMix(WireError):
+    """We committed to the partner's validated payload, and its ack did not come (the stream ended, failed or ran
+    out of time): the partner may have mixed or not. `outcome` holds what we validated, not yet applied."""
+
+    def __init__(self, why: str, outcome: "ExchangeOutcome"):
+        super().__init__(why)
+        self.outcome = outcome
 
 
 class OpenExchange(Protocol):
@@ -117,6 +130,7 @@ class ExchangeOutcome:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    confirmed: bool = True  # the partner acked its mix (False: carried by an `UnconfirmedMix`)
 
 
 async def read_payload(messages: AsyncIterator[averaging_pb2.DownloadData], first: averaging_pb2.DownloadData,
@@ -265,18 +279,20 @@ class GossipServicer(ServicerBase):
 async def push_pull(
     p2p: P2P, peer_id: PeerID, namespace: str, header: dict[str, Any], payload: Payload,
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, deadline_s: float,
-    route: Route | None = None, hold_s: float = 0.0,
+    route: Route | None = None, hold_s: float = 0.0, keep_unconfirmed: bool = False,
 ) -> ExchangeOutcome:
     """Offer `payload` to `peer_id` (directly, or through `route`'s relay) and take its payload back; raises
     ExchangeRefused, WireError or TimeoutError.
 
     `hold_s`: how long the partner may hold the offer before it judges it (while it has not reached our round),
     on top of the exchange's `deadline_s`. The returned outcome's `apply` mixes on our side; the partner mixes when
-    it reads our commit.
+    it reads our commit. `keep_unconfirmed`: a payload we committed to whose ack did not come is returned (its
+    outcome not `confirmed`) instead of raising `UnconfirmedMix`.
     """
     started = time.monotonic()
     decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     offer = dict(header, nbytes=payload_bytes(payload), hold_s=hold_s)
+    committed: list[ExchangeOutcome] = []  # what we validated, once we committed to it
 
     async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:
         for message in _messages(offer, payload):
@@ -286,8 +302,17 @@ async def push_pull(
 
     try:
         outcome = await asyncio.wait_for(
-            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route),
+            _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route,
+                      committed),
             deadline_s + hold_s)
+    except (asyncio.TimeoutError, TimeoutError, UnconfirmedMix) as e:
+        if not committed:
+            raise
+        why = str(e) if isinstance(e, UnconfirmedMix) else f"no ack within {deadline_s + hold_s:.1f} s"
+        if not keep_unconfirmed:
+            raise UnconfirmedMix(why, committed[0]) from e
+        logger.info(f"exchange with {peer_id}: {why}; the payload we committed to is kept")
+        outcome = committed[0]
     finally:
         if not decision.done():
             decision.set_result(False)
@@ -299,7 +324,7 @@ async def push_pull(
 async def _initiate(
     p2p: P2P, peer_id: PeerID, namespace: str, requests: AsyncIterator[averaging_pb2.DownloadData],
     decision: "asyncio.Future[bool]", validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int,
-    chunk_timeout_s: float, route: Route | None,
+    chunk_timeout_s: float, route: Route | None, committed: list[ExchangeOutcome],
 ) -> ExchangeOutcome:
     if route is None:
         stream = await GossipServicer.get_stub(p2p, peer_id, namespace=namespace).rpc_exchange(requests)
@@ -308,12 +333,13 @@ async def _initiate(
     # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
     # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
     async with contextlib.aclosing(stream) as responses:
-        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s)
+        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s, committed)
 
 
 async def _exchange(
     responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
+    committed: list[ExchangeOutcome],
 ) -> ExchangeOutcome:
     first, answer = await _answer_of(responses, chunk_timeout_s)
     if answer.get("status") == HELD:  # it is alive and will answer once in our round: `push_pull`'s deadline rules
@@ -324,15 +350,18 @@ async def _exchange(
     if not 0 <= nbytes <= max_payload_bytes:
         raise WireError(f"partner announced {nbytes} bytes, outside 0..{max_payload_bytes}")
     partner_payload = await read_payload(responses, first, nbytes, chunk_timeout_s)
-    apply = validate(answer, partner_payload)
+    outcome = ExchangeOutcome(validate(answer, partner_payload), answer, 0, payload_bytes(partner_payload), 0.0)
+    committed.append(dataclasses.replace(outcome, confirmed=False))
     decision.set_result(True)
     try:
         ack = await responses.__anext__()
     except StopAsyncIteration:
-        raise WireError("partner closed the stream before confirming the mix") from None
+        raise UnconfirmedMix("partner closed the stream before confirming the mix", committed[0]) from None
+    except Exception as e:  # the stream failed under the ack (a reset, a P2P error)
+        raise UnconfirmedMix(f"the stream failed before the partner confirmed the mix: {e!r}", committed[0]) from e
     if decode_metadata(ack.metadata).get("applied") is not True:
         raise WireError("partner did not confirm the mix")
-    return ExchangeOutcome(apply, answer, 0, payload_bytes(partner_payload), 0.0)
+    return outcome
 
 
 async def _answer_of(responses: AsyncIterator[averaging_pb2.DownloadData],

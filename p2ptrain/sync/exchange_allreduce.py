@@ -93,7 +93,10 @@ def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round
 
 class GatherRound(Mix2Round):
     """One stage of one peer's all-to-all: it keeps what each expected member sent (its Δ, or its digest) and the
-    report in its header; `inputs()` gives the values, ours included, sorted by peer id."""
+    report in its header; `inputs()` gives the values, ours included, sorted by peer id. A member's value whose ack
+    was lost is kept: the members confirm what they reduced before anyone applies it (`ExchangeAllReduce._confirm`),
+    and the member most likely holds ours (its ack was lost, not its commit)."""
+    keeps_unconfirmed_mix = True
 
     def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
                  expected: set[str], digest: str | None = None):

@@ -88,6 +88,7 @@ class RoundClosed(RuntimeError):
 
 class Mix2Round:
     """One peer's Mix2 of one round: its s and payload, the running mix m, and who it is mixing with."""
+    keeps_unconfirmed_mix = False  # a gossip mix whose ack was lost is not applied (the partner may not have)
 
     def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
                  degree_cap: int, own_scale: float | None = None):
@@ -301,7 +302,7 @@ class GradGossip:
         try:
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
                                       validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
-                                      hold_s)
+                                      hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix)
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
@@ -316,7 +317,7 @@ class GradGossip:
         finally:
             rnd.release_(partner, outgoing=True)
         measured_s = transfer_s(outcome.partner_header, outcome.seconds)
-        if self.measures_link(rnd) and measured_s is not None:
+        if self.measures_link(rnd) and measured_s is not None and outcome.confirmed:
             link.update_(outcome.bytes_sent + outcome.bytes_received, measured_s)
         stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
