@@ -278,7 +278,7 @@ def test_a_payload_committed_to_whose_ack_never_comes_is_handed_back_only_to_a_c
             else:
                 with pytest.raises(exchange.UnconfirmedMix) as raised:
                     await call
-                assert not raised.value.outcome.confirmed and applied == []
+                assert not raised.value.outcome.confirmed and raised.value.timed_out and applied == []
         finally:
             await a.shutdown()
             await b.shutdown()

@@ -71,9 +71,9 @@ class UnconfirmedMix(WireError):
     """We committed to the partner's validated payload, and its ack did not come (the stream ended, failed or ran
     out of time): the partner may have mixed or not. `outcome` holds what we validated, not yet applied."""
 
-    def __init__(self, why: str, outcome: "ExchangeOutcome"):
+    def __init__(self, why: str, outcome: "ExchangeOutcome", timed_out: bool = False):
         super().__init__(why)
-        self.outcome = outcome
+        self.outcome, self.timed_out = outcome, timed_out  # timed_out: the exchange's deadline passed meanwhile
 
 
 class OpenExchange(Protocol):
@@ -310,7 +310,7 @@ async def push_pull(
             raise
         why = str(e) if isinstance(e, UnconfirmedMix) else f"no ack within {deadline_s + hold_s:.1f} s"
         if not keep_unconfirmed:
-            raise UnconfirmedMix(why, committed[0]) from e
+            raise UnconfirmedMix(why, committed[0], timed_out=not isinstance(e, UnconfirmedMix)) from e
         logger.info(f"exchange with {peer_id}: {why}; the payload we committed to is kept")
         outcome = committed[0]
     finally:

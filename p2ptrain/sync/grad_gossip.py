@@ -311,7 +311,7 @@ class GradGossip:
         except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
             logger.info(f"{self.kind} exchange with {partner} failed: {e!r}")
             stats.failed += 1
-            if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and self.measures_link(rnd):
+            if getattr(e, "timed_out", isinstance(e, (asyncio.TimeoutError, TimeoutError))) and self.measures_link(rnd):
                 link.update_timeout_(2 * nbytes, deadline_s)
             return "failed"
         finally:
