@@ -18,6 +18,7 @@ from p2ptrain.maths.inner import PRECISIONS
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES
 from p2ptrain.net.dht import ADMISSION_MODES
 from p2ptrain.sync.config import SYNC_MODES
+from p2ptrain.testnet.loopback import LOG_LEVELS
 
 EXIT_USER_ERROR = 2
 
@@ -88,7 +89,7 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
 def cli(log_level: str) -> None:
     """p2ptrain: train a language model together over the internet (DiLoCo and gossip over hivemind)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",

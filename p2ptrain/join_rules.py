@@ -84,8 +84,9 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
         candidates = [r for r in trusted if r.round >= own_round]
     elif ran_ahead:
         candidates = [r for r in trusted if quorum is not None and r.round >= quorum]
-    elif not in_step and aligned:
-        candidates = [r for r in trusted if r.round == own_round and r.synced]
+    elif not in_step and aligned:  # a synced peer of our round; or of the last, syncing: it is a moment from ours
+        candidates = [r for r in trusted if r.synced and (r.round == own_round or (
+            r.round == own_round - 1 and r.phase == "sync"))]
     else:
         candidates = []
     # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent

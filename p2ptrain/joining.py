@@ -61,6 +61,7 @@ from p2ptrain.net.state_sharing import (
     parameter_sketch,
     request_sketch,
 )
+from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
 
 if TYPE_CHECKING:
     from p2ptrain.peer import TrainingPeer
@@ -68,9 +69,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WITNESSES = 3  # peers asked to corroborate a downloaded state
-# DiLoCo peers of one round differ by float rounding only (hivemind's all-reduce hands each peer avg − own): 5e-9
-# to 8e-9 relative on the tiny model, against 0.1–0.2 between rounds; a lie must come this close to pass
-ALIGNED_MAX_DISTANCE = 1e-3
 # a joiner's record must reach its round's peers before they read who is in the round: the time to publish it and
 # for them to read it, beyond the join itself (download and checks)
 RECORD_MARGIN_S = 1.0

@@ -225,7 +225,7 @@ class TrainingPeer:
                                         self.reputation.is_banned)  # a liar's round must not unsettle us
         here_or_ahead = [r for r in trusted if r.round >= round_]
         others_here = max(context.same_round_peers, len(here_or_ahead))
-        self._record_step(result.group_size, others_here)
+        self._record_step(result.group_size, others_here, result.in_step)
         self.round += 1
         evaluated = self._evaluates_this_round()  # every run.eval_every rounds; in between, the latest loss
         self.val_loss = self.inner.evaluate(self.val_batches) if evaluated else self.val_loss
@@ -248,13 +248,13 @@ class TrainingPeer:
         every, rounds = self.config.run.eval_every, self.config.run.rounds
         return self.rounds_run % every == 0 or self.joined_this_round or self.rounds_run + 1 == rounds
 
-    def _record_step(self, group_size: int, others_here: int) -> None:
-        """In step when our group held a majority of the peers of our round or beyond; out of step stays so until a
-        state is adopted (joining.py sets `synced`): a peer that applied its own Δ while the others applied their
-        mean holds other parameters even when it averages with them the next round (netns testnet, DiLoCo rounds
-        of 0.6 s: the record that would have named a donor came a round late, and the peer never caught up)."""
+    def _record_step(self, group_size: int, others_here: int, shown: bool | None) -> None:
+        """In step when our group held a majority of the peers of our round or beyond, and our state was the group's
+        where its members showed theirs (`shown`, sync/state_evidence.py). Without samples, out of step stays so
+        until a state is adopted (joining.py sets `synced`): a peer that applied its own Δ while the others applied
+        their mean holds other parameters even when it averages with them the next round."""
         in_step = 2 * group_size > 1 + others_here
-        self.synced = in_step and (self.synced or self.joined_this_round)
+        self.synced = in_step and (shown if shown is not None else self.synced or self.joined_this_round)
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]

@@ -6,6 +6,7 @@ found out and left out."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import types
 from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
@@ -204,6 +205,25 @@ def test_members_whose_views_differ_apply_nothing_and_stay_in_step():
         assert all(t.previous is not None and t.previous.digest == DISCARDED for t in transports)
         results = await run_round(transports, [[b, c], [a, c], [a, b]], 1)  # views agree again: applied
         assert all(r.group_size == 3 and not r.discarded for r in results)
+
+    with_transports(3, scenario)
+
+
+@pytest.mark.network
+def test_a_member_out_of_step_keeps_the_anchor_and_the_others_apply_their_mean():
+    """A member whose last reduction the others did not share (its report is outvoted) applies nothing this round
+    (it used to apply its own Δ, which set it apart from every member; kept, the anchor it shares with any member
+    that did not apply either stays shared, and the next round's states show whether it is behind)."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        ids = [t.own_id for t in transports]
+        views = [[p for p in ids if p != me] for me in ids]
+        await run_round(transports, views, 0)
+        assert transports[0].previous is not None
+        transports[0].previous = dataclasses.replace(transports[0].previous, digest=digest("f"))
+        results = await run_round(transports, views, 1)
+        assert results[0].discarded and results[0].group_size == 3
+        assert all(not bool(t.any()) for t in results[0].delta)  # nothing applied: the anchor is kept
+        assert [(r.group_size, r.discarded) for r in results[1:]] == [(3, False)] * 2
 
     with_transports(3, scenario)
 

@@ -34,7 +34,7 @@ from p2ptrain.join_rules import (
     quorum_round,
     snapshot_rounds,
 )
-from p2ptrain.joining import ALIGNED_MAX_DISTANCE, JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
+from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.reputation import Reputation
@@ -57,6 +57,7 @@ from p2ptrain.net.state_sharing import (
 from p2ptrain.net.wire import WireError
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
 
 LIAR_ROUND = 100_000
 

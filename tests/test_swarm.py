@@ -9,6 +9,7 @@ from swarm_utils import (
     PeerThread,
     max_param_difference,
     replace_section,
+    run_peers,
     run_swarm,
     start_peer,
     tiny_config,
@@ -135,17 +136,52 @@ def test_one_step_delay_overlap_trains_and_applies_the_swarm_average_one_round_l
             assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) < AGREEMENT_TOLERANCE
 
 
-def test_a_peer_out_of_step_stays_so_until_it_adopts_a_state():
-    """`synced` is sticky: averaging with the others again does not make a peer's parameters theirs."""
+def test_a_peer_out_of_step_stays_so_until_it_adopts_a_state_or_its_group_shows_it_holds_the_groups():
+    """Without samples `synced` is sticky: averaging with the others again does not make a peer's parameters
+    theirs. Where the group showed its states (DiLoCo's exchange all-reduce), they decide, in a group that held
+    the majority of the round."""
     import types
 
     from p2ptrain.peer import TrainingPeer
 
     peer = types.SimpleNamespace(synced=True, joined_this_round=False)
-    for group, joined, expected in ((3, False, True), (1, False, False), (3, False, False), (3, True, True)):
+    steps = ((3, False, None, True), (1, False, None, False), (3, False, None, False), (3, True, None, True),
+             (3, False, False, False), (3, False, True, True), (1, False, True, False), (3, False, None, False))
+    for group, joined, shown, expected in steps:
         peer.joined_this_round = joined
-        TrainingPeer._record_step(peer, group_size=group, others_here=2)  # type: ignore[arg-type]
-        assert peer.synced is expected, (group, joined)
+        TrainingPeer._record_step(peer, group_size=group, others_here=2, shown=shown)  # type: ignore[arg-type]
+        assert peer.synced is expected, (group, joined, shown)
+
+
+def test_a_diloco_swarm_whose_peers_each_applied_their_own_delta_agrees_on_one_state_again():
+    """The netns testnet's kill: a round whose members split two and two, each applying its own Δ, left four
+    states, every peer out of step and none to catch up from; they trained on apart. Here each of 3 peers moves its
+    parameters by a noise of its own after round 1 (unknown to its `synced` flag): the states they show pick one
+    (the lowest peer id's, all three alike), its holder is synced, the others take its state, and by the last
+    round all three hold the same parameters again."""
+    import torch
+
+    config = tiny_config(f"diverged-{uuid.uuid4().hex[:6]}", run={"rounds": 12})
+    first = start_peer(config)
+    peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]
+
+    def diverge(peer, metrics):
+        if metrics.round == 1:
+            generator = torch.Generator().manual_seed(hash(peer.peer_id) % 2**31)
+            peer.outer.set_params_([p.detach() + 0.05 * torch.randn(p.shape, generator=generator)
+                                    for p in peer.params])
+
+    for peer in peers:
+        peer.round_callbacks.insert(0, diverge)
+    threads, histories = run_peers(peers, timeout_s=300)
+    rounds = [[(m.round, m.joined, m.peers_averaged) for m in h] for h in histories]
+    assert max_param_difference(threads[0].params_after_round[1], threads[1].params_after_round[1]) > 0.01
+    assert sum(m.joined for h in histories for m in h if m.round > 1) >= 2, rounds  # two took the third's state
+    full = [r for r in range(2, 12) if all(any(m.round == r and m.peers_averaged == 3 for m in h) for h in histories)]
+    assert full and max(full) >= 8, rounds
+    last = threads[0].params_after_round[max(full)]
+    differences = [max_param_difference(last, t.params_after_round[max(full)]) for t in threads[1:]]
+    assert max(differences) < AGREEMENT_TOLERANCE, (differences, rounds)
 
 
 @pytest.mark.parametrize("transport", ["exchange", "hivemind"])

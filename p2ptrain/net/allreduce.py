@@ -93,6 +93,7 @@ class AveragingResult:
     own_norm: float | None = None
     own_deviation: float | None = None
     discarded: bool = False  # the members could not agree on the inputs: nobody applies anything this round
+    in_step: bool | None = None  # whether our state was the group's, by the samples members showed (None: unknown)
 
 
 def round_group_bits(round_: int) -> str:

@@ -24,6 +24,7 @@ from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import Averager, OuterSync
 from p2ptrain.sync.param_gossip import ParamGossip
+from p2ptrain.sync.state_evidence import state_sample
 
 REGISTER_TIMEOUT_S = 30.0
 
@@ -35,7 +36,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
     transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans, opens its
     streams as the peer's `routes` say (directly or through a relay) and is served through relays at `entry`."""
-    def averager(prefix: str, group_size: int | None) -> Averager:
+    def averager(prefix: str, group_size: int | None, shows_state: bool = False) -> Averager:
         if config.allreduce_transport == "hivemind":
             return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
                                      config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
@@ -43,10 +44,11 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         exchange = ExchangeAllReduce(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
                                      group_size=group_size, reputation=reputation, routes=routes)
         loop.run(serve_exchanges(p2p, exchange, entry), timeout=REGISTER_TIMEOUT_S)
-        return ExchangeAverager(exchange, loop, config.matchmaking_s)
+        state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
+        return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
-    if config.mode == "diloco":
-        return DilocoSync(outer, averager("diloco", None), config)
+    if config.mode == "diloco":  # its peers must hold one state: they show it (gossip modes' states differ)
+        return DilocoSync(outer, averager("diloco", None, shows_state=True), config)
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,

@@ -65,7 +65,7 @@ def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) ->
     """What an all-reduce did and cost, as the round's record (a refused mean counts as a failed exchange)."""
     return RoundSync(group_size=result.group_size, bytes_sent=result.bytes_sent,
                      bytes_received=result.bytes_received, exchange_s=result.seconds, codec=codec,
-                     failed=int(refused or result.discarded))
+                     failed=int(refused or result.discarded), in_step=result.in_step)
 
 
 class DilocoSync:

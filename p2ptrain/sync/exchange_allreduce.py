@@ -36,7 +36,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.sync.round_retry import RelayRetries, retry_delay_s
+from p2ptrain.sync.state_evidence import parse_sample, state_in_step
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class GatherRound(Mix2Round):
         self.received: dict[str, list[torch.Tensor]] = {}
         self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
         self.confirmed: dict[str, str] = {}  # member → the digest it confirmed (confirmation stage)
+        self.state: list[float] | None = None  # our anchor's sample, shown in the data stage (DiLoCo only)
+        self.states: dict[str, list[float]] = {}  # member → the sample of its anchor it showed
         self.complete = asyncio.Event()  # set once every expected member is done
         self._check_complete()
 
@@ -162,9 +165,10 @@ class ExchangeAllReduce(GradGossip):
         self.relay_retries = RelayRetries()  # members whose relay route fails: asked again in the first round only
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
-                     patience_s: float) -> AveragingResult:
+                     patience_s: float, state: list[float] | None = None) -> AveragingResult:
         """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost.
-        `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy)."""
+        `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy). `state`: our anchor's
+        sample (sync/state_evidence.py), shown to the members and judged against theirs (DiLoCo's peers only)."""
         started = time.monotonic()
         own = [d.detach().float().cpu() for d in delta]
         self._residual_before = None  # a refusal from now on concerns this round's mean
@@ -180,20 +184,24 @@ class ExchangeAllReduce(GradGossip):
             self.previous = None
             return AveragingResult(own, group_size=1)
         stats = RoundSync()
-        rnd = await self._stage(GatherRound(2 * round_, self.own_id, sent, payload, self.feedback.codec.name,
-                                            set(group)), patience_s, stats)
+        rnd = GatherRound(2 * round_, self.own_id, sent, payload, self.feedback.codec.name, set(group))
+        rnd.state = state
+        rnd = await self._stage(rnd, patience_s, stats)
         out_of_step, cheats = self._judge_previous(rnd)
         for peer in cheats:  # every member sees the same honest reports, so every member leaves the same ones out
             rnd.received.pop(peer, None)
         inputs = rnd.inputs()
 
+        shown = {peer: rnd.states[peer] for peer, _ in inputs if peer in rnd.states}
+
         def result(delta: list[torch.Tensor], size: int, **extra: Any) -> AveragingResult:
             return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
-                                   **extra)
+                                   in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
 
+        kept = [torch.zeros_like(o) for o in own]  # what a member applies where it must not apply the mean
         if out_of_step or len(inputs) == 1:
             self.previous = None
-            return result(own, 1)
+            return result(kept, len(inputs), discarded=True) if out_of_step else result(own, 1)
         mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce,
                                                                                               inputs, round_)
         verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, round_, patience_s,
@@ -207,9 +215,11 @@ class ExchangeAllReduce(GradGossip):
             ours = [peer for peer, _ in inputs].index(self.own_id)  # what the check of the mean needs, measured
             return result(mean, len(inputs), claimed_norms=lengths, own_norm=lengths[ours],
                           own_deviation=distances[ours] if distances else None)
-        if verdict == DISCARD:  # nobody applies this round: every member keeps the anchor it shares with the others
-            return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
-        return result(own, 1)  # out of step: applies its own, catches up next round
+        # DISCARD: nobody applies this round, every member keeps the anchor it shares with the others. Out of step:
+        # others may have applied a mean we lack; we keep the anchor too (applying our own Δ set every member of a
+        # round split two and two apart from all the others, netns testnet), and the next round's states show
+        # whether we are behind (sync/state_evidence.py)
+        return result(kept, len(inputs), discarded=True)
 
     def undo_commit_(self) -> None:
         """Put the error-feedback residual back as it was before the latest round's commit (if that round has one)."""
@@ -268,7 +278,8 @@ class ExchangeAllReduce(GradGossip):
         rnd = self.current
         if isinstance(rnd, GatherRound) and rnd.digest is not None:
             return {"digest": rnd.digest}
-        return self.previous.header() if self.previous is not None else {}
+        shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
+        return (self.previous.header() if self.previous is not None else {}) | shown
 
     def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
         if not isinstance(rnd, GatherRound):
@@ -277,9 +288,11 @@ class ExchangeAllReduce(GradGossip):
             if is_digest(header.get("digest")):
                 rnd.confirmed[partner] = header["digest"]
             return
-        report = Reduction.parse(header)
+        report, sample = Reduction.parse(header), parse_sample(header.get("state"))
         if report is not None:
             rnd.reports[partner] = report
+        if sample is not None:
+            rnd.states[partner] = sample
 
     def _judge_previous(self, rnd: GatherRound) -> tuple[bool, list[str]]:
         """Judge our previous all-reduce by what this round's members report (sync/allreduce_agreement.py): whether
@@ -295,8 +308,7 @@ class ExchangeAllReduce(GradGossip):
         same, other = outvoted(self.previous, reports, voters)
         if other > same:
             logger.warning(f"round {rnd.round // 2}: {other} member(s) reduced other inputs than this peer's {same} "
-                           f"in round {self.previous.round}: out of step; applying this peer's own outer gradient, "
-                           f"then catching up")
+                           f"in round {self.previous.round}: out of step; keeping the anchor this round")
         return other > same, cheats
 
     # ---- exchanges, and what they bring ----------------------------------------------------------------------------
@@ -357,8 +369,10 @@ class PendingGather:
 class ExchangeAverager:
     """`ExchangeAllReduce` behind the averager interface DiLoCo and Mix2 use (`average`, `launch`)."""
 
-    def __init__(self, exchange: ExchangeAllReduce, loop: BackgroundLoop, patience_s: float):
+    def __init__(self, exchange: ExchangeAllReduce, loop: BackgroundLoop, patience_s: float,
+                 state: Callable[[int], list[float]] | None = None):
         self.exchange, self.loop, self.patience_s = exchange, loop, patience_s
+        self.state = state  # round → our anchor's sample (DiLoCo: sync/state_evidence.py); None: none shown
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
                 round_peers: Sequence[str]) -> AveragingResult:
@@ -368,7 +382,9 @@ class ExchangeAverager:
                round_peers: Sequence[str]) -> PendingGather:
         """Start the all-reduce on the event loop; `weight` (the inner steps) is not sent: the receiver fixes 1/n."""
         own = [d.detach().float().cpu().clone() for d in delta]
-        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s)), own)
+        state = self.state(round_) if self.state is not None else None  # taken now: the anchor moves on
+        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s, state)),
+                             own)
 
     def forget_(self) -> None:
         """Report no previous reduction next round: we do not hold what it left; and give the error feedback back

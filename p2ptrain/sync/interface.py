@@ -51,6 +51,7 @@ class RoundSync:
     expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
     mix2_group_size: int = 0  # Factored: peers Mix2 averaged this round, ourselves included (0: no Mix2 landed)
+    in_step: bool | None = None  # DiLoCo: whether our state was our group's, by its samples (None: unknown)
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
         """Count one completed exchange that we started."""

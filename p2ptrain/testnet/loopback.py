@@ -7,6 +7,7 @@ ran all its rounds and ended with a lower validation loss than after its first r
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -89,8 +90,13 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
         pass
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # `p2ptrain --log-level`, which testnet processes inherit
+
+
 def cli_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "p2ptrain.cli", *args]
+    """The command line of a testnet process: the p2ptrain CLI at our own log level (`p2ptrain --log-level`)."""
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    return [sys.executable, "-m", "p2ptrain.cli", "--log-level", level if level in LOG_LEVELS else "info", *args]
 
 
 def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:
