@@ -66,7 +66,8 @@ def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
 
 
 def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
-                  max_lead: int, is_banned: Callable[[str], bool]) -> DonorChoice:
+                  max_lead: int, is_banned: Callable[[str], bool], last_round_syncing_s: float = 0.0,
+                  now: float = 0.0) -> DonorChoice:
     """Peers to download state from, best first; none when we are in step with the swarm.
 
     Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
@@ -75,6 +76,13 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     see it) raced ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer was
     in its round: it trained alone for the whole run (CI, Docker backend). It takes the majority's state. Every
     mode: a `fresh` process (round 0, never joined) takes a trusted peer's state.
+
+    `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for
+    at most that long since the end of its inner phase as it announced it (`now`, DHT time), is a donor too.
+    Peers in lockstep each read the swarm before announcing their new round, so each finds the others there, and
+    no donor of its own round ever (tests/test_swarm.py: three peers set apart never caught up). Longer in sync,
+    it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody by
+    design, and every peer would take another's state after it.
     """
     quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
     ahead = [r for r in trusted if r.round > own_round] if aligned else []
@@ -84,15 +92,20 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
         candidates = [r for r in trusted if r.round >= own_round]
     elif ran_ahead:
         candidates = [r for r in trusted if quorum is not None and r.round >= quorum]
-    elif not in_step and aligned:  # a synced peer of our round; or of the last, syncing: it is a moment from ours
+    elif not in_step and aligned:  # a synced peer of our round (or of the last, syncing: a moment from ours)
         candidates = [r for r in trusted if r.synced and (r.round == own_round or (
-            r.round == own_round - 1 and r.phase == "sync"))]
+            r.round == own_round - 1 and r.phase == "sync" and _syncing_since(r, now, last_round_syncing_s)))]
     else:
         candidates = []
     # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
     # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
     donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
+
+
+def _syncing_since(record: PeerRecord, now: float, at_most_s: float) -> bool:
+    """Whether `record`'s inner phase ended (as it announced it) at most `at_most_s` before `now` (0: never)."""
+    return at_most_s > 0 and record.round_eta > 0 and now - record.round_eta <= at_most_s
 
 
 def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, int]:

@@ -127,7 +127,8 @@ class Joiner:
         fresh = self.fresh()
         own_round = 0 if fresh else peer.round  # a retrying peer's round counts its own rounds alone
         choice = choose_donors(view.others, own_round, peer.synced, fresh, self.config.aligned_rounds,
-                               self.config.join_max_round_lead, peer.reputation.is_banned)
+                               self.config.join_max_round_lead, peer.reputation.is_banned,
+                               self._last_round_syncing_s(), get_dht_time())
         for suspect in choice.suspects:
             if suspect.peer_id not in self._suspects_logged:
                 self._suspects_logged.add(suspect.peer_id)
@@ -135,6 +136,11 @@ class Joiner:
                                f"{self.config.join_max_round_lead} ahead of the swarm's {choice.quorum}: "
                                f"suspect, not a donor")
         return dataclasses.replace(choice, donors=peer.routes.best_first(choice.donors))  # reachable, direct first
+
+    def _last_round_syncing_s(self) -> float:
+        """How long a peer of the last round may have been syncing to count as a moment from ours (DiLoCo without
+        overlap): its all-reduce's two stages, each waiting at most `sync.matchmaking_s`, and a margin."""
+        return 2 * self.config.matchmaking_s + RECORD_MARGIN_S if self.config.overlap == "none" else 0.0
 
     def catch_up_(self, view: SwarmView) -> bool:
         """Adopt the first donor's state that passes the checks; True if one was applied."""
@@ -156,6 +162,9 @@ class Joiner:
         for donor in choice.donors:
             snapshot = self._download(donor, choice)
             if snapshot is None:
+                continue
+            if not fresh and snapshot.round < peer.round:  # a donor that did not move on (done, or stuck)
+                logger.info(f"the state of {donor.peer_id} is of round {snapshot.round}, before ours: not taken")
                 continue
             verdict = self._corroborate(snapshot, donor, choice, own_loss)
             if not verdict.accepted:

@@ -53,7 +53,8 @@ def test_float_rounding_is_one_state_and_one_rounds_step_is_another():
 
 @pytest.mark.parametrize("value", [None, "x", [1.0] * (STATE_SAMPLE - 1), [1.0] * (STATE_SAMPLE + 1),
                                    [float("nan")] + [1.0] * (STATE_SAMPLE - 1), [True] * STATE_SAMPLE,
-                                   ["1"] * STATE_SAMPLE, [float("inf")] * STATE_SAMPLE, {"a": 1}])
+                                   ["1"] * STATE_SAMPLE, [float("inf")] * STATE_SAMPLE, {"a": 1},
+                                   [1e300] * STATE_SAMPLE, [10**400] * STATE_SAMPLE])
 def test_a_malformed_sample_shows_nothing(value: object):
     assert parse_sample(value) is None
 
@@ -77,16 +78,20 @@ def test_ours_is_the_groups_state_when_held_by_most_members_ties_going_to_the_lo
 
 def test_an_out_of_step_peer_takes_a_synced_peer_of_its_round_or_of_the_last_that_is_syncing():
     """Every peer reads the swarm before announcing its new round: in step with us, the others show the last
-    round, syncing. A synced one of those is a donor; a synced one still training the last round is not."""
-    def record(peer: str, round_: int, phase: str, synced: bool) -> PeerRecord:
-        return PeerRecord(peer_id=peer, round=round_, inner_step=0, phase=phase, round_eta=0.0, fingerprint="f",
+    round, syncing. A synced one of those is a donor (without overlap: `last_round_syncing_s`), unless it has been
+    syncing too long (stuck, or done); a synced one still training the last round is not. In step: nobody."""
+    def record(peer: str, round_: int, phase: str, synced: bool, eta: float) -> PeerRecord:
+        return PeerRecord(peer_id=peer, round=round_, inner_step=0, phase=phase, round_eta=eta, fingerprint="f",
                           synced=synced)
 
-    others = [record("a", 4, "sync", True), record("b", 4, "sync", False), record("c", 4, "inner", True),
-              record("d", 5, "inner", True)]
-    choice = choose_donors(others, 5, False, False, True, 2, lambda p: False)
+    others = [record("a", 4, "sync", True, 99.0), record("b", 4, "sync", False, 99.0),
+              record("c", 4, "inner", True, 101.0), record("d", 5, "inner", True, 103.0),
+              record("f", 4, "sync", True, 0.0),  # its inner phase had no ETA: nothing to tell how long
+              record("e", 4, "sync", True, 90.0)]  # syncing for 10 s: stuck, or done with its rounds
+    choice = choose_donors(others, 5, False, False, True, 2, lambda p: False, last_round_syncing_s=5.0, now=100.0)
     assert [r.peer_id for r in choice.donors] == ["d", "a"]
-    assert choose_donors(others, 5, True, False, True, 2, lambda p: False).donors == []  # in step: nobody
+    assert [r.peer_id for r in choose_donors(others, 5, False, False, True, 2, lambda p: False).donors] == ["d"]
+    assert choose_donors(others, 5, True, False, True, 2, lambda p: False, 5.0, 100.0).donors == []
 
 
 @pytest.mark.network

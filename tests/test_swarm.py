@@ -161,7 +161,8 @@ def test_a_diloco_swarm_whose_peers_each_applied_their_own_delta_agrees_on_one_s
     round all three hold the same parameters again."""
     import torch
 
-    config = tiny_config(f"diverged-{uuid.uuid4().hex[:6]}", run={"rounds": 12})
+    # rounds of ~1 s (40 inner steps): a state download must fit in a round or two, as it does at any real size
+    config = tiny_config(f"diverged-{uuid.uuid4().hex[:6]}", run={"rounds": 12}, inner={"steps": 40})
     first = start_peer(config)
     peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]
 

@@ -47,8 +47,8 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
-    if config.mode == "diloco":  # its peers must hold one state: they show it (gossip modes' states differ)
-        return DilocoSync(outer, averager("diloco", None, shows_state=True), config)
+    if config.mode == "diloco":  # its peers hold one state and show it (not with eager overlap, nor gossip modes)
+        return DilocoSync(outer, averager("diloco", None, shows_state=config.overlap != "eager"), config)
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,

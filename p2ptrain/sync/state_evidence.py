@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 STATE_SAMPLE = 64  # coordinates of θ each member shows (its relative distance estimates the full one to ~12 %)
+MAX_SAMPLE_VALUE = 1e15  # beyond, a sample's squares could overflow, and an infinite gap pass for a match
 # ‖θ_a − θ_b‖ / ‖θ_a‖ of DiLoCo peers in step: float rounding only (5e-9 to 8e-9 relative on the tiny model, against
 # 0.1–0.2 between rounds); a lie must come this close to pass (joining.py's witnesses use it too)
 ALIGNED_MAX_DISTANCE = 1e-3
@@ -50,10 +51,12 @@ def state_sample(tensors: Sequence[torch.Tensor], round_: int, run_id: str) -> l
 
 
 def parse_sample(value: object) -> list[float] | None:
-    """A member's sample from its header: STATE_SAMPLE finite numbers, or None (it then shows nothing)."""
+    """A member's sample from its header: STATE_SAMPLE numbers within ±MAX_SAMPLE_VALUE, or None (it then shows
+    nothing)."""
     if not isinstance(value, list) or len(value) != STATE_SAMPLE:
         return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= MAX_SAMPLE_VALUE
+               for v in value):  # NaN fails the comparison too
         return None
     return [float(v) for v in value]
 
