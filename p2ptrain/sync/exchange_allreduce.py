@@ -198,10 +198,12 @@ class ExchangeAllReduce(GradGossip):
             return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
                                    in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
 
-        kept = [torch.zeros_like(o) for o in own]  # what a member applies where it must not apply the mean
+        def kept() -> AveragingResult:  # the anchor stays: nothing to apply (made only then: a Δ's worth of zeros)
+            return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
+
         if out_of_step or len(inputs) == 1:
             self.previous = None
-            return result(kept, len(inputs), discarded=True) if out_of_step else result(own, 1)
+            return kept() if out_of_step else result(own, 1)
         mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce,
                                                                                               inputs, round_)
         verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, round_, patience_s,
@@ -219,7 +221,7 @@ class ExchangeAllReduce(GradGossip):
         # others may have applied a mean we lack; we keep the anchor too (applying our own Δ set every member of a
         # round split two and two apart from all the others, netns testnet), and the next round's states show
         # whether we are behind (sync/state_evidence.py)
-        return result(kept, len(inputs), discarded=True)
+        return kept()
 
     def undo_commit_(self) -> None:
         """Put the error-feedback residual back as it was before the latest round's commit (if that round has one)."""
