@@ -194,11 +194,13 @@ def test_the_survivors_of_a_killed_peer_hold_one_state_again(netns_ok: None, tmp
     two and two at the kill set every survivor out of step, none was a donor, and from round 8 on no round found the
     4 in one state (3 runs of 3; final losses 0.14-0.31 apart) while they averaged in groups of 4."""
     prefix, workdir, root_before = f"ko{os.getpid() % 100000}", tmp_path / "run", root_links_and_qdiscs()
-    config = {**TINY_PEER_CONFIG, "inner": {"steps": 10}, "sync": {"mode": "diloco", "matchmaking_s": 2.0}}
+    # no checkpoints: writing one every round slows rounds enough that the split did not show on the old code
+    config = {key: value for key, value in TINY_PEER_CONFIG.items() if key != "run"}
+    config.update(inner={"steps": 10}, sync={"mode": "diloco", "matchmaking_s": 2.0})
     path = tmp_path / "scenario.yaml"
     path.write_text(yaml.safe_dump({"peers": 5, "rounds": 14, "peer_config": config,
                                     "events": [{"after_round": 3, "of": "peer4", "kill": "peer4"}],
-                                    "checks": {"loss_fell": True, "max_consensus_distance": 1e-3}}))
+                                    "checks": {"loss_fell": True}}))
     ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(path), workdir=str(workdir), timeout_s=240,
                                                name_prefix=prefix))
     report = json.loads((workdir / "report" / "report.json").read_text())
