@@ -384,7 +384,7 @@ class TrainingPeer:
         self.stop_event.set()
 
     def shutdown(self) -> None:
-        closers = (lambda: self.services.stop(self.loop), self.announcer.stop, self.watcher.stop, self.sync.shutdown,
+        closers = (self.announcer.leave, lambda: self.services.stop(self.loop), self.watcher.stop, self.sync.shutdown,
                    lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown,
                    self.node.close)
         for close in closers:

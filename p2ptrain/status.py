@@ -10,7 +10,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.config import PeerConfig
 from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht
-from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers
+from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers, present
 
 
 def reach_of(record: PeerRecord) -> str:
@@ -42,7 +42,7 @@ def print_status(config: PeerConfig, initial_peers: Sequence[str]) -> list[PeerR
     dht = start_dht(config.network, initial_peers)
     try:
         add_record_validators(dht, config.run.run_id, config.network.record_ttl_s, admission)
-        records = fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission)
+        records = present(fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission))
         click.echo(f"run {config.run.run_id!r}{' (signed)' if admission.signed else ''}:")
         click.echo(format_status_table(records, get_dht_time()))
         return records

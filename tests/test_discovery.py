@@ -11,7 +11,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
-from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records
+from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records, present
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table
 
@@ -102,6 +102,21 @@ def test_the_swarm_watcher_keeps_records_until_they_expire_not_until_a_read_miss
     assert [r.round for r in watcher.records()] == [4, 3]
     watcher.ttl_s = 2.0  # B's record (3 s old) has now expired
     assert [r.peer_id for r in watcher.records()] == ["A"]
+
+
+def test_a_peer_that_left_is_gone_at_once_and_only_a_newer_record_brings_it_back() -> None:
+    now = get_dht_time()
+    dht = ScriptedDHT(dht_result(entry(peer_id="A", updated=now - 1), entry(peer_id="B", updated=now - 1)),
+                      dht_result(entry(peer_id="A", phase="left", updated=now)),  # A shut down
+                      dht_result(entry(peer_id="A", updated=now - 1)),  # a slower replica's older record of A
+                      dht_result(entry(peer_id="A", round=0, updated=now + 0.1)))  # A restarted
+    watcher = SwarmWatcher(dht, "run", ttl_s=5.0, refresh_s=0.5)  # type: ignore[arg-type]
+    assert [r.peer_id for r in watcher.records()] == ["A", "B"]
+    assert [r.peer_id for r in watcher.records(current=True)] == ["B"]  # not after its TTL: now
+    assert [r.peer_id for r in watcher.records(current=True)] == ["B"]  # the older record does not revive it
+    assert [(r.peer_id, r.round) for r in watcher.records(current=True)] == [("A", 0), ("B", 3)]
+    assert "1 live peer(s)" in format_status_table(present(parse_records(
+        dht_result(entry(peer_id="A", phase="left"), entry(peer_id="B")), ttl_s=5.0, now=NOW)), NOW)
 
 
 def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:

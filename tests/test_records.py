@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,6 +26,7 @@ from p2ptrain.net.discovery import (
     Announcer,
     PeerRecord,
     PeerRecordValidator,
+    SwarmWatcher,
     add_record_validators,
     fetch_peers,
     parse_records,
@@ -156,6 +158,7 @@ def test_a_dht_pair_refuses_forged_records_and_stores_a_valid_one() -> None:
             "unsigned": (unsigned_subkey, record(Signer().peer_id), now + TTL_S),
             "no signer at all": (b"ghost", record(attacker_id), now + TTL_S),
             "schema violation": (signer, record(attacker_id, phase="hacking"), now + TTL_S),
+            "the honest peer left": (signer, record(str(honest.peer_id), phase="left", updated=now + 1), now + TTL_S),
         }
         for name, (subkey, value, expiration_time) in forgeries.items():
             attacker.store(peers_key(RUN), subkey=subkey, value=value, expiration_time=expiration_time)
@@ -169,6 +172,41 @@ def test_a_dht_pair_refuses_forged_records_and_stores_a_valid_one() -> None:
             [(attacker_id, 7), (str(honest.peer_id), 3)])  # no forgery reached the reader, even unchecked
         assert [(r.peer_id, r.round) for r in fetch_peers(reader, RUN, TTL_S)] == sorted(
             [(attacker_id, 7), (str(honest.peer_id), 3)])
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_peer_that_leaves_is_dropped_at_the_next_read_not_after_its_ttl() -> None:
+    """A clean shutdown (`TrainingPeer.shutdown` calls `Announcer.leave`) stores a record saying the peer left:
+    another peer's watcher drops it within a read or two, where it stood for the TTL (8 s here) before."""
+    reader = start_node()
+    nodes = [reader]
+    try:
+        add_record_validators(reader, RUN, 8.0)
+        leaver = start_node(visible_maddrs(reader))
+        nodes.append(leaver)
+        announcer = Announcer(leaver, RUN, PeerRecord(peer_id=str(leaver.peer_id), round=3, inner_step=0,
+                                                      phase="inner", round_eta=0.0), heartbeat_s=0.5, ttl_s=8.0)
+        announcer.start()
+        watcher = SwarmWatcher(reader, RUN, ttl_s=8.0, refresh_s=0.5)
+        watcher.start()
+        try:
+            deadline = time.monotonic() + 10
+            while [r.peer_id for r in watcher.records()] != [str(leaver.peer_id)]:
+                assert time.monotonic() < deadline, "the reader never saw the peer"
+                time.sleep(0.1)
+            left_at = time.monotonic()
+            announcer.leave()
+            while watcher.records():
+                assert time.monotonic() - left_at < 4.0, "the peer that left still counts as present"
+                time.sleep(0.1)
+            assert [r.phase for r in fetch_peers(reader, RUN, 8.0)] == ["left"]  # its record stands, as a tombstone
+            assert not announcer._thread.is_alive()  # no heartbeat brings it back
+        finally:
+            watcher.stop()
     finally:
         for node in nodes:
             node.shutdown()

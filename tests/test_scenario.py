@@ -86,6 +86,7 @@ events:
   - {at_s: 60, heal: partition}
   - {at_s: 70, add_peer: {rate: 20mbit}}
   - {at_s: 71, kill: peer4}
+  - {at_s: 72, leave: peer0}
 checks: {loss_fell: false, max_stall_s: 8, max_consensus_distance: 0.05}
 """
 
@@ -96,7 +97,7 @@ def test_full_scenario_parses_and_plans(tmp_path: Path) -> None:
     assert plan.added_peers == ("peer4",)
     assert [e.describe() for e in plan.events] == [
         "kill peer2", "restart peer2", "stop peer1", "continue peer1", "set_rate peer3 1 Mbit/s",
-        "partition peer2,peer3", "heal partition", "add_peer peer4 20 Mbit/s", "kill peer4"]
+        "partition peer2,peer3", "heal partition", "add_peer peer4 20 Mbit/s", "kill peer4", "leave peer0"]
     assert plan.events[0] == Event("kill", "peer2", after_round=2, of="peer2")
     assert plan.events[5].of is None and plan.events[5].trigger == "after round 5 of any peer"
     assert plan.checks == ChecksSpec(loss_fell=False, max_stall_s=8.0, max_consensus_distance=0.05)

@@ -228,7 +228,8 @@ def test_every_event_kind_then_ctrl_c_tears_down_and_reports(netns_ok: None, tmp
         {"at_s": 45, "heal": "partition"},
         {"at_s": 60, "stop": "peer1"},
         {"at_s": 75, "continue": "peer1"},
-        {"at_s": 80, "add_peer": {"rate": "20mbit"}}])
+        {"at_s": 80, "add_peer": {"rate": "20mbit"}},
+        {"at_s": 95, "leave": "peer2"}])  # SIGTERM: it shuts down cleanly and is not restarted
     workdir.mkdir()
     launcher, log = start_launcher(scenario, workdir, prefix)
     try:
@@ -249,6 +250,9 @@ def test_every_event_kind_then_ctrl_c_tears_down_and_reports(netns_ok: None, tmp
         assert state == "T", f"peer1 should be stopped, its state is {state}"
         wait_until(lambda: "add_peer peer2" in log.read_text(), 120, "the add_peer event")
         assert process_state(peer1_pid) in ("S", "R"), "peer1 should run again after continue"
+        wait_until(lambda: "leave peer2" in log.read_text(), 120, "the leave event")
+        peer2_pid = json.loads((workdir / "processes.json").read_text())["peer2"]
+        wait_until(lambda: process_state(peer2_pid) is None, 30, "peer2 to shut down")
         wait_until(lambda: len(rows_of(workdir, "peer0")) >= 9, 60, "peer0 to train on after the events")
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=90) == 130
@@ -264,9 +268,10 @@ def test_every_event_kind_then_ctrl_c_tears_down_and_reports(netns_ok: None, tmp
     assert checks["events_fired"]["passed"] and report["unfired_events"] == [], checks["events_fired"]
     assert [(e["description"], e["ok"]) for e in report["events"]] == [
         ("set_rate peer1 5 Mbit/s", True), ("partition peer1", True), ("heal partition", True), ("stop peer1", True),
-        ("continue peer1", True), ("add_peer peer2 20 Mbit/s", True)]
+        ("continue peer1", True), ("add_peer peer2 20 Mbit/s", True), ("leave peer2", True)]
     ends = {peer: [life["end_reason"] for life in p["lives"]] for peer, p in report["peers"].items()}
-    assert ends == {"peer0": ["stopped_at_end"], "peer1": ["stopped_at_end"], "peer2": ["stopped_at_end"]}
+    assert ends == {"peer0": ["stopped_at_end"], "peer1": ["stopped_at_end"], "peer2": ["left"]}
+    assert report["peers"]["peer2"]["lives"][0]["exit_code"] == 0  # a clean shutdown
     assert_nothing_left(prefix, workdir, inodes, root_before)
 
 

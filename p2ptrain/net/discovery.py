@@ -5,6 +5,12 @@ its signer's: one signer speaks for one peer, with one record. Every node refuse
 forged is stored or accepted from a lookup) and again when it reads the records (`parse_records`), a record that is
 malformed, signed by another peer, from the future, stale, set to expire too late, or, in a signed run, without
 the organiser's ticket (net/admission.py).
+
+A peer that shuts down stores a last record of phase `left` (`Announcer.leave`): the others drop it at their next
+read instead of after its TTL, during which they would have counted it in their rounds and dialled it as a donor (a
+home peer gone offline answers no dial: one catch-up on the netns testnet spent 16 s on a finished peer). Only its
+owner can sign it; a reader keeps it as a tombstone until it expires, so an older record read from a slower replica
+cannot bring the peer back.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ MAX_CLOCK_SKEW_S = 30.0
 # heartbeat stores the record again anyway
 BLOCKING_PUBLISH_HEARTBEATS = 2
 BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
+LEFT = "left"  # the phase of a departed peer's last record
+LEAVE_PUBLISH_TIMEOUT_S = 2.0  # a leaving peer waits this long at most for the DHT to store its last record
 
 
 class PeerRecord(BaseModel):
@@ -43,7 +51,7 @@ class PeerRecord(BaseModel):
     peer_id: constr(min_length=1, max_length=128, strict=True)  # type: ignore[valid-type]  # libp2p id (base58)
     round: conint(ge=0, strict=True)  # type: ignore[valid-type]  # the round its inner phase is in
     inner_step: conint(ge=0, strict=True)  # type: ignore[valid-type]  # inner steps done in this round
-    phase: constr(regex=r"^(inner|sync|joining)$", strict=True)  # type: ignore[valid-type]
+    phase: constr(regex=r"^(inner|sync|joining|left)$", strict=True)  # type: ignore[valid-type]
     round_eta: StrictFloat  # DHT time at which its inner phase of this round is expected to end
     train_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
@@ -87,8 +95,14 @@ def record_problem(record: PeerRecord, now: float, ttl_s: float, policy: Admissi
 
 
 def is_live(record: PeerRecord, now: float, ttl_s: float) -> bool:
-    """Whether a record's peer still counts as present: its last heartbeat is at most `ttl_s` old."""
+    """Whether a record still stands: its last heartbeat is at most `ttl_s` old (a `left` record too, as a
+    tombstone)."""
     return now - record.updated <= ttl_s
+
+
+def present(records: list[PeerRecord]) -> list[PeerRecord]:
+    """The records of peers still in the run: those that did not announce they left."""
+    return [r for r in records if r.phase != LEFT]
 
 
 @dataclasses.dataclass
@@ -258,6 +272,13 @@ class Announcer:
             logger.debug("peer record not stored", exc_info=True)
             return False
 
+    def leave(self, timeout_s: float = LEAVE_PUBLISH_TIMEOUT_S) -> None:
+        """Stop the heartbeat and store a last record saying we left (the others drop us at their next read)."""
+        self.stop()
+        self.update(phase=LEFT)
+        if not self.publish(timeout_s):
+            logger.debug("the record saying this peer left was not stored in time: it expires after its TTL instead")
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._publish_now.wait(self.heartbeat_s)
@@ -300,16 +321,16 @@ class SwarmWatcher:
         self._thread.start()
 
     def records(self, current: bool = False, timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
-        """The freshest record of every peer whose record has not expired, sorted by peer id. A `current` read
-        waits at most `timeout_s` (the first read, DHT_READ_TIMEOUT_S): a DHT slowed by a silent node then leaves
-        the records of the last read."""
+        """The freshest record of every peer whose record has not expired and that did not leave, sorted by peer
+        id. A `current` read waits at most `timeout_s` (the first read, DHT_READ_TIMEOUT_S): a DHT slowed by a
+        silent node then leaves the records of the last read."""
         if current or not self._read_once:
             timeout_s = timeout_s if self._read_once else DHT_READ_TIMEOUT_S
             self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, timeout_s, admission=self.admission))
         now = get_dht_time()
         with self._lock:
             live = [r for r in self._known.values() if is_live(r, now, self.ttl_s)]
-        return sorted(live, key=lambda r: r.peer_id)
+        return sorted(present(live), key=lambda r: r.peer_id)
 
     def merge_(self, records: list[PeerRecord]) -> None:
         """Keep each peer's freshest record; forget expired ones."""

@@ -238,11 +238,11 @@ def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
     if peer == BOOTSTRAP:  # only `kill`: peers lose their bootstrap (and relay), and go on without it
         hosts.signal(peer, signal.SIGKILL)
         return True, ""
-    needs_running = event.action in ("kill", "stop", "continue")
+    needs_running = event.action in ("kill", "leave", "stop", "continue")
     if needs_running and not fleet.running(peer):
         return False, f"{peer} is not running"
-    if event.action == "kill":
-        fleet.end_life(peer, "killed")
+    if event.action in ("kill", "leave"):  # leave: SIGTERM, the peer shuts down as a volunteer's Ctrl-C does
+        fleet.end_life(peer, *(("killed",) if event.action == "kill" else ("left", signal.SIGTERM)))
     elif event.action in ("stop", "continue"):
         fleet.pause(peer, event.action == "stop")
     elif event.action == "restart":

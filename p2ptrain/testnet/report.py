@@ -19,7 +19,7 @@ from p2ptrain.testnet.plots import write_plots
 from p2ptrain.testnet.scenario import ChecksSpec
 
 SURVIVING_ENDS = ("finished", "stopped_at_end")  # life end reasons of a peer that was running at the end
-SCENARIO_ENDS = ("killed", "restarted")  # ends the scenario caused; anything else but SURVIVING_ENDS is a failure
+SCENARIO_ENDS = ("killed", "left", "restarted")  # ends the scenario caused; any other but SURVIVING_ENDS fails
 WARNINGS_SHOWN, LOG_LEVELS_SHOWN = 8, (" WARN ", " WARNING ", " ERROR ", " CRITICAL ")  # a failed run's digest
 
 
@@ -32,7 +32,7 @@ class Life:
     started: float
     ended: float | None = None
     exit_code: int | None = None
-    end_reason: str = ""  # finished | killed | restarted | stopped_at_end | killed_at_teardown | crashed
+    end_reason: str = ""  # finished | killed | left | restarted | stopped_at_end | killed_at_teardown | crashed
     resumed_from_round: int | None = None  # the checkpoint round it resumed from (None: a fresh start)
 
 

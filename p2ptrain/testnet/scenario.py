@@ -9,6 +9,7 @@ duration_s (full examples in testnet/scenarios/)::
     peer_config: {model: {name: tiny}}           # merged over --config for every peer
     events:                                      # in the order written, each once its trigger holds
       - {after_round: 2, of: peer2, kill: peer2} # SIGKILL (also kill: bootstrap); stop/continue (SIGSTOP/SIGCONT)
+      - {after_round: 3, of: peer1, leave: peer1} # SIGTERM: a clean shutdown (Ctrl-C), its record says it left
       - {at_s: 60, restart: peer2}               # from its latest checkpoint (fresh if it has none)
       - {at_s: 80, set_rate: {peer: peer3, rate: 1mbit}}
       - {at_s: 90, partition: [peer2, peer3]}    # cut off from the rest (and the bootstrap); heal: partition
@@ -38,7 +39,7 @@ from p2ptrain.dict_to_dataclass import build_dataclass, check_mapping, parsed_by
 from p2ptrain.errors import ConfigError, one_line
 from p2ptrain.testnet.adversary import ATTACKS
 
-PEER_ACTIONS = ("kill", "stop", "continue", "restart")  # value: the peer's name (kill: or "bootstrap")
+PEER_ACTIONS = ("kill", "leave", "stop", "continue", "restart")  # value: the peer's name (kill: or "bootstrap")
 BOOTSTRAP = "bootstrap"
 ACTIONS = (*PEER_ACTIONS, "set_rate", "partition", "heal", "add_peer")
 TRIGGERS = ("at_s", "after_round", "of")  # an event's keys besides its action: Event's fields of the same names
