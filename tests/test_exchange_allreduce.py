@@ -194,6 +194,25 @@ def test_an_honest_group_gets_the_exact_mean_and_every_member_the_same_bits():
 
 
 @pytest.mark.network
+def test_a_member_that_shuts_down_refuses_the_offer_it_holds_and_the_opener_goes_on_at_once():
+    """b has not reached the round, so it holds a's offer (round_gate.py); then b shuts down. Its gate closes, the
+    held offer is refused as LEAVING, which a does not ask again: a averages alone at once, not after its patience
+    (without the close: b judged the offer after the hold, a asked again until its 3 s patience ran out)."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        a, b = transports
+        started = asyncio.get_running_loop().time()
+        pending = asyncio.ensure_future(a.gather(deltas(0), [b.own_id], 0, patience_s=3.0))
+        await asyncio.sleep(0.5)
+        assert not pending.done() and b.gate.may_hold(0), "b should be holding a's offer"
+        await b.gate.close()
+        result = await asyncio.wait_for(pending, 2.0)
+        assert result.group_size == 1 and asyncio.get_running_loop().time() - started < 1.5
+        assert not b.gate.may_hold(1)
+
+    with_transports(2, scenario)
+
+
+@pytest.mark.network
 def test_members_whose_views_differ_apply_nothing_and_stay_in_step():
     """a sees b and c; b and c each see only a: b and c refuse each other. Three different input sets: all three
     confirm, find no majority, and keep the round's anchor (a discarded round), whatever they reduced."""

@@ -395,5 +395,5 @@ class ExchangeAverager:
         self.exchange.previous = None
         self.exchange.undo_commit_()
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None:  # offers held for a round we will not reach are refused now (round_gate.py)
+        self.loop.run(self.exchange.gate.close(), timeout=5.0)

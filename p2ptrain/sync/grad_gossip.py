@@ -49,7 +49,7 @@ from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND
-from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
+from p2ptrain.sync.round_gate import LEAVING, RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
@@ -344,8 +344,8 @@ class GradGossip:
         if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
             return "malformed offer"
         rnd = self.current
-        if rnd is None or round_ > rnd.round:
-            return WRONG_ROUND  # our s for that round is not set yet: the initiator asks again
+        if rnd is None or round_ > rnd.round:  # our s for that round is not set yet: the initiator asks again
+            return LEAVING if self.gate.closed else WRONG_ROUND  # unless we shut down
         if header.get("weight") != rnd.weight:
             return "bad mixing weight"
         gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
