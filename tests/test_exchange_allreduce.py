@@ -199,7 +199,7 @@ def test_a_member_that_shuts_down_refuses_the_offer_it_holds_and_the_opener_goes
     held offer is refused as LEAVING, which a does not ask again: a averages alone at once, not after its patience
     (without the close: b judged the offer after the hold, a asked again until its 3 s patience ran out)."""
     async def scenario(transports: list[ExchangeAllReduce]) -> None:
-        a, b = transports
+        a, b = sorted(transports, key=lambda t: t.own_id)  # the lower id opens the pair's stream (routes.opener)
         started = asyncio.get_running_loop().time()
         pending = asyncio.ensure_future(a.gather(deltas(0), [b.own_id], 0, patience_s=3.0))
         await asyncio.sleep(0.5)
