@@ -101,8 +101,12 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
         seen.add(b)
     # Partner choice: a fast peer starts an exchange with the slow one at most until the slow one has announced
     # its link speed (its first round); after that the slow peer starts them and fast peers answer while training.
+    # (A slow peer whose own offers never complete announces no speed: a fast peer then judges it by the exchange
+    # it measured with it. In CI one fast peer once started 6 with it.)
     for peer in FAST:
-        assert sum(1 for a, b, _ in slow_links if a == peer) <= 2, [(a, b) for a, b, _ in slow_links]
+        starts = [(i, e["codec"], round(e["seconds"], 1)) for i, r in enumerate(rows[peer]) for e in r["exchanges"]
+                  if name_of.get(e["partner"]) == SLOW]
+        assert len(starts) <= 2, (peer, "(its round, codec, s)", starts, "the slow peer's first try", first_try)
     assert sum(1 for a, _, _ in slow_links if a == SLOW) >= 3, "the slow peer should reach the fast ones itself"
     for peer_rows in rows.values():
         assert min(r["val_loss"] for r in peer_rows[1:]) < peer_rows[0]["val_loss"]

@@ -11,8 +11,7 @@ Partners are untrusted (issue 9). What a partner sends must decode, be finite an
 `max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is
 then clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ; τ's
 yardstick is how far our own step moved our base, mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1.
-A partner opens a bounded number of exchanges with us per round (`OfferLimit`). `outgoing` forms what we send.
-"""
+A partner opens a bounded number of exchanges with us per round (`OfferLimit`)."""
 
 from __future__ import annotations
 
@@ -276,11 +275,13 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
         end within 1.25 × an exchange on our own link or within a tenth of the inner phase (or, when our
         exchanges overlap the inner phase as Mix1's do, within that phase). Slower peers are not dropped from the
         graph: they start exchanges with us, which we answer in the background while we train, so fast peers
-        never wait for a slow one and a slow one waits only for its own link."""
+        never wait for a slow one and a slow one waits only for its own link. A peer that announced no speed (it
+        completed no exchange it started) is judged by what we measured with it, if anything."""
         phase_s = self.budget_s if self.budget_s < float("inf") else 0.0
         hidden_s = phase_s if self.overlapped else NEGLIGIBLE_BLOCKING_FRACTION * phase_s
         limit = max(hidden_s, 1.25 * self.expected_exchange_s())
-        return [p for p in live_peers if self.expected_exchange_s(links.get(p, 0.0)) <= limit]
+        return [p for p in live_peers if self.expected_exchange_s(links.get(p) or self.links.measured().get(p, 0.0))
+                <= limit]
 
     def mix(self, value: list[torch.Tensor], live_peers: list[str], round_: int, patience_s: float = 0.0,
             links: dict[str, float] | None = None) -> Coroutine[Any, Any, tuple[list[torch.Tensor], RoundSync]]:
