@@ -14,7 +14,8 @@ with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joi
    round must lie within ALIGNED_MAX_DISTANCE; otherwise (gossip modes, other rounds) within
    `sync.join_gossip_max_distance`; refused when most answers are far (the donor's own voice breaks a tie).
    The candidate's validation loss on our held-out batches must not be worse than our own state's, nor than
-   the median other peers announce (not the donor), by more than `sync.join_loss_tolerance`;
+   the median other peers announce (not the donor), by more than `sync.join_loss_tolerance` (our own bar is
+   looser when ours is the odd state out: join_rules.own_loss_bound);
 4. applies the first state that passes; a donor whose state fails is penalised ("wrong_state": banned).
 
 With aligned rounds, a joiner that would arrive after its round's peers have read who is in the round waits for
@@ -281,8 +282,12 @@ class Joiner:
         if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
             own_loss = self.peer.inner.evaluate(self.peer.val_batches)
         claimed = median_claim([r.val_loss for r in others])  # what the donor claims of itself proves nothing
-        judged = judge_loss(loss, own_loss_bound(own_loss, choice.ran_ahead), claimed, self.config.join_loss_tolerance)
-        return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}") if judged.accepted else judged
+        held = sketches.held_by_round  # the donor's round holds this state: a refusal is no fault of the donor's
+        judged = judge_loss(loss, own_loss_bound(own_loss, choice.ran_ahead or held), claimed,
+                            self.config.join_loss_tolerance)
+        if not judged.accepted:
+            return dataclasses.replace(judged, blame=judged.blame and not held)
+        return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}")
 
     def _ask(self, witnesses: Sequence[PeerRecord], seed: int) -> list[Witnessed]:
         """The witnesses' sketches under `seed`, asked at once; those that fail or refuse are left out."""

@@ -23,6 +23,7 @@ from swarm_utils import PeerThread, replace_section, start_peer, stop_and_shut_d
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.join_rules import (
+    DonorChoice,
     Verdict,
     Witnessed,
     choose_donors,
@@ -390,6 +391,50 @@ def test_the_loss_check_refuses_the_poison_and_keeps_honest_noise():
     assert judge_loss(2.7, own=5.27, claimed=None, tolerance=0.1).accepted  # a fresh peer: θ_0's loss is the bar
     assert not judge_loss(12.3, own=5.27, claimed=None, tolerance=0.1).accepted  # the tiny model's −5·θ_0
     assert median_claim([None]) is None
+
+
+def corroborating_joiner(own: list[torch.Tensor], swarm: list[torch.Tensor], witnesses_holding: int,
+                         losses: dict[str, float]) -> tuple[Joiner, Callable[[StateSnapshot], Verdict]]:
+    """A DiLoCo Joiner whose three synced witnesses of round 7 hold `swarm` (`witnesses_holding` of them; the others
+    our own state), and whose loss on our batches is losses["own"] for our parameters, losses["swarm"] for others."""
+    params = [t.clone() for t in own]
+    evaluate = lambda _batches: losses["own"] if torch.equal(params[0], own[0]) else losses["swarm"]  # noqa: E731
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="diloco")), round=6, synced=False,
+                                 joined_ever=True, params=params, val_batches=[], routes=Routes("me"),
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 inner=types.SimpleNamespace(evaluate=evaluate))
+    joiner = Joiner(peer)  # type: ignore[arg-type]
+    witnesses = [record(f"w{i}", 7) for i in range(3)]
+
+    def ask(asked: list[PeerRecord], seed: int) -> list[Witnessed]:
+        held = {f"w{i}" for i in range(witnesses_holding)}
+        return [Witnessed(r.peer_id, True, sketch_of(swarm if r.peer_id in held else own, seed=seed)) for r in asked]
+
+    joiner._ask = ask  # type: ignore[method-assign]
+    choice = DonorChoice(7, [record("donor", 7), *witnesses], [], [record("donor", 7)])
+    return joiner, lambda snapshot: joiner._corroborate(snapshot, record("donor", 7), choice, losses["own"])
+
+
+def test_a_state_the_synced_peers_of_its_round_hold_is_the_swarms_even_when_our_lone_one_scores_better():
+    """Early in a DiLoCo run the outer momentum overshoots: the swarm's state scored 4.48 on a peer's batches against
+    3.98 for its own lone state (netns testnet, a member out of step at round 2). It refused the state and banned
+    its three honest donors for wrong_state, then trained alone to the end. Held by the round's synced peers, the
+    state is judged against a looser bar and a refusal is not blamed on the donor; a state only the donor holds
+    faces the usual bar, and one far worse than ours is refused whoever holds it."""
+    swarm = [THETA[0] + 0.01, THETA[1]]
+    snapshot = StateSnapshot({"round": 7}, ("param:0", "param:1"), tuple(swarm))
+    _, judge_swarm_state = corroborating_joiner(THETA, swarm, 3, {"own": 3.976, "swarm": 4.476})
+    verdict = judge_swarm_state(snapshot)
+    assert verdict.accepted and verdict.detail.startswith("confirmed by 3 peers of round 7"), verdict
+    _, judge_donors_state = corroborating_joiner(THETA, swarm, 0, {"own": 3.976, "swarm": 4.476})
+    verdict = judge_donors_state(snapshot)  # 3 of 3 witnesses far: refused on the sketches, and blamed
+    assert not verdict.accepted and verdict.blame and "from 3 of 3 peers of round 7" in verdict.detail
+    _, judge_even_vote = corroborating_joiner(THETA, swarm, 1, {"own": 3.976, "swarm": 4.476})
+    verdict = judge_even_vote(snapshot)  # 1 of 3 holds it (with the donor, 2 against 2): the usual bar
+    assert not verdict.accepted and verdict.blame and verdict.detail.endswith("(ours 3.976)")
+    _, judge_poison = corroborating_joiner(THETA, swarm, 3, {"own": 3.976, "swarm": 12.3})
+    verdict = judge_poison(snapshot)
+    assert not verdict.accepted and not verdict.blame
 
 
 def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():
