@@ -136,6 +136,8 @@ def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bo
 @click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync: diloco (all-reduce), gasloc or factored "
                                                             "(gossip).")
 @click.option("--rounds", type=click.IntRange(min=0), help="Outer rounds to run (0: until stopped).")
+@click.option("--min-peers", type=click.IntRange(min=1, max=10_000), help="A fresh peer waits for this many peers "
+              "(itself included) before its first round, so that peers launched together begin together (default 1).")
 @click.option("--eval-every", type=click.IntRange(min=1), help="Rounds between validations (default 1).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
@@ -172,7 +174,8 @@ def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, 
                       ("sync", "sync.mode"),
                       ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
                       ("metrics_path", "run.metrics_path"), ("shard_index", "run.shard_index"),
-                      ("torch_threads", "run.torch_threads"), ("eval_every", "run.eval_every")):
+                      ("torch_threads", "run.torch_threads"), ("eval_every", "run.eval_every"),
+                      ("min_peers", "run.min_peers")):
         if kwargs.get(flag) is not None:
             overrides[key] = kwargs[flag]
     if no_progress:

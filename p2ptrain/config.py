@@ -37,6 +37,10 @@ class RunConfig:
 
     run_id: str = "p2ptrain-demo"  # peers with the same run id train one model together
     rounds: int = 0  # outer rounds to run; 0 = until stopped
+    # a fresh peer waits before its first round until it sees this many peers of the run (itself included), at most
+    # min_peers_wait_s, so that peers launched together begin together (swarm_start.py); 1 = start at once
+    min_peers: int = 1
+    min_peers_wait_s: float = 120.0
     seed: int = 0  # model initialisation seed: the same for every peer of a run
     shard_index: int = -1  # training-data shard; -1 = derived from the peer id
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -57,6 +61,9 @@ class RunConfig:
             raise ConfigError(f"run.run_id {self.run_id!r} must be non-empty without spaces, '.', '/' or ':'")
         if self.rounds < 0:
             raise ConfigError(f"run.rounds must be >= 0 (0 = run until stopped), got {self.rounds}")
+        if not 1 <= self.min_peers <= 10_000 or not 0 <= self.min_peers_wait_s <= 86400:
+            raise ConfigError(f"run.min_peers must be in [1, 10000] and run.min_peers_wait_s in [0, 86400] seconds, "
+                              f"got {self.min_peers} and {self.min_peers_wait_s}")
         if self.device not in ("auto", "cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ConfigError(f"run.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.checkpoint_every < 1:

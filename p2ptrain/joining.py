@@ -149,7 +149,7 @@ class Joiner:
         choice = self.choose(view)
         self.ran_ahead_rounds = self.ran_ahead_rounds + 1 if choice.ran_ahead else 0
         choice = self._unless_too_soon(choice)
-        if choice.donors and self.config.aligned_rounds:
+        if choice.donors and self.config.aligned_rounds and not self._counted_in_round_0(choice):
             choice = self.round_to_join(choice)
         if self._starts_alike(choice):
             logger.info("the swarm is in round 0 and holds our initial state: nothing to download")
@@ -214,6 +214,13 @@ class Joiner:
                                                       if r.round == later.donors[0].round):
                 return later
         return self._unless_too_soon(self.choose(self.peer.swarm()))
+
+    def _counted_in_round_0(self, choice: DonorChoice) -> bool:
+        """Whether a fresh peer already said it is in round 0, the round of its donors (it waited for the peers it
+        was launched with: swarm_start.py): their round-0 groups count it, and wait for it."""
+        peer = self.peer
+        return (peer.round == 0 and not peer.joined_ever and choice.donors[0].round == 0
+                and peer.announcer.record.phase == "inner")
 
     def _unless_too_soon(self, choice: DonorChoice) -> DonorChoice:
         """`choice`, without donors when we ran ahead for fewer than RAN_AHEAD_ROUNDS rounds in a row: a lead that

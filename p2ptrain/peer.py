@@ -44,6 +44,7 @@ from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
+from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext
 from p2ptrain.tensor_layout import check_tensors, layout_of
@@ -168,6 +169,9 @@ class TrainingPeer:
         history: list[RoundMetrics] = []
         bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
         try:
+            if self.round == 0 and not self.joined_ever:  # launched with others: begin with them (swarm_start.py)
+                wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
+                               in_round_0=self._publish_round_start)
             rounds = self.config.run.rounds
             while not self.stop_event.is_set() and (not rounds or len(history) < rounds):
                 metrics = self.run_round(bar)
@@ -197,7 +201,7 @@ class TrainingPeer:
         view = self.swarm()
         self.joined_this_round = self.joiner.catch_up_(view)
         round_ = self.round
-        self._publish_round_start(view)
+        self._publish_round_start()
         self.sync.start_round(self._context(view, inner_steps=0))
         deadline = self._inner_deadline(view)
         peers_in_round = 1 + len(view.at_round(round_))
@@ -287,7 +291,7 @@ class TrainingPeer:
     def _update_step_time(self, seconds: float) -> None:
         self.step_time_s = _ema(self.step_time_s, seconds)
 
-    def _publish_round_start(self, view: SwarmView) -> None:
+    def _publish_round_start(self) -> None:
         """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
         self._snapshot = StateSnapshot.capture(
@@ -329,10 +333,9 @@ class TrainingPeer:
         """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing; in GASLoC the
         round only moves forward: it counts our own outer steps)."""
         count = len(self.params)
-        donor_round = int(snapshot.metadata["round"])
         self.outer.set_params_(snapshot.tensors[:count])
         self.sync.load_state_tensors_(snapshot.tensors[count:])
-        self.round = max(self.round, donor_round) if self.config.sync.rounds_count_own_steps else donor_round
+        self.round = max(self.round, snapshot.round) if self.config.sync.rounds_count_own_steps else snapshot.round
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -364,8 +367,7 @@ class TrainingPeer:
         if checkpoint.sync_state.get("mode") != self.config.sync.mode:
             raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} was written with sync.mode "
                                   f"{checkpoint.sync_state.get('mode')!r}, not {self.config.sync.mode!r}")
-        self.round = checkpoint.round
-        self.joined_ever = False
+        self.round, self.joined_ever = checkpoint.round, False
         return checkpoint
 
     def _apply_sync_state(self, checkpoint: TrainingCheckpoint) -> None:

@@ -152,6 +152,8 @@ def test_null_section_and_null_optional_take_defaults() -> None:
         ({"run": {"run_id": "a/b"}}, "run.run_id"),
         ({"run": {"device": "tpu"}}, "run.device"),
         ({"run": {"rounds": -1}}, "run.rounds"),
+        ({"run": {"min_peers": 0}}, "run.min_peers"),
+        ({"run": {"min_peers_wait_s": -1.0}}, "run.min_peers_wait_s"),
         ({"run": {"checkpoint_every": 0}}, "run.checkpoint_every"),
         ({"run": {"eval_every": 0}}, "run.eval_every"),
         ({"network": {"heartbeat_s": 8.0, "record_ttl_s": 8.0}}, "network.heartbeat_s"),

@@ -181,6 +181,18 @@ def test_a_joiner_too_late_for_its_round_waits_for_the_next(first):
     assert [r.round for r in choice.donors] == [6, 6] and reads[0] == 3
 
 
+def test_a_fresh_peer_that_waited_in_round_0_for_the_peers_launched_with_it_runs_round_0_with_them():
+    """While it waited (swarm_start.py) it said it was in round 0: the others' round-0 groups count it and wait for
+    it, so it must not sit round 0 out as a late joiner would, however soon they sync."""
+    joiner, reads = joiner_seeing([])
+    joiner.peer.announcer = types.SimpleNamespace(record=types.SimpleNamespace(phase="inner"))
+    round_0 = joiner.choose(SwarmView("me", syncing_in(-1, 0, phase="sync")))
+    assert joiner._counted_in_round_0(round_0)
+    assert not joiner._counted_in_round_0(joiner.choose(SwarmView("me", syncing_in(-1, 1, phase="sync"))))
+    joiner.peer.announcer.record.phase = "joining"  # it did not wait: its record was not in their groups
+    assert not joiner._counted_in_round_0(round_0) and reads[0] == 0
+
+
 def test_a_joiner_waits_for_the_next_round_at_most_the_all_reduce_timeout():
     joiner, _ = joiner_seeing([syncing_in(-1, 5, phase="sync")], timeout_s=0.5)
     started = time.monotonic()

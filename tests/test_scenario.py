@@ -382,6 +382,9 @@ def test_options_and_peer_config_are_checked_before_any_namespace(tmp_path: Path
     assert num_shards == 6
     merged = path.read_text()
     assert "max_seq_len: 64" in merged and "name: tiny" in merged and "checkpoint_every: 3" in merged
+    assert f"min_peers: {len(plan.initial_peers)}" in merged  # the initial peers begin together (swarm_start.py)
+    plan = plan_run(parse_scenario({"peers": 4, "peer_config": {"run": {"min_peers": 2}}}))
+    assert "min_peers: 2" in netns_run.merged_peer_config(NetnsTestnetOptions(), plan, tmp_path)[0].read_text()
 
 
 def test_random_is_not_touched_globally() -> None:

@@ -126,14 +126,14 @@ def _lie_about_state(peer: TrainingPeer, active: Callable[[], bool]) -> None:
             return named
         return [(n, -5.0 * t if n.startswith("param:") else t) for n, t in named]
 
-    def lying_publish(self: TrainingPeer, view: Any) -> None:
+    def lying_publish(self: TrainingPeer) -> None:
         if not active():
-            honest_publish(view)
+            honest_publish()
             return
         true_round = self.round
         self.round = true_round + LIAR_ROUND_LEAD
         try:
-            honest_publish(view)  # snapshot and announcement both carry the lie
+            honest_publish()  # snapshot and announcement both carry the lie
         finally:
             self.round = true_round
 

@@ -30,7 +30,7 @@ from p2ptrain.checkpoint import latest_checkpoint
 from p2ptrain.config import build_config, read_config_file
 from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet.hosttools import HostControl
+from p2ptrain.testnet.hosttools import HostControl, wait_exit
 from p2ptrain.testnet.loopback import PeerSummary, format_summary
 from p2ptrain.testnet.plan import RunPlan, Timeline, plan_run
 from p2ptrain.testnet.report import (
@@ -73,17 +73,6 @@ class ScenarioOptions:
             raise ConfigError("give --rounds or --duration, not both")
         if self.timeout_s < 10:
             raise ConfigError(f"--timeout must be >= 10 s, got {self.timeout_s}")
-
-
-def wait_exit(hosts: HostControl, host: str, timeout_s: float) -> int | None:
-    """Wait up to ``timeout_s`` for the host's process to exit; its exit code, or None if it still runs."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hosts.refresh()
-        code = hosts.exit_code(host)
-        if code is not None or time.monotonic() >= deadline:
-            return code
-        time.sleep(min(0.1, hosts.poll_s))
 
 
 class Fleet:
@@ -312,6 +301,8 @@ def merged_peer_config(options: ScenarioOptions, plan: RunPlan, workdir: Path) -
             values[section] = settings
     if options.model:
         values.setdefault("model", {})["name"] = options.model
+    if isinstance(values.setdefault("run", {}), dict):  # the initial peers begin together (swarm_start.py)
+        values["run"].setdefault("min_peers", len(plan.initial_peers))
     config = build_config(values)
     path = workdir / "peer_config.yaml"
     path.write_text(yaml.safe_dump(values, sort_keys=True))

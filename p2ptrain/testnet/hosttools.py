@@ -91,6 +91,17 @@ def process_start_ticks(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
+def wait_exit(hosts: HostControl, host: str, timeout_s: float) -> int | None:
+    """Wait up to ``timeout_s`` for the host's process to exit; its exit code, or None if it still runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hosts.refresh()
+        code = hosts.exit_code(host)
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        time.sleep(min(0.1, hosts.poll_s))
+
+
 def wait_for_exit(pid: int, start_ticks: int) -> None:
     """Block until the process (pid, start time) has exited: pidfd when available, else a 0.5 s poll."""
     try:

@@ -113,7 +113,8 @@ def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float
 def peer_argv(options: TestnetOptions, index: int, bootstrap_maddr: str, run_id: str, workdir: Path) -> list[str]:
     argv = cli_argv("peer", "--loopback", "--initial-peers", bootstrap_maddr, "--run-id", run_id,
                     "--rounds", str(options.resolved_rounds), "--shard-index", str(index), "--torch-threads", "1",
-                    "--metrics", str(workdir / f"peer{index}.jsonl"), "--no-progress", "--device", "cpu")
+                    "--metrics", str(workdir / f"peer{index}.jsonl"), "--no-progress", "--device", "cpu",
+                    "--min-peers", str(options.num_peers))  # launched together: they begin round 0 together
     if options.config_path:
         argv += ["--config", options.config_path]
     if options.model:

@@ -1,0 +1,69 @@
+"""Peers launched together begin round 0 together (swarm_start.py): a fresh peer waits for `run.min_peers`, at most
+`run.min_peers_wait_s`, and never for a swarm that already started."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from p2ptrain.config import RunConfig
+from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.swarm_start import wait_for_peers
+
+
+def record(peer: str, round_: int = 0, phase: str = "joining") -> PeerRecord:
+    return PeerRecord(peer_id=peer, round=round_, inner_step=0, phase=phase, round_eta=0.0)
+
+
+class Arrivals:
+    """A swarm read in which one more peer has arrived at each read, up to `total` others."""
+
+    def __init__(self, total: int, round_: int = 0):
+        self.total, self.round, self.reads, self.waited_at = total, round_, 0, -1
+
+    def __call__(self) -> SwarmView:
+        self.reads += 1
+        return SwarmView("me", [record(f"p{i}", self.round) for i in range(min(self.reads - 1, self.total))])
+
+    def on_wait(self) -> None:
+        self.waited_at = self.reads
+
+
+def wait(swarm: Arrivals, min_peers: int, wait_s: float = 30.0, stop: threading.Event | None = None) -> int:
+    return wait_for_peers(swarm, RunConfig(min_peers=min_peers, min_peers_wait_s=wait_s), stop or threading.Event(),
+                          poll_s=0.01, in_round_0=swarm.on_wait)
+
+
+def test_a_fresh_peer_waits_until_it_sees_min_peers_and_says_it_is_in_round_0_while_it_waits(
+        caplog: pytest.LogCaptureFixture) -> None:
+    swarm = Arrivals(total=4)
+    with caplog.at_level(logging.INFO, logger="p2ptrain.swarm_start"):
+        assert wait(swarm, min_peers=5) == 5
+    assert swarm.reads == 5 and swarm.waited_at == 1  # in round 0 from the first read on, said once
+    assert "waiting for 5 peers to start together (1 so far" in caplog.text and "5 peers are here" in caplog.text
+
+
+def test_no_wait_without_min_peers_nor_for_a_swarm_that_already_started() -> None:
+    alone = Arrivals(total=0)
+    assert wait(alone, min_peers=1) == 1 and alone.reads == 0  # the default reads nothing
+    started = Arrivals(total=1, round_=3)  # a peer past round 0: join it now, however few are here
+    started.reads = 1  # seen at the first read: we join as any late peer does, never saying we are in round 0
+    assert wait(started, min_peers=8) == 2 and started.waited_at == -1 and started.reads == 2
+    last_to_arrive = Arrivals(total=4)
+    last_to_arrive.reads = 4  # its first read shows the 4 others: it starts at once, in round 0 with them
+    assert wait(last_to_arrive, min_peers=5) == 5 and last_to_arrive.waited_at == 5
+
+
+def test_the_wait_ends_after_min_peers_wait_s_or_on_stop_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    few = Arrivals(total=1)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.swarm_start"):
+        assert wait(few, min_peers=5, wait_s=0.2) == 2
+    assert 0.2 <= time.monotonic() - started < 5
+    assert "starting with 2 of the 5 peers run.min_peers waits for" in caplog.text
+    stop = threading.Event()
+    stop.set()
+    assert wait(Arrivals(total=1), min_peers=5, stop=stop) <= 2  # Ctrl-C while waiting: no wait_s to sit out
