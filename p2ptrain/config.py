@@ -36,7 +36,7 @@ class RunConfig:
     """What a training run is and where its files go."""
 
     run_id: str = "p2ptrain-demo"  # peers with the same run id train one model together
-    rounds: int = 0  # outer rounds to run; 0 = until stopped
+    rounds: int = 0  # outer rounds to run from our first one (the run ends at that round + rounds); 0 = until stopped
     # a fresh peer waits before its first round until it sees this many peers of the run (itself included), at most
     # min_peers_wait_s, so that peers launched together begin together (swarm_start.py); 1 = start at once
     min_peers: int = 1

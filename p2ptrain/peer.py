@@ -46,18 +46,10 @@ from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
-from p2ptrain.sync.interface import OuterSync, RoundContext
+from p2ptrain.sync.interface import OuterSync, RoundContext, round_peers
 from p2ptrain.tensor_layout import check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
-
-
-def round_peers(others: Sequence[PeerRecord], round_: int, overlapped: bool) -> list[str]:
-    """Whom the all-reduce of our round expects: the peers at it, those a round behind (on their way), and with
-    overlap those a round ahead, whose all-reduce of our round runs behind their next inner phase. (Left out, a
-    faster peer's offer was refused and both averaged alone: 2 of 6 loopback runs with rounds of 0.1-0.3 s.)"""
-    ahead = 1 if overlapped else 0
-    return [r.peer_id for r in others if round_ - 1 <= r.round <= round_ + ahead]
 
 
 class TrainingPeer:
@@ -85,6 +77,9 @@ class TrainingPeer:
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.round, self.synced, self.joined_this_round = 0, True, False
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
+        # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
+        # not run again at the end, alone: the others had stopped, and the swarm's last states differed)
+        self.end_round: int | None = None
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
@@ -172,8 +167,7 @@ class TrainingPeer:
             if self.round == 0 and not self.joined_ever:  # launched with others: begin with them (swarm_start.py)
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
                                in_round_0=self._publish_round_start)
-            rounds = self.config.run.rounds
-            while not self.stop_event.is_set() and (not rounds or len(history) < rounds):
+            while not self.stop_event.is_set() and (self.end_round is None or self.round < self.end_round):
                 metrics = self.run_round(bar)
                 if metrics is None:
                     break
@@ -201,6 +195,7 @@ class TrainingPeer:
         view = self.swarm()
         self.joined_this_round = self.joiner.catch_up_(view)
         round_ = self.round
+        self._count_from(round_)
         self._publish_round_start()
         self.sync.start_round(self._context(view, inner_steps=0))
         deadline = self._inner_deadline(view)
@@ -248,9 +243,14 @@ class TrainingPeer:
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))
         return metrics
 
+    def _count_from(self, round_: int) -> None:
+        """Our first round sets the round we stop at (`run.rounds` later)."""
+        if self.end_round is None and self.config.run.rounds:
+            self.end_round = round_ + self.config.run.rounds
+
     def _evaluates_this_round(self) -> bool:
-        every, rounds = self.config.run.eval_every, self.config.run.rounds
-        return self.rounds_run % every == 0 or self.joined_this_round or self.rounds_run + 1 == rounds
+        every = self.config.run.eval_every
+        return self.rounds_run % every == 0 or self.joined_this_round or self.round == self.end_round
 
     def _record_step(self, group_size: int, others_here: int, shown: bool | None) -> None:
         """In step when our group held a majority of the peers of our round or beyond, and our state was the group's

@@ -432,7 +432,7 @@ def test_a_rounds_all_reduce_expects_peers_a_round_ahead_only_with_overlap() -> 
     """With overlap a peer a round ahead still runs our round's all-reduce (behind its next inner phase); without,
     it has finished it. A peer a round behind is on its way either way; two behind, or two ahead, are not."""
     from p2ptrain.net.discovery import PeerRecord
-    from p2ptrain.peer import round_peers
+    from p2ptrain.sync.interface import round_peers
 
     others = [PeerRecord(peer_id=f"p{r}", round=r, inner_step=0, phase="inner", round_eta=0.0) for r in range(3, 8)]
     assert round_peers(others, 5, overlapped=False) == ["p4", "p5"]

@@ -20,7 +20,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from swarm_utils import PeerThread, replace_section, start_peer, stop_and_shut_down, tiny_config, wait_until
 
-from p2ptrain.config import PeerConfig
+from p2ptrain.config import PeerConfig, RunConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.join_rules import (
     DonorChoice,
@@ -789,6 +789,37 @@ def test_a_gasloc_peer_resumed_from_an_old_checkpoint_joins_before_it_gossips(tm
     # banned each other for the hard clips of closing in again (maths/drift_excuse.py)
     assert banned == [{}, {}], banned
     assert back[0].joined and back[-1].val_loss < left.val_loss  # it took the swarm's state and trained on
+
+
+def rounds_run_by(first_round: int, lost: set[int], rounds: int = 10) -> list[int]:
+    """The rounds `TrainingPeer.run` runs with `run.rounds` set, starting at `first_round` (a joiner's donor's round),
+    when each round in `lost` is waited out to join the next one."""
+    ran: list[int] = []
+    peer = types.SimpleNamespace(config=PeerConfig(run=RunConfig(rounds=rounds, progress=False)), round=first_round,
+                                 joined_ever=True, end_round=None, rounds_run=0, round_callbacks=[],
+                                 stop_event=threading.Event(), node=types.SimpleNamespace(command=lambda _: None))
+
+    def run_round(_bar: object) -> types.SimpleNamespace:
+        while peer.round in lost:
+            peer.round += 1
+        TrainingPeer._count_from(peer, peer.round)  # type: ignore[arg-type]
+        ran.append(peer.round)
+        peer.round += 1
+        return types.SimpleNamespace(round=ran[-1], val_loss=3.0, tokens_per_s=1.0, peers_averaged=3, joined=False,
+                                     train_loss=3.0, round_s=1.0)
+
+    peer.run_round = run_round
+    TrainingPeer.run(peer)  # type: ignore[arg-type]
+    return ran
+
+
+def test_run_rounds_count_from_the_first_round_so_a_round_lost_to_a_catch_up_is_not_run_alone_at_the_end():
+    """A DiLoCo member that waited out round 6 to join round 7 ran rounds up to 14 with rounds=14 and ran the
+    last one alone, as the others had stopped: the swarm's final states differed (netns testnet, partition
+    scenario: 0.17 apart)."""
+    assert rounds_run_by(0, lost=set()) == list(range(10))
+    assert rounds_run_by(0, lost={6}) == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # it stops with the others, after round 9
+    assert rounds_run_by(20, lost=set()) == list(range(20, 30))  # a joiner (or a resumed peer) runs its 10 rounds
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("gasloc", 14), ("factored", 7), ("diloco", 7)])

@@ -189,7 +189,7 @@ class Fleet:
             return
         for peer, life in self.current.items():
             rows = [row for row in self.rows[peer] if row["time"] >= life.started]
-            done_by_itself = len(rows) >= self.round_budget[peer]  # it exits on its own after its --rounds
+            done_by_itself = rows and rows[-1]["round"] + 1 >= rows[0]["round"] + self.round_budget[peer]  # --rounds
             if rows and rows[-1]["round"] >= self.plan.rounds - 1 and not done_by_itself \
                     and peer not in self.asked_to_stop:
                 self.hosts.signal(peer, signal.SIGTERM)  # it jumped ahead by joining the swarm: its count is not done
