@@ -35,7 +35,7 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
     model_bytes = sum(p.numel() * 4 for p in threads[0].peer.params)
     exchanges = failed = 0
     for thread, history in zip(threads, histories, strict=True):
-        assert len(history) == ROUNDS
+        assert history[-1].round == history[0].round + ROUNDS - 1  # run.rounds, counted from its first round
         # a gossip peer's own val loss is noisy over 5 short rounds: the best round must beat the first
         assert min(m.val_loss for m in history[1:]) < history[0].val_loss
         assert history[-1].train_loss < history[0].train_loss

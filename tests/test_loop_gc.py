@@ -114,3 +114,30 @@ def _wait_for(probe: Any, timeout_s: float = 2.0) -> Any:
             return result
         time.sleep(0.01)
     return probe()
+
+
+def test_a_task_exception_nobody_retrieved_goes_to_the_debug_log_not_stderr(caplog: Any, capfd: Any) -> None:
+    """hivemind's stream handlers leave such tasks when a partner vanishes or the peer shuts down: asyncio printed
+    them as ERROR lines with a traceback under a peer's one-line error (CI, a node leaving the swarm)."""
+    import logging
+
+    loop = BackgroundLoop(name="test-unretrieved")
+
+    async def fail() -> None:
+        raise ConnectionResetError("partner vanished")
+
+    async def spawn_and_collect() -> None:
+        asyncio.get_running_loop().create_task(fail())  # nobody keeps or awaits it
+        await asyncio.sleep(0.05)
+        gc.collect()
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="p2ptrain.net.event_loop"):
+            loop.run(spawn_and_collect(), timeout=10)
+    finally:
+        loop.stop()
+    records = [r for r in caplog.records if r.name == "p2ptrain.net.event_loop"]
+    assert records and records[0].levelno == logging.DEBUG and "never retrieved" in records[0].getMessage()
+    assert records[0].exc_info is not None and isinstance(records[0].exc_info[1], ConnectionResetError)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "Traceback" not in capfd.readouterr().err
