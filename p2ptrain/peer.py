@@ -266,7 +266,8 @@ class TrainingPeer:
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
                             phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0},
-                            round_peers=round_peers(others, self.round, self.config.sync.overlap != "none"))
+                            round_peers=round_peers(others, self.round, self.config.sync.overlap != "none"),
+                            full_steps=self._inner_steps())
 
     def _inner_steps(self) -> int:
         """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule).
@@ -294,9 +295,8 @@ class TrainingPeer:
     def _publish_round_start(self) -> None:
         """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        self._snapshot = StateSnapshot.capture(
-            dict(round=self.round, fingerprint=self.fingerprint, run_id=self.config.run.run_id),
-            self._named_state())
+        self._snapshot = StateSnapshot.capture(dict(round=self.round, fingerprint=self.fingerprint,
+                                                    run_id=self.config.run.run_id), self._named_state())
         self._announce(round=self.round, inner_step=0, phase="inner", round_eta=eta)
 
     def _inner_deadline(self, view: SwarmView) -> float:

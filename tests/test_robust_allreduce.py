@@ -141,6 +141,25 @@ def test_a_short_own_delta_is_judged_by_the_members_announced_lengths():
     assert MeanCheck(MULTIPLIER).judge_(mean, own, claims).accepted
 
 
+def test_a_member_that_cut_its_inner_phase_judges_the_mean_by_the_delta_of_its_whole_phase():
+    """netns testnet, DiLoCo round 1: 2 of 5 peers began it early and ran 10 steps; the 3 others cut theirs to 1 to
+    end with them. The mean lay beyond 4 × the lower median ‖Δ‖ (a 1-step one) from each short Δ: all three refused
+    it, applied their own, and the swarm split (here 1 step of 12, where these inputs cross the margin). Stretched
+    by the steps cut, the yardstick is a whole phase's Δ again; a hostile mean is still refused."""
+    full = honest_deltas(5, shared=1.0, own=0.5)
+    deltas = full[:2] + [scaled(d, 0.08) for d in full[2:]]  # 1 step of 12: about a twelfth of the way
+    mean, own, claims = exact_average(deltas), deltas[2], [norm(d) for d in deltas]
+    assert not mean_check(SyncConfig()).judge_(mean, own, claims).accepted  # what happened
+    assert mean_check(SyncConfig()).judge_(mean, own, claims, stretch=12.0).accepted
+    hostile = exact_average(deltas[:4] + [scaled(full[0], -1000.0)])
+    assert not mean_check(SyncConfig()).judge_(hostile, own, claims, stretch=12.0).accepted
+    for full_steps, failed in ((0, 1), (12, 0)):  # the round's context says how far the phase was cut
+        cut = RoundContext(round=1, inner_steps=1, live_peers=["a"], same_round_peers=4, full_steps=full_steps)
+        outer = outer_with_delta(own)
+        record = DilocoSync(outer, FixedAverager([mean]), SyncConfig()).finish_round(cut)  # type: ignore[arg-type]
+        assert record.failed == failed and cut.steps_cut_stretch() == max(1, full_steps)
+
+
 def test_one_member_cannot_move_the_announced_scale_beyond_the_honest_claims():
     assert own_scale(1.0, [1.0, 2.0, 2.2, 1e9]) == 2.0  # a liar claiming a huge ‖Δ‖: the honest lower median
     assert own_scale(1.0, [0.0, 1.0, 2.0, 2.2]) == 1.0  # a liar claiming nothing: still the honest claims

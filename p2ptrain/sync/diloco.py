@@ -35,14 +35,15 @@ def mean_check(config: SyncConfig) -> MeanCheck:
 
 
 def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanCheck,
-            round_: int) -> tuple[AveragingResult, bool]:
+            round_: int, stretch: float = 1.0) -> tuple[AveragingResult, bool]:
     """The all-reduce's result, or our own Δ when `check` refuses the mean (and whether it did). A refused mean
     counts as a group of one: the peer is then out of step with the swarm and takes a synced peer's state at its
     next round, instead of training on from parameters the others do not hold."""
     if result.group_size <= 1 or result.discarded:  # our own Δ, or nothing to apply: no mean to judge
         return result, False
     own_cpu = [o.detach().float().cpu() for o in own]
-    verdict = check.judge_(result.delta, own_cpu, result.claimed_norms, result.own_norm, result.own_deviation)
+    verdict = check.judge_(result.delta, own_cpu, result.claimed_norms, result.own_norm, result.own_deviation,
+                           stretch)
     if verdict.accepted:
         return result, False
     logger.warning(f"round {round_}: refused the mean of {result.group_size} peers' outer gradients "
@@ -52,10 +53,10 @@ def checked(result: AveragingResult, own: Sequence[torch.Tensor], check: MeanChe
 
 
 def judged(averager: Averager, result: AveragingResult, own: Sequence[torch.Tensor], check: MeanCheck,
-           round_: int) -> tuple[AveragingResult, bool]:
+           round_: int, stretch: float = 1.0) -> tuple[AveragingResult, bool]:
     """`checked`, and a refused mean forgotten by the averager: we did not apply it, so it is not ours to report in
     the next round's agreement check."""
-    result, refused = checked(result, own, check, round_)
+    result, refused = checked(result, own, check, round_, stretch)
     if refused:
         averager.forget_()
     return result, refused
@@ -77,7 +78,7 @@ class DilocoSync:
         self.check = mean_check(config)
         self.pending: PendingResult | None = None
         self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
-        self.pending_round = -1
+        self.pending_round, self.pending_stretch = -1, 1.0
 
     def start_round(self, context: RoundContext) -> None:
         pass
@@ -86,7 +87,8 @@ class DilocoSync:
         delta = self.outer.outer_gradient()
         if self.delayed is None:
             result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
-            result, refused = judged(self.averager, result, delta, self.check, context.round)
+            result, refused = judged(self.averager, result, delta, self.check, context.round,
+                                     context.steps_cut_stretch())
             if result.discarded:  # the members did not agree on the inputs: all keep the anchor they share
                 self.outer.restore_anchor_()
             else:
@@ -98,7 +100,7 @@ class DilocoSync:
         """Collect the average of the previous round's Δ, launch this round's, apply the delayed/eager gradient."""
         previous, refused = self._collect_previous()
         self.pending = self.averager.launch(delta, context.round, float(context.inner_steps), context.round_peers)
-        self.pending_own, self.pending_round = delta, context.round
+        self.pending_own, self.pending_round, self.pending_stretch = delta, context.round, context.steps_cut_stretch()
         own_weight = 1.0 / previous.group_size if previous is not None else 1.0
         assert self.delayed is not None
         applied = self.delayed.outer_gradient_(delta, previous.delta if previous else None, own_weight)
@@ -112,7 +114,8 @@ class DilocoSync:
         """The checked average of the previous round's Δ (None in the first round)."""
         if self.pending is None:
             return None, False
-        return judged(self.averager, self.pending.result(), self.pending_own, self.check, self.pending_round)
+        return judged(self.averager, self.pending.result(), self.pending_own, self.check, self.pending_round,
+                      self.pending_stretch)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors()

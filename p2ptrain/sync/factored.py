@@ -40,7 +40,7 @@ class AllReduceMix2:
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
         result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
-        result, refused = judged(self.averager, result, delta, self.check, context.round)
+        result, refused = judged(self.averager, result, delta, self.check, context.round, context.steps_cut_stretch())
         return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -32,6 +32,12 @@ class RoundContext:
     # ids of the others (not joining) in this round, or in the one before by their record: a record is read a moment
     # late, and a peer one round behind is most likely finishing it (an all-reduce waits for it a while)
     round_peers: list[str] = dataclasses.field(default_factory=list)
+    full_steps: int = 0  # the inner steps this round's phase was to run (more than `inner_steps` when cut short)
+
+    def steps_cut_stretch(self) -> float:
+        """How much longer a full phase's Δ would be than ours (≥ 1): a phase cut short to end with the round's
+        other peers moved less than theirs."""
+        return max(1.0, self.full_steps / max(1, self.inner_steps))
 
 
 def round_peers(others: Sequence[PeerRecord], round_: int, overlapped: bool) -> list[str]:
