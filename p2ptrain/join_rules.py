@@ -44,7 +44,7 @@ class Verdict:
     accepted: bool
     detail: str  # for the log line: why refused, or what confirmed it
     confirmed_by: int = 0
-    blame: bool = True  # refused on evidence no single other peer can forge: the donor is penalised
+    offence: str | None = "wrong_state"  # what a refusal costs its donor (net/reputation.py); None: no fault of its
     held_by_round: bool = False  # most (and at least two) of the synced peers of its round hold this state
 
 
@@ -150,6 +150,15 @@ def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool,
     return Verdict(True, f"confirmed by {_peers(close)}{where} within {distances[-1]:.2g}", close, held_by_round=held)
 
 
+def outvoted_state(sketches: Verdict, loss: Verdict) -> Verdict:
+    """A state the sketch vote refused, and what it costs its donor by its validation loss (`loss`, against our own
+    state's): a worse one is a lie ("wrong_state"); one as good as ours is what an honest donor serves that does not
+    know yet that its all-reduce split from its round's majority ("unsynced_state", a little over half a ban: in CI,
+    a NAT testnet peer banned such a donor for 60 s and ran its rounds without it)."""
+    offence = "unsynced_state" if loss.accepted else "wrong_state"
+    return dataclasses.replace(sketches, detail=f"{sketches.detail}; {loss.detail}", offence=offence)
+
+
 def _peers(count: int) -> str:
     return f"{count} peer" if count == 1 else f"{count} peers"
 
@@ -173,10 +182,10 @@ def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float)
     """Refuse a state whose validation loss is worse than our own state's, or than the median other peers claim,
     by more than `tolerance` (relative) + LOSS_SLACK. Only the first is blamed on the donor: it is our own
     measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned."""
-    for reference, whose, blame in ((own, "ours", True), (claimed, "the swarm's", False)):
+    for reference, whose, offence in ((own, "ours", "wrong_state"), (claimed, "the swarm's", None)):
         limit = math.inf if reference is None else reference * (1 + tolerance) + LOSS_SLACK
         if not loss <= limit:  # NaN fails too
             return Verdict(False, f"its validation loss {loss:.3f} is above {limit:.3f} ({whose} {reference:.3f})",
-                           blame=blame)
+                           offence=offence)
     swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"
     return Verdict(True, f"validation loss {loss:.3f}, ours {own:.3f}{swarm}")

@@ -16,7 +16,8 @@ with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joi
    The candidate's validation loss on our held-out batches must not be worse than our own state's, nor than
    the median other peers announce (not the donor), by more than `sync.join_loss_tolerance` (our own bar is
    looser when ours is the odd state out: join_rules.own_loss_bound);
-4. applies the first state that passes; a donor whose state fails is penalised ("wrong_state": banned).
+4. applies the first state that passes; a donor whose state fails is penalised ("wrong_state": banned; a state
+   outvoted by the sketches but as good as ours on our batches costs a little over half a ban, "unsynced_state").
 
 With aligned rounds, a joiner that would arrive after its round's peers have read who is in the round waits for
 their next round first (`Joiner.round_to_join`): they would leave it out of the round's all-reduce and it would
@@ -48,6 +49,7 @@ from p2ptrain.join_rules import (
     judge_loss,
     judge_sketches,
     median_claim,
+    outvoted_state,
     own_loss_bound,
     snapshot_rounds,
 )
@@ -170,8 +172,8 @@ class Joiner:
             verdict = self._corroborate(snapshot, donor, choice, own_loss)
             if not verdict.accepted:
                 logger.warning(f"refused the state of {donor.peer_id}: {verdict.detail}")
-                if verdict.blame:
-                    peer.reputation.penalise(donor.peer_id, "wrong_state", verdict.detail)
+                if verdict.offence is not None:
+                    peer.reputation.penalise(donor.peer_id, verdict.offence, verdict.detail)
                 continue
             peer._apply_snapshot(snapshot)
             self.join_s = time.monotonic() - started
@@ -282,18 +284,18 @@ class Joiner:
         tight = self.config.aligned_rounds and self.config.overlap != "eager" and donor.synced
         sketches = judge_sketches(snapshot.sketch(seed), self._ask(witnesses, seed), tight, ALIGNED_MAX_DISTANCE,
                                   self.config.join_gossip_max_distance)
-        if not sketches.accepted:
-            return sketches
         with parameters_set_to(self.peer.params, snapshot.tensors[:len(self.peer.params)]):
             loss = self.peer.inner.evaluate(self.peer.val_batches)
         if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
             own_loss = self.peer.inner.evaluate(self.peer.val_batches)
+        if not sketches.accepted:
+            return outvoted_state(sketches, judge_loss(loss, own_loss, None, self.config.join_loss_tolerance))
         claimed = median_claim([r.val_loss for r in others])  # what the donor claims of itself proves nothing
         held = sketches.held_by_round  # the donor's round holds this state: a refusal is no fault of the donor's
         judged = judge_loss(loss, own_loss_bound(own_loss, choice.ran_ahead or held), claimed,
                             self.config.join_loss_tolerance)
         if not judged.accepted:
-            return dataclasses.replace(judged, blame=judged.blame and not held)
+            return dataclasses.replace(judged, offence=None if held else judged.offence)
         return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}")
 
     def _ask(self, witnesses: Sequence[PeerRecord], seed: int) -> list[Witnessed]:

@@ -22,7 +22,7 @@ from p2ptrain.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # offence → weight. A ban takes `ReputationConfig.ban_score` (default 4): four malformed payloads or hard clips, two
-# oversize streams or one lying state snapshot, but eight timeouts within a half-life.
+# oversize streams, one lying state snapshot or two out of step, but eight timeouts within a half-life.
 OFFENCES: dict[str, float] = {
     "timeout": 0.5,  # an exchange that ran past its deadline (honest slow links do this too)
     "slow_send": 1.0,  # a stream that stalled mid-payload while holding one of our slots
@@ -34,6 +34,9 @@ OFFENCES: dict[str, float] = {
     "clipped": 1.0,  # a value more than HARD_CLIP_FACTOR (4) × the clipping radius away: not disagreement
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
+    # a state its round's synced peers do not hold, yet no worse than ours on our batches: what an honest donor serves
+    # whose all-reduce split from its round's majority, until its next round shows it (sync/state_evidence.py)
+    "unsynced_state": 2.5,  # a second within 88 s bans
     "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
     "equivocated": 4.0,  # sent members of one all-reduce different values (their reports disagree, no majority)
 }
