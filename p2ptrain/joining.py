@@ -64,6 +64,7 @@ from p2ptrain.net.state_sharing import (
     parameter_sketch,
     request_sketch,
 )
+from p2ptrain.net.wire import WireTimeout
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (t
 JOIN_RETRIES = 4
 JOIN_RETRY_ROUNDS = 1
 RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
+# a donor must deliver its state at this rate at least (half a megabit per second, below any home upload a peer can
+# train with): a donor that trickled a chunk just inside each chunk's deadline held a joiner's training for
+# 4 × sync.state_download_timeout_s, and ranked first again at its next catch-up (it announces its own speed)
+MIN_DONOR_BYTES_PER_S = 64 * 1024
 
 
 @contextlib.contextmanager
@@ -259,16 +264,21 @@ class Joiner:
         peer, timeout_s = self.peer, self.config.state_download_timeout_s
         assert choice.quorum is not None  # there are donors
         low, high = snapshot_rounds(donor.round, choice.quorum, self.config.join_max_round_lead)
+        nbytes = peer._state_nbytes()
+        deadline_s = download_deadline_s(nbytes, timeout_s)
         try:
             return peer.loop.run(download_state(
                 peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer._state_layout(),
-                max_bytes=2 * peer._state_nbytes() + 2**20, chunk_timeout_s=timeout_s,
+                max_bytes=2 * nbytes + 2**20, chunk_timeout_s=timeout_s,
                 expected_metadata=SnapshotExpectation(peer.config.run.run_id, peer.fingerprint, low, high),
-                route=peer.routes.route_to(donor.peer_id)), timeout=timeout_s * 4)
+                route=peer.routes.route_to(donor.peer_id)), timeout=deadline_s)
         except SnapshotRefused as e:
             logger.warning(f"refused the state of {donor.peer_id}: {e}")
             if e.offence is not None:
                 peer.reputation.penalise(donor.peer_id, e.offence, str(e))
+        except (TimeoutError, WireTimeout) as e:  # a slow donor holds our training: it pays, as a stalled stream does
+            logger.warning(f"the state download from {donor.peer_id} took too long ({e}); trying the next peer")
+            peer.reputation.penalise(donor.peer_id, "slow_send", f"state download: {e}")
         except Exception as e:  # WireError, StateMismatchError, timeouts, P2P errors: all mean "next donor"
             logger.warning(f"state download from {donor.peer_id} failed: {e!r}; trying the next peer")
         return None
@@ -321,3 +331,9 @@ class Joiner:
             else:
                 answers.append(Witnessed(record.peer_id, record.synced, result))
         return answers
+
+
+def download_deadline_s(nbytes: int, chunk_timeout_s: float) -> float:
+    """How long a state download of `nbytes` may take: a chunk's deadline, then MIN_DONOR_BYTES_PER_S; at most
+    4 chunk deadlines."""
+    return min(4 * chunk_timeout_s, chunk_timeout_s + nbytes / MIN_DONOR_BYTES_PER_S)

@@ -35,9 +35,10 @@ from p2ptrain.join_rules import (
     quorum_round,
     snapshot_rounds,
 )
-from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
+from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, download_deadline_s, parameters_set_to
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
@@ -55,7 +56,7 @@ from p2ptrain.net.state_sharing import (
     parameter_sketch,
     request_sketch,
 )
-from p2ptrain.net.wire import WireError
+from p2ptrain.net.wire import WireError, WireTimeout
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
@@ -464,6 +465,36 @@ def test_a_state_only_its_donor_holds_but_as_good_as_ours_costs_over_half_a_ban(
     reputation = Reputation()
     assert not reputation.penalise("donor", verdict.offence, verdict.detail)
     assert reputation.penalise("donor", verdict.offence, verdict.detail)
+
+
+@pytest.mark.parametrize("stall", ["trickles past the deadline", "goes silent for a chunk's deadline"])
+def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(monkeypatch, stall):
+    """A donor that trickles its state just inside each chunk's deadline held a joiner's training for
+    4 × sync.state_download_timeout_s and ranked first again at the next catch-up (it announces its own speed): the
+    download has a deadline from the state's size and MIN_DONOR_BYTES_PER_S, and a donor that misses it (or stalls
+    a chunk) is penalised like a stalled stream."""
+    assert download_deadline_s(1_400_000, 60.0) == pytest.approx(60 + 1_400_000 / 65536)  # the tiny model's state
+    assert download_deadline_s(10**10, 60.0) == 240.0
+
+    async def slow_download(*_args: object, **_kwargs: object) -> None:
+        if stall.startswith("goes silent"):
+            raise WireTimeout("peer sent nothing for 0.2 s")
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr("p2ptrain.joining.download_state", slow_download)
+    loop, reputation = BackgroundLoop(name="p2ptrain-test-download"), Reputation()
+    donor = record("QmaezLg9QXM5U9wez1eovYFDJxnrueeqTQhesffHWi4Jhe", 7)
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(state_download_timeout_s=0.2),
+                                                              run=RunConfig()),
+                                 p2p=None, loop=loop, reputation=reputation, routes=Routes("me"), fingerprint="f",
+                                 _state_nbytes=lambda: 16 * 1024, _state_layout=lambda: [])
+    try:
+        started = time.monotonic()
+        assert Joiner(peer)._download(donor, DonorChoice(7, [], [], [])) is None  # type: ignore[arg-type]
+        assert time.monotonic() - started < 2.0  # 0.2 s + 16 KiB at 64 KiB/s: 0.45 s
+        assert reputation.offences() == {donor.peer_id: {"slow_send": 1}}
+    finally:
+        loop.stop()
 
 
 def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():
