@@ -55,6 +55,7 @@ from p2ptrain.join_rules import (
 )
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
+    MalformedSketch,
     Sketch,
     SnapshotExpectation,
     SnapshotRefused,
@@ -276,7 +277,7 @@ class Joiner:
             logger.warning(f"refused the state of {donor.peer_id}: {e}")
             if e.offence is not None:
                 peer.reputation.penalise(donor.peer_id, e.offence, str(e))
-        except (TimeoutError, WireTimeout) as e:  # a slow donor holds our training: it pays, as a stalled stream does
+        except (TimeoutError, asyncio.TimeoutError, WireTimeout) as e:  # a slow donor holds our training: it pays
             logger.warning(f"the state download from {donor.peer_id} took too long ({e}); trying the next peer")
             peer.reputation.penalise(donor.peer_id, "slow_send", f"state download: {e}")
         except Exception as e:  # WireError, StateMismatchError, timeouts, P2P errors: all mean "next donor"
@@ -328,9 +329,20 @@ class Joiner:
         for record, result in zip(witnesses, results, strict=True):
             if isinstance(result, BaseException):
                 logger.debug(f"no sketch from {record.peer_id}: {result!r}")
+                offence = witness_offence(result)
+                if offence is not None:  # a witness that stalls or garbles its answer pays, as a partner would
+                    peer.reputation.penalise(record.peer_id, offence, f"sketch request: {result!r}")
             else:
                 answers.append(Witnessed(record.peer_id, record.synced, result))
         return answers
+
+
+def witness_offence(error: BaseException) -> str | None:
+    """What a witness's failed sketch answer costs it: a garbled one is "malformed", a stalled one a "timeout", a
+    refusal (a rate limit, or a ban on us) or a lost connection nothing."""
+    if isinstance(error, MalformedSketch):
+        return "malformed"
+    return "timeout" if isinstance(error, (TimeoutError, asyncio.TimeoutError)) else None
 
 
 def download_deadline_s(nbytes: int, chunk_timeout_s: float) -> float:

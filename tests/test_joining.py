@@ -45,6 +45,7 @@ from p2ptrain.net.state_sharing import (
     SKETCH_BLOCK,
     SKETCH_BURST,
     SKETCH_SIZE,
+    MalformedSketch,
     Sketch,
     SnapshotExpectation,
     SnapshotRefused,
@@ -495,6 +496,36 @@ def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(mo
         assert reputation.offences() == {donor.peer_id: {"slow_send": 1}}
     finally:
         loop.stop()
+
+
+def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_does_not(monkeypatch):
+    """A joiner waits for every witness's sketch (at most sync.state_download_timeout_s): one that never answers
+    held every corroboration unpunished. A garbled answer is an offence, a stalled one a timeout, a refusal (a rate
+    limit, or we are banned there) none."""
+    honest = Sketch(7, [0.0] * SKETCH_SIZE, 1.0)
+
+    async def answer(_p2p: object, peer_id: object, *_args: object) -> Sketch:
+        kind = str(peer_id)
+        if kind.endswith("garbled"):
+            raise MalformedSketch("peer sent a sketch with non-numbers or a negative norm")
+        if kind.endswith("stalled"):
+            raise TimeoutError()
+        if kind.endswith("refused"):
+            raise WireError("peer refused a sketch: too many requests")
+        return honest
+
+    monkeypatch.setattr("p2ptrain.joining.request_sketch", answer)
+    monkeypatch.setattr("p2ptrain.joining.PeerID.from_base58", lambda text: text)
+    loop, reputation = BackgroundLoop(name="p2ptrain-test-witnesses"), Reputation()
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(), run=RunConfig()), p2p=None,
+                                 loop=loop, reputation=reputation, routes=Routes("me"))
+    try:
+        witnesses = [record(f"w-{kind}", 7) for kind in ("honest", "garbled", "stalled", "refused")]
+        answers = Joiner(peer)._ask(witnesses, seed=1)  # type: ignore[arg-type]
+    finally:
+        loop.stop()
+    assert [(a.peer_id, a.sketch) for a in answers] == [("w-honest", honest)]
+    assert reputation.offences() == {"w-garbled": {"malformed": 1}, "w-stalled": {"timeout": 1}}
 
 
 def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():

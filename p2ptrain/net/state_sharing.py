@@ -276,6 +276,10 @@ async def download_state(
     return StateSnapshot(metadata, names, tuple(tensors))
 
 
+class MalformedSketch(WireError):
+    """A witness answered a sketch request with something that is not a sketch (an offence, unlike a refusal)."""
+
+
 async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, timeout_s: float,
                          route: Route | None = None) -> Sketch:
     """Ask `peer_id` (directly or through `route`'s relay) for the sketch of its snapshot under `seed`; raises
@@ -292,9 +296,9 @@ async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, t
     if answer.get("status") == "refused":
         raise WireError(f"peer {peer_id} refused a sketch: {str(answer.get('reason'))[:200]}")
     if not _is_int(round_) or round_ < 0 or not isinstance(values, list) or len(values) != SKETCH_SIZE:
-        raise WireError(f"peer {peer_id} sent a malformed sketch answer")
+        raise MalformedSketch(f"peer {peer_id} sent a malformed sketch answer")
     if not all(_is_number(v) for v in values) or not _is_number(norm) or norm < 0:
-        raise WireError(f"peer {peer_id} sent a sketch with non-numbers or a negative norm")
+        raise MalformedSketch(f"peer {peer_id} sent a sketch with non-numbers or a negative norm")
     return Sketch(round_, [float(v) for v in values], float(norm))
 
 
