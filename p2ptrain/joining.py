@@ -60,6 +60,7 @@ from p2ptrain.net.state_sharing import (
     SnapshotExpectation,
     SnapshotRefused,
     StateSnapshot,
+    download_deadline_s,
     download_state,
     parameter_norm,
     parameter_sketch,
@@ -84,10 +85,6 @@ FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (t
 JOIN_RETRIES = 4
 JOIN_RETRY_ROUNDS = 1
 RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
-# a donor must deliver its state at this rate at least (half a megabit per second, below any home upload a peer can
-# train with): a donor that trickled a chunk just inside each chunk's deadline held a joiner's training for
-# 4 × sync.state_download_timeout_s, and ranked first again at its next catch-up (it announces its own speed)
-MIN_DONOR_BYTES_PER_S = 64 * 1024
 
 
 @contextlib.contextmanager
@@ -343,9 +340,3 @@ def witness_offence(error: BaseException) -> str | None:
     if isinstance(error, MalformedSketch):
         return "malformed"
     return "timeout" if isinstance(error, (TimeoutError, asyncio.TimeoutError)) else None
-
-
-def download_deadline_s(nbytes: int, chunk_timeout_s: float) -> float:
-    """How long a state download of `nbytes` may take: a chunk's deadline, then MIN_DONOR_BYTES_PER_S; at most
-    4 chunk deadlines."""
-    return min(4 * chunk_timeout_s, chunk_timeout_s + nbytes / MIN_DONOR_BYTES_PER_S)

@@ -117,7 +117,8 @@ class TrainingPeer:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
         self.services = start_services(self.p2p, self.loop, cfg.network)
         self.routes = self.services.routes  # who reaches whom: read from the records every round
-        state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise)
+        state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise,
+                                   cfg.sync.state_download_timeout_s)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
         self.joiner = Joiner(self)
@@ -270,11 +271,9 @@ class TrainingPeer:
                             full_steps=self._inner_steps())
 
     def _inner_steps(self) -> int:
-        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule).
-
-        The target round is that of a peer on the swarm's fastest link running all H steps, so a fast peer keeps
-        H and a slower one gives up the steps its extra communication time would take.
-        """
+        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule). The target round is
+        that of a peer on the swarm's fastest link running all H steps, so a fast peer keeps H and a slower one gives
+        up the steps its extra communication time would take."""
         steps = self.config.inner.steps
         if math.isnan(self.expected_blocking_s):  # no link forecast (all-reduce modes): what blocking measured
             comm_s, base_s = self.blocked_s, 0.0

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from swarm_utils import PeerThread, replace_section, start_peer, stop_and_shut_down, tiny_config, wait_until
 
@@ -35,13 +36,15 @@ from p2ptrain.join_rules import (
     quorum_round,
     snapshot_rounds,
 )
-from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, download_deadline_s, parameters_set_to
+from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
+    DOWNLOAD_BURST,
+    DOWNLOADS_AT_ONCE,
     SKETCH_BLOCK,
     SKETCH_BURST,
     SKETCH_SIZE,
@@ -52,6 +55,7 @@ from p2ptrain.net.state_sharing import (
     StateServer,
     StateSnapshot,
     check_snapshot_metadata,
+    download_deadline_s,
     download_state,
     parameter_norm,
     parameter_sketch,
@@ -674,6 +678,65 @@ def test_sketch_requests_beyond_the_rate_are_refused_and_a_flood_gets_its_sender
     assert all(isinstance(x, WireError) and "refused a sketch" in str(x) for x in refused)
     assert banned  # 6 or more refused requests: offences of weight 1, past the default ban score of 4
     assert isinstance(others[0], Sketch)
+
+
+@pytest.mark.network
+def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate_limits_each_peer():
+    """Served without bound, concurrent downloads (from any number of identities) each held a copy of the whole
+    state, and a reader that never read held its stream for good. Now: DOWNLOADS_AT_ONCE at a time (a request beyond
+    is refused, the joiner tries another donor), each cut off at its deadline, and each peer at most DOWNLOAD_BURST
+    at once (beyond: refused, an offence)."""
+    big = StateSnapshot.capture({"round": 7, "run_id": "run", "fingerprint": "fp"},
+                                [("param:w", torch.randn(1024, 1024)), ("sync:m", torch.zeros(1024, 1024))])
+    layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(big.names, big.tensors, strict=True)]
+
+    async def scenario() -> tuple[object, object, float, dict[str, dict[str, int]], int]:
+        a, b = await start_pair()
+        c = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                             nat_port_map=False, auto_nat=False, use_relay=False)
+        reputation = Reputation()
+        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=0.5)
+        await server.add_p2p_handlers(a, namespace="run")
+        try:
+            stalled = [await StateServer.get_stub(b, a.peer_id, namespace="run").rpc_download_state(
+                averaging_pb2.DownloadRequest()) for _ in range(DOWNLOADS_AT_ONCE)]
+            for stream in stalled:
+                await stream.__anext__()  # one message read, then nothing: the donor's writes back up
+            busy = await asyncio.gather(download_state(c, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),
+                                        return_exceptions=True)
+            started = time.monotonic()
+            # each stalled stream is cut at its deadline: 0.5 + 8 MiB at 64 KiB/s, capped at 4 × 0.5 = 2 s
+            downloaded = await download_state(c, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED) \
+                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 10) else None
+            waited = time.monotonic() - started
+            small = StateServer(lambda: served(7), reputation.refuses, reputation.penalise)
+            await small.add_p2p_handlers(c, namespace="small")
+            small_layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(served(7).names, served(7).tensors,
+                                                                                 strict=True)]
+            answers = []
+            for _ in range(DOWNLOAD_BURST + 2):  # one after another: a token comes back every 2 s
+                answers += await asyncio.gather(download_state(b, c.peer_id, "small", small_layout, 2**20, 5.0,
+                                                               EXPECTED), return_exceptions=True)
+            return busy[0], downloaded, waited, reputation.offences(), sum(isinstance(x, StateSnapshot)
+                                                                           for x in answers)
+        finally:
+            for p2p in (a, b, c):
+                await p2p.shutdown()
+
+    busy, downloaded, waited, offences, served_count = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert isinstance(busy, WireError) and "0 metadata blocks" in str(busy), busy  # both slots taken: refused
+    assert isinstance(downloaded, StateSnapshot) and downloaded.round == 7 and waited < 5.0
+    assert DOWNLOAD_BURST <= served_count <= DOWNLOAD_BURST + 1  # a token may come back meanwhile
+    assert list(offences.values()) == [{"too_many_requests": DOWNLOAD_BURST + 2 - served_count}], offences
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout_s: float) -> bool:
+    give_up_at = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up_at:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 # ---- real peers on loopback with a liar ---------------------------------------------------------------------------

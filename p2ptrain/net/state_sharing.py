@@ -8,7 +8,8 @@ before anything is applied: never half-applied.
 A downloaded state is then corroborated by other peers (joining.py) through `rpc_state_sketch`: a peer answers
 with a sketch of its own snapshot's parameters under a seed the asker drew after the download (SKETCH_SIZE
 Rademacher projections, float64) and their norm, so a donor cannot shape a lie to match what honest peers will
-answer. Banned peers are served neither snapshots nor sketches, and each peer only so many sketches a second.
+answer. Banned peers are served neither snapshots nor sketches, each peer only so many a second, and snapshots
+only a few at a time, each within a deadline.
 """
 
 # No `from __future__ import annotations` here: hivemind's ServicerBase reads the rpc_* annotations at runtime
@@ -45,6 +46,23 @@ MAX_SEED = 2**64  # seeds are 64-bit (PCG64)
 # round at most); beyond the bucket a request is refused and is an offence ("too_many_requests")
 SKETCHES_PER_S = 2.0
 SKETCH_BURST = 8
+# snapshots served: at most DOWNLOADS_AT_ONCE at a time (a request beyond is refused: the joiner tries another
+# donor), each within its `download_deadline_s` (a reader too slow is cut off), and to each peer at most
+# DOWNLOADS_PER_S (bursts of DOWNLOAD_BURST; beyond, "too_many_requests"). Served without bound, concurrent
+# requests (from any number of identities) each held a serialized copy of the whole state in memory
+DOWNLOADS_AT_ONCE = 2
+DOWNLOADS_PER_S = 0.5
+DOWNLOAD_BURST = 8
+# a donor must deliver its state at this rate at least (half a megabit per second, below any home upload a peer can
+# train with): a donor that trickled a chunk just inside each chunk's deadline held a joiner's training for
+# 4 × sync.state_download_timeout_s, and ranked first again at its next catch-up (it announces its own speed)
+MIN_DONOR_BYTES_PER_S = 64 * 1024
+
+
+def download_deadline_s(nbytes: int, chunk_timeout_s: float) -> float:
+    """How long a state download of `nbytes` may take, for the joiner and the donor alike: a chunk's deadline, then
+    MIN_DONOR_BYTES_PER_S; at most 4 chunk deadlines."""
+    return min(4 * chunk_timeout_s, chunk_timeout_s + nbytes / MIN_DONOR_BYTES_PER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,29 +182,52 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 class StateServer(ServicerBase):
     """Serves the latest snapshot (`rpc_download_state`) and sketches of it (`rpc_state_sketch`) to any peer
-    that `refuses` does not name (banned or not admitted; libp2p-authenticated peer ids, base58). Sketches are
-    served one at a time, and to each peer at most SKETCHES_PER_S (bursts of SKETCH_BURST): a request beyond is
-    refused and reported to `penalise` (peer, offence, detail), usually `Reputation.penalise`."""
+    that `refuses` does not name (banned or not admitted; libp2p-authenticated peer ids, base58). Snapshots are
+    served DOWNLOADS_AT_ONCE at a time, one serialized tensor at a time, each within its deadline; sketches one at
+    a time. A peer asking for more than DOWNLOADS_PER_S or SKETCHES_PER_S (in bursts) is refused and reported to
+    `penalise` (peer, offence, detail), usually `Reputation.penalise`."""
 
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
                  refuses: Callable[[str], bool] = lambda _peer: False,
-                 penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None):
+                 penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None,
+                 chunk_timeout_s: float = 60.0):
         self.get_snapshot = get_snapshot
-        self.refuses, self.penalise = refuses, penalise
+        self.refuses, self.penalise, self.chunk_timeout_s = refuses, penalise, chunk_timeout_s
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
         self.sketch_limit = RateLimit(SKETCHES_PER_S, SKETCH_BURST)
+        self.download_limit = RateLimit(DOWNLOADS_PER_S, DOWNLOAD_BURST)
+        self._serving: set[asyncio.Task[Any]] = set()  # the downloads being served (their stream handlers' tasks)
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        snapshot = self.get_snapshot()
-        if snapshot is None or self.refuses(context.remote_id.to_base58()):
-            return  # nothing to share (yet, or with this peer): the caller tries another peer
-        metadata: bytes | None = encode_metadata(snapshot.metadata)
-        serialized = [serialize_torch_tensor(t, runtime_pb2.CompressionType.NONE) for t in snapshot.tensors]
-        for part in stream_parts(serialized):
-            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
-            metadata = None
+        snapshot, peer = self.get_snapshot(), context.remote_id.to_base58()
+        if snapshot is None or self.refuses(peer) or not self._may_download(peer):
+            return  # nothing to share (yet, with this peer, or now): the caller tries another peer
+        task = asyncio.current_task()  # the handler's: cancelled at the deadline, even while a write waits on a reader
+        assert task is not None
+        nbytes = sum(t.numel() * t.element_size() for t in snapshot.tensors)
+        deadline = asyncio.get_running_loop().call_later(download_deadline_s(nbytes, self.chunk_timeout_s),
+                                                         task.cancel)
+        self._serving.add(task)
+        try:
+            metadata: bytes | None = encode_metadata(snapshot.metadata)
+            for tensor in snapshot.tensors:  # serialized one at a time: one tensor's copy in memory, not the state's
+                for part in stream_parts([serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)]):
+                    yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                    metadata = None
+        finally:
+            deadline.cancel()
+            self._serving.discard(task)
+
+    def _may_download(self, peer: str) -> bool:
+        """Whether to serve `peer` a snapshot now: within its rate, and a slot free."""
+        if not self.download_limit.take(peer):
+            self.penalise(peer, "too_many_requests", f"more than {DOWNLOAD_BURST:g} state downloads at once or "
+                                                     f"{DOWNLOADS_PER_S:g} a second")
+            return False
+        self._serving = {t for t in self._serving if not t.done()}
+        return len(self._serving) < DOWNLOADS_AT_ONCE
 
     async def rpc_state_sketch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
