@@ -33,8 +33,8 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from hivemind.p2p import PeerID
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from p2ptrain.peer import TrainingPeer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WITNESSES = 3  # peers asked to corroborate a downloaded state
 # a joiner's record must reach its round's peers before they read who is in the round: the time to publish it and
@@ -84,6 +85,10 @@ FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (t
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
 JOIN_RETRIES = 4
 JOIN_RETRY_ROUNDS = 1
+# a witness's sketch may come LATE_WITNESS_FACTOR × as late as the first witness's (at least LATE_WITNESS_MIN_S later:
+# every witness sketches the same layout, so an honest one is not much slower than the first)
+LATE_WITNESS_FACTOR = 4.0
+LATE_WITNESS_MIN_S = 2.0
 RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
 
 
@@ -315,7 +320,7 @@ class Joiner:
                                         seed, timeout_s, peer.routes.route_to(record.peer_id))
 
         async def ask_all() -> list[Sketch | BaseException]:
-            return await asyncio.gather(*(ask(w) for w in witnesses), return_exceptions=True)
+            return await answers_with_patience([ask(w) for w in witnesses], timeout_s)
 
         try:  # each request has its own deadline; this one only guards against a stuck event loop
             results = peer.loop.run(ask_all(), timeout=timeout_s + 5) if witnesses else []
@@ -332,6 +337,26 @@ class Joiner:
             else:
                 answers.append(Witnessed(record.peer_id, record.synced, result))
         return answers
+
+
+async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: float) -> list[T | BaseException]:
+    """Each request's answer or exception, in order. Once the first is in, the others get LATE_WITNESS_FACTOR times
+    as long again (at least LATE_WITNESS_MIN_S); those still out then are TimeoutErrors. A joiner waited for every
+    witness, so one that never answered held each corroboration for the whole `timeout_s`."""
+    started, tasks = time.monotonic(), [asyncio.ensure_future(r) for r in requests]
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if pending and done:
+        patience_s = max(LATE_WITNESS_MIN_S, LATE_WITNESS_FACTOR * (time.monotonic() - started))
+        await asyncio.wait(pending, timeout=min(patience_s, max(0.0, started + timeout_s - time.monotonic())))
+    answers: list[T | BaseException] = []
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+            answers.append(TimeoutError(f"no answer while the others answered (within {timeout_s:g} s)"))
+        else:
+            error = task.exception()
+            answers.append(error if error is not None else task.result())
+    return answers
 
 
 def witness_offence(error: BaseException) -> str | None:

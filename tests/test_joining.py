@@ -36,7 +36,14 @@ from p2ptrain.join_rules import (
     quorum_round,
     snapshot_rounds,
 )
-from p2ptrain.joining import JOIN_RETRIES, RAN_AHEAD_ROUNDS, Joiner, parameters_set_to
+from p2ptrain.joining import (
+    JOIN_RETRIES,
+    LATE_WITNESS_MIN_S,
+    RAN_AHEAD_ROUNDS,
+    Joiner,
+    answers_with_patience,
+    parameters_set_to,
+)
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.event_loop import BackgroundLoop
@@ -503,9 +510,10 @@ def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(mo
 
 
 def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_does_not(monkeypatch):
-    """A joiner waits for every witness's sketch (at most sync.state_download_timeout_s): one that never answers
-    held every corroboration unpunished. A garbled answer is an offence, a stalled one a timeout, a refusal (a rate
-    limit, or we are banned there) none."""
+    """A joiner waited for every witness's sketch (sync.state_download_timeout_s, 60 s): one that never answered
+    held every corroboration that long, unpunished. Now the others get LATE_WITNESS_FACTOR × the first answer's time
+    (at least LATE_WITNESS_MIN_S); a garbled answer is an offence, a late one a timeout, a refusal (a rate limit, or
+    we are banned there) none."""
     honest = Sketch(7, [0.0] * SKETCH_SIZE, 1.0)
 
     async def answer(_p2p: object, peer_id: object, *_args: object) -> Sketch:
@@ -513,7 +521,7 @@ def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_d
         if kind.endswith("garbled"):
             raise MalformedSketch("peer sent a sketch with non-numbers or a negative norm")
         if kind.endswith("stalled"):
-            raise TimeoutError()
+            await asyncio.sleep(60)  # past the request's deadline (state_download_timeout_s)
         if kind.endswith("refused"):
             raise WireError("peer refused a sketch: too many requests")
         return honest
@@ -525,11 +533,27 @@ def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_d
                                  loop=loop, reputation=reputation, routes=Routes("me"))
     try:
         witnesses = [record(f"w-{kind}", 7) for kind in ("honest", "garbled", "stalled", "refused")]
+        started = time.monotonic()
         answers = Joiner(peer)._ask(witnesses, seed=1)  # type: ignore[arg-type]
+        assert time.monotonic() - started < LATE_WITNESS_MIN_S + 2.0
     finally:
         loop.stop()
     assert [(a.peer_id, a.sketch) for a in answers] == [("w-honest", honest)]
     assert reputation.offences() == {"w-garbled": {"malformed": 1}, "w-stalled": {"timeout": 1}}
+
+
+def test_witnesses_slower_than_the_first_are_waited_for_within_the_patience():
+    async def answer(value: int, after_s: float) -> int:
+        await asyncio.sleep(after_s)
+        return value
+
+    async def scenario() -> list[object]:
+        return await answers_with_patience([answer(1, 0.1), answer(2, 1.5), answer(3, 10.0)], timeout_s=60.0)
+
+    started = time.monotonic()
+    first, second, third = asyncio.run(scenario())
+    assert (first, second) == (1, 2) and isinstance(third, TimeoutError)  # 1.5 s is within max(2 s, 4 × 0.1 s)
+    assert time.monotonic() - started < 4.0
 
 
 def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():
