@@ -55,6 +55,7 @@ from p2ptrain.net.state_sharing import (
     SKETCH_BLOCK,
     SKETCH_BURST,
     SKETCH_SIZE,
+    SKETCHES_QUEUED,
     MalformedSketch,
     Sketch,
     SnapshotExpectation,
@@ -681,8 +682,10 @@ def test_sketch_requests_beyond_the_rate_are_refused_and_a_flood_gets_its_sender
             reputation = Reputation()
             server = StateServer(lambda: served(7), reputation.refuses, reputation.penalise)
             await server.add_p2p_handlers(a, namespace="run")
-            answers = await asyncio.gather(*(request_sketch(b, a.peer_id, "run", seed, 5.0)
-                                             for seed in range(2 * SKETCH_BURST)), return_exceptions=True)
+            answers = []
+            for wave in range(2 * SKETCH_BURST // SKETCHES_QUEUED):  # as many at once as may wait (see below)
+                answers += await asyncio.gather(*(request_sketch(b, a.peer_id, "run", wave * 10 + i, 5.0)
+                                                  for i in range(SKETCHES_QUEUED)), return_exceptions=True)
             banned = reputation.is_banned(b.peer_id.to_base58())
             c = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             try:  # another peer is served as usual
@@ -761,6 +764,33 @@ async def wait_until_async(condition: Callable[[], bool], timeout_s: float) -> b
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+@pytest.mark.network
+def test_sketch_requests_beyond_those_that_may_wait_are_refused_as_busy_at_no_cost(monkeypatch):
+    """Sketches are computed one at a time: a flood from many identities, each within its rate, made an honest
+    joiner's request wait behind it, late enough to count as a stalled witness. Beyond SKETCHES_QUEUED waiting,
+    a request is refused as busy (a refusal costs the witness nothing at the joiner, and the asker nothing here)."""
+    slow, sketch = served(7), StateSnapshot.sketch
+    monkeypatch.setattr(StateSnapshot, "sketch", lambda self, seed: (time.sleep(0.5), sketch(self, seed))[1])
+
+    async def scenario() -> tuple[list[object], dict[str, dict[str, int]]]:
+        a, b = await start_pair()
+        try:
+            reputation = Reputation()
+            server = StateServer(lambda: slow, reputation.refuses, reputation.penalise)
+            await server.add_p2p_handlers(a, namespace="run")
+            answers = await asyncio.gather(*(request_sketch(b, a.peer_id, "run", seed, 10.0)
+                                             for seed in range(SKETCHES_QUEUED + 2)), return_exceptions=True)
+            return answers, reputation.offences()
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    answers, offences = asyncio.run(asyncio.wait_for(scenario(), 60))
+    busy = [x for x in answers if not isinstance(x, Sketch)]
+    assert len(busy) == 2 and all("busy" in str(x) for x in busy), answers
+    assert offences == {}
 
 
 # ---- real peers on loopback with a liar ---------------------------------------------------------------------------

@@ -46,6 +46,10 @@ MAX_SEED = 2**64  # seeds are 64-bit (PCG64)
 # round at most); beyond the bucket a request is refused and is an offence ("too_many_requests")
 SKETCHES_PER_S = 2.0
 SKETCH_BURST = 8
+# sketch requests waiting (or computing) at once, from every peer together; beyond, refused as busy: a flood from
+# many identities, each within its rate, made an honest joiner's request wait behind it, late enough to count as
+# a stalled witness (joining.py waits a few times as long as the first witness took)
+SKETCHES_QUEUED = 4
 # snapshots served: at most DOWNLOADS_AT_ONCE at a time (a request beyond is refused: the joiner tries another
 # donor), each within its `download_deadline_s` (a reader too slow is cut off), and to each peer at most
 # DOWNLOADS_PER_S (bursts of DOWNLOAD_BURST; beyond, "too_many_requests"). Served without bound, concurrent
@@ -194,6 +198,7 @@ class StateServer(ServicerBase):
         self.get_snapshot = get_snapshot
         self.refuses, self.penalise, self.chunk_timeout_s = refuses, penalise, chunk_timeout_s
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
+        self._sketches_waiting = 0  # requests computing or waiting for the lock
         self.sketch_limit = RateLimit(SKETCHES_PER_S, SKETCH_BURST)
         self.download_limit = RateLimit(DOWNLOADS_PER_S, DOWNLOAD_BURST)
         self._serving: set[asyncio.Task[Any]] = set()  # the downloads being served (their stream handlers' tasks)
@@ -248,8 +253,14 @@ class StateServer(ServicerBase):
             return refusal(f"at most {SKETCHES_PER_S:g} sketch requests a second")
         if not _is_int(seed) or not 0 <= seed < MAX_SEED:
             return refusal("the seed must be an integer in [0, 2**64)")
-        async with self._sketching:
-            sketch = await asyncio.get_running_loop().run_in_executor(None, snapshot.sketch, seed)
+        if self._sketches_waiting >= SKETCHES_QUEUED:  # a queue that long answers late: a refusal costs nothing
+            return refusal("busy: too many sketch requests waiting")
+        self._sketches_waiting += 1
+        try:
+            async with self._sketching:
+                sketch = await asyncio.get_running_loop().run_in_executor(None, snapshot.sketch, seed)
+        finally:
+            self._sketches_waiting -= 1
         answer = {"round": sketch.round, "sketch": sketch.values, "norm": sketch.norm}
         return averaging_pb2.DownloadData(metadata=encode_metadata(answer))
 
