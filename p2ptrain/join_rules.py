@@ -16,6 +16,8 @@ LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
 # than its own (CI: 1.69 alone against the others' 2.0, ×1.18). A liar majority can cost it no more than this
 RAN_AHEAD_LOSS_FACTOR = 1.5
+# an honest outer momentum grows by at most one round's Δ a round, and peers' differ by their own Δs in gossip modes
+OUTER_NORM_FACTOR = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,7 @@ def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool,
     own state: two honest answers outvote a lying donor, one lying witness cannot outvote an honest donor, and
     an even vote (or none) passes on to the loss check. Which answers, and how far is far: with `tight` (aligned
     rounds, a synced donor) the synced answers of the candidate's round, beyond `tight_max`, when there are any;
-    otherwise all the answers, beyond `loose_max`."""
+    otherwise all the answers, beyond `loose_max`. The parameters only: `judge_outer_state` judges the rest."""
     same_round = [a for a in answers if tight and a.sketch.round == candidate.round and a.synced]
     group, bound = (same_round, tight_max) if same_round else (list(answers), loose_max)
     where = f" of round {candidate.round}" if same_round else ""
@@ -148,6 +150,27 @@ def judge_sketches(candidate: Sketch, answers: Sequence[Witnessed], tight: bool,
         return Verdict(True, f"{close} of {_peers(len(group))}{where} agree, {far} disagree: an even vote", close,
                        held_by_round=held)
     return Verdict(True, f"confirmed by {_peers(close)}{where} within {distances[-1]:.2g}", close, held_by_round=held)
+
+
+def judge_outer_state(candidate: Sketch, answers: Sequence[Witnessed], tight: bool, tight_max: float,
+                      own_outer_norm: float) -> Verdict:
+    """The candidate's outer state (its outer momentum; GASLoC's previous iterate), once its parameters passed.
+    Synced DiLoCo peers of one round hold one momentum: with `tight`, most of those that answered must hold the
+    candidate's, within `tight_max` (the donor's voice breaks a tie, as in `judge_sketches`). Everywhere, it may be
+    at most OUTER_NORM_FACTOR × longer than the longer of ours and the median witness's (momenta grow from zero over
+    the first rounds and differ from peer to peer in gossip modes: only their scale compares). A refusal is a lie:
+    an honest donor's outer state goes with its parameters."""
+    same_round = [a for a in answers if tight and a.sketch.round == candidate.round and a.synced]
+    far = sum(candidate.outer_distance(a.sketch) > tight_max for a in same_round)
+    if far > len(same_round) - far + 1:
+        return Verdict(False, f"its outer state is not that of {far} of {_peers(len(same_round))} of round "
+                              f"{candidate.round}, whose parameters it holds")
+    witnessed = [a.sketch.outer_norm for a in answers]
+    reference = max(own_outer_norm, statistics.median(witnessed) if witnessed else 0.0)
+    if reference > 0 and not candidate.outer_norm <= OUTER_NORM_FACTOR * reference:  # NaN fails too
+        return Verdict(False, f"its outer state's norm {candidate.outer_norm:.3g} is over {OUTER_NORM_FACTOR:g} × "
+                              f"{reference:.3g} (the longer of ours and the median witness's)")
+    return Verdict(True, "outer state within scale")
 
 
 def outvoted_state(sketches: Verdict, loss: Verdict) -> Verdict:

@@ -47,6 +47,7 @@ from p2ptrain.join_rules import (
     choose_donors,
     choose_witnesses,
     judge_loss,
+    judge_outer_state,
     judge_sketches,
     median_claim,
     outvoted_state,
@@ -55,6 +56,7 @@ from p2ptrain.join_rules import (
 )
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
+    OUTER_PREFIX,
     MalformedSketch,
     Sketch,
     SnapshotExpectation,
@@ -295,8 +297,12 @@ class Joiner:
         witnesses = choose_witnesses(self.peer.routes.best_first(others), donor.peer_id, snapshot.round, WITNESSES,
                                      self.rng)
         tight = self.config.aligned_rounds and self.config.overlap != "eager" and donor.synced
-        sketches = judge_sketches(snapshot.sketch(seed), self._ask(witnesses, seed), tight, ALIGNED_MAX_DISTANCE,
-                                  self.config.join_gossip_max_distance)
+        candidate, answers = snapshot.sketch(seed), self._ask(witnesses, seed)
+        sketches = judge_sketches(candidate, answers, tight, ALIGNED_MAX_DISTANCE, self.config.join_gossip_max_distance)
+        if sketches.accepted:
+            outer = self._judge_outer_state(snapshot, candidate, answers, tight)
+            if not outer.accepted:
+                return outer
         with parameters_set_to(self.peer.params, snapshot.tensors[:len(self.peer.params)]):
             loss = self.peer.inner.evaluate(self.peer.val_batches)
         if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
@@ -310,6 +316,16 @@ class Joiner:
         if not judged.accepted:
             return dataclasses.replace(judged, offence=None if held else judged.offence)
         return dataclasses.replace(judged, detail=f"{sketches.detail}; {judged.detail}")
+
+    def _judge_outer_state(self, snapshot: StateSnapshot, candidate: Sketch, answers: Sequence[Witnessed],
+                           tight: bool) -> Verdict:
+        """The snapshot's outer state: against the witnesses' (join_rules.judge_outer_state), then beside its own
+        parameters (the strategy's `outer_state_problem`)."""
+        ours = [t for n, t in self.peer._named_state() if n.startswith(OUTER_PREFIX)]
+        verdict = judge_outer_state(candidate, answers, tight, ALIGNED_MAX_DISTANCE, parameter_norm(ours))
+        count = len(self.peer.params)
+        problem = self.peer.sync.outer_state_problem(snapshot.tensors[:count], snapshot.tensors[count:])
+        return verdict if problem is None or not verdict.accepted else Verdict(False, problem)
 
     def _ask(self, witnesses: Sequence[PeerRecord], seed: int) -> list[Witnessed]:
         """The witnesses' sketches under `seed`, asked at once; those that fail or refuse are left out."""

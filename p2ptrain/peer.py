@@ -41,7 +41,7 @@ from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.services import start_services
-from p2ptrain.net.state_sharing import StateServer, StateSnapshot
+from p2ptrain.net.state_sharing import OUTER_PREFIX, StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.swarm_start import wait_for_peers
@@ -319,7 +319,7 @@ class TrainingPeer:
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
         """What a joiner downloads and a checkpoint keeps: the anchor and the outer-sync state, by name."""
         named = [(f"param:{n}", a) for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)]
-        return named + [(f"sync:{n}", t) for n, t in self.sync.state_tensors()]
+        return named + [(f"{OUTER_PREFIX}{n}", t) for n, t in self.sync.state_tensors()]
 
     def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
         named = self._named_state()

@@ -4,6 +4,7 @@ on loopback where a liar announces a far-ahead round or serves −5·θ_0 as its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import re
@@ -30,6 +31,7 @@ from p2ptrain.join_rules import (
     choose_donors,
     choose_witnesses,
     judge_loss,
+    judge_outer_state,
     judge_sketches,
     median_claim,
     own_loss_bound,
@@ -72,6 +74,7 @@ from p2ptrain.net.state_sharing import (
 from p2ptrain.net.wire import WireError, WireTimeout
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
 
 LIAR_ROUND = 100_000
@@ -407,6 +410,82 @@ def test_most_answers_decide_and_the_donors_own_voice_breaks_a_tie():
     assert judge(lie, []).detail == "no other peer answered"
 
 
+def snapshot_with_momentum(momentum: list[torch.Tensor], round_: int = 7) -> StateSnapshot:
+    """THETA as the parameters, `momentum` as the outer state."""
+    return StateSnapshot.capture({"round": round_}, [*((f"param:{i}", t) for i, t in enumerate(THETA)),
+                                                     *((f"sync:momentum:{i}", m) for i, m in enumerate(momentum))])
+
+
+def test_honest_parameters_with_a_poisoned_outer_momentum_are_refused():
+    """A donor's outer momentum (GASLoC: its previous iterate) was taken unchecked: honest parameters passed the
+    sketch vote and the loss check, and the poisoned momentum threw the joiner's next outer step anywhere. Synced
+    DiLoCo peers of one round hold one momentum: most of them must hold the candidate's. Elsewhere momenta differ
+    from peer to peer, and only the candidate's scale is bounded: OUTER_NORM_FACTOR × the longer of ours and the
+    median witness's."""
+    momentum = [0.1 * t for t in THETA]
+    honest = snapshot_with_momentum(momentum).sketch(SEED)
+
+    def judge_outer(candidate: Sketch, answers: list[Witnessed], tight: bool = True, own: float = 0.0) -> Verdict:
+        return judge_outer_state(candidate, answers, tight, ALIGNED_MAX_DISTANCE, own)
+
+    for poison in ([-m for m in momentum], [10 * m for m in momentum]):  # as long as the honest one, or longer
+        lie = snapshot_with_momentum(poison).sketch(SEED)
+        assert judge(lie, [witnessed(honest), witnessed(honest)]).accepted  # the parameters are the swarm's
+        verdict = judge_outer(lie, [witnessed(honest), witnessed(honest)])
+        assert not verdict.accepted and "not that of 2 of 2 peers of round 7" in verdict.detail, verdict
+        assert judge_outer(lie, [witnessed(honest), witnessed(lie)]).accepted  # an even vote (a colluding witness)
+    assert judge_outer(honest, [witnessed(honest), witnessed(honest)]).accepted
+    answers = [witnessed(honest), witnessed(honest), witnessed(snapshot_with_momentum([m * 2 for m in momentum])
+                                                              .sketch(SEED))]
+    scale = honest.outer_norm
+    far = snapshot_with_momentum([10 * m for m in momentum]).sketch(SEED)
+    verdict = judge_outer(far, answers, tight=False)  # gossip, a fresh joiner: the witnesses' median is the bar
+    assert not verdict.accepted and f"over 4 × {scale:.3g}" in verdict.detail, verdict
+    assert judge_outer(snapshot_with_momentum([3 * m for m in momentum]).sketch(SEED), answers, tight=False).accepted
+    assert judge_outer(far, answers, tight=False, own=3 * scale).accepted  # ours is longer: the bar is ours
+    assert judge_outer(far, [], tight=False).accepted  # nothing to compare with yet (round 0)
+    assert not judge_outer(dataclasses.replace(far, outer_norm=math.nan), answers, tight=False).accepted
+
+
+def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
+    """The same, through a Factored joiner's corroboration: honest parameters, a momentum 10 × the witnesses'."""
+    momentum = [0.1 * t for t in THETA]
+    params = [t.clone() for t in THETA]
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="factored")), round=6,
+                                 synced=True, joined_ever=True, params=params, val_batches=[], routes=Routes("me"),
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 inner=types.SimpleNamespace(evaluate=lambda _batches: 3.0),
+                                 _named_state=lambda: [("sync:momentum:0", torch.zeros(3))],
+                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None))
+    joiner = Joiner(peer)  # type: ignore[arg-type]
+    joiner._ask = lambda asked, seed: [Witnessed(r.peer_id, True, snapshot_with_momentum(momentum).sketch(seed))
+                                       for r in asked]  # type: ignore[method-assign]
+    choice = DonorChoice(7, [record("donor", 7), *(record(f"w{i}", 7) for i in range(3))], [], [record("donor", 7)])
+    for factor, accepted in ((10.0, False), (2.0, True)):
+        candidate = snapshot_with_momentum([factor * m for m in momentum])
+        verdict = joiner._corroborate(candidate, record("donor", 7), choice, 3.0)
+        assert verdict.accepted == accepted, verdict
+    assert verdict.accepted and "confirmed by 3 peers" in verdict.detail
+    candidate = snapshot_with_momentum([10 * m for m in momentum])
+    verdict = joiner._corroborate(candidate, record("donor", 7), choice, 3.0)
+    assert verdict.offence == "wrong_state" and "outer state's norm" in verdict.detail
+    peer.sync = types.SimpleNamespace(outer_state_problem=lambda _params, tensors: f"{len(tensors)} tensors, all wrong")
+    verdict = joiner._corroborate(snapshot_with_momentum(momentum), record("donor", 7), choice, 3.0)
+    assert not verdict.accepted and verdict.detail == "2 tensors, all wrong"  # what the strategy sees beside θ
+
+
+def test_a_gasloc_state_whose_previous_iterate_lies_far_from_its_parameters_is_refused():
+    """GASLoC's outer state is its previous iterate x_prev, one outer step behind the parameters: θ_next = x_new +
+    γ (x_new − x_prev). A donor's x_prev far from its honest parameters would throw the joiner's next step γ × as
+    far; beyond `sync.join_gossip_max_distance` (relative) the state is refused."""
+    sync = types.SimpleNamespace(config=SyncConfig(mode="gasloc"))  # all the check reads of the strategy
+    one_step_behind = [0.98 * t for t in THETA]
+    assert GaslocSync.outer_state_problem(sync, THETA, one_step_behind) is None  # type: ignore[arg-type]
+    problem = GaslocSync.outer_state_problem(sync, THETA, [-t for t in THETA])  # type: ignore[arg-type]
+    assert problem == "its previous iterate is 2 (relative) from its parameters"
+    assert GaslocSync.outer_state_problem(sync, THETA, [t * math.nan for t in THETA]) is not None  # type: ignore
+
+
 def test_the_loss_check_refuses_the_poison_and_keeps_honest_noise():
     claimed = median_claim([2.70, 2.69, 50.0, None])  # a liar announcing 50 does not move the median
     assert claimed == pytest.approx(2.70)
@@ -428,7 +507,8 @@ def corroborating_joiner(own: list[torch.Tensor], swarm: list[torch.Tensor], wit
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="diloco")), round=6, synced=False,
                                  joined_ever=True, params=params, val_batches=[], routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
-                                 inner=types.SimpleNamespace(evaluate=evaluate))
+                                 inner=types.SimpleNamespace(evaluate=evaluate), _named_state=lambda: [],
+                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None))
     joiner = Joiner(peer)  # type: ignore[arg-type]
     witnesses = [record(f"w{i}", 7) for i in range(3)]
 
@@ -593,7 +673,9 @@ def test_snapshot_metadata_of_the_expected_round_passes():
     for round_ in (7, 8):
         check_snapshot_metadata({"round": round_, "run_id": "run", "fingerprint": "fp"}, EXPECTED)
     snapshot = StateSnapshot.capture({"round": 7}, [("param:w", torch.ones(2)), ("sync:m", torch.ones(2))])
-    assert snapshot.sketch(3) == Sketch(7, parameter_sketch([torch.ones(2)], 3), math.sqrt(2))  # not the outer state
+    # the parameters' sketch leaves the outer state out; the outer state is sketched apart, under the next seed
+    assert snapshot.sketch(3) == Sketch(7, parameter_sketch([torch.ones(2)], 3), math.sqrt(2),
+                                        parameter_sketch([torch.ones(2)], 4), math.sqrt(2))
 
 
 @pytest.mark.parametrize("knob", [{"join_max_round_lead": -1}, {"join_loss_tolerance": -0.1},

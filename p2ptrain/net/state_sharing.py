@@ -37,7 +37,10 @@ from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
 
-SKETCHED_PREFIX = "param:"  # the snapshot tensors a sketch covers: the model parameters (not the outer state)
+SKETCHED_PREFIX = "param:"  # the snapshot tensors a sketch's `values` cover: the model parameters
+# the outer state, sketched apart (`Sketch.outer`): taken unchecked, a donor's honest parameters with a poisoned
+# outer momentum (or GASLoC's previous iterate) passed every check and threw the joiner's next outer step anywhere
+OUTER_PREFIX = "sync:"
 # projections per sketch: ‖sketch(a) − sketch(b)‖ / √SKETCH_SIZE estimates ‖a − b‖ within ×0.47..×1.61 (99.9 %)
 SKETCH_SIZE = 16
 SKETCH_BLOCK = 2**16  # elements projected at a time: SKETCH_SIZE × this × 8 bytes of signs (4 MiB) at most
@@ -92,27 +95,42 @@ class StateSnapshot:
         return int(self.metadata["round"])
 
     def sketch(self, seed: int) -> "Sketch":
-        """The sketch of this snapshot's parameters under `seed` (what `rpc_state_sketch` answers)."""
+        """The sketch of this snapshot under `seed` (what `rpc_state_sketch` answers): of its parameters, and
+        apart, of its outer state (under the next seed)."""
         params = [t for n, t in zip(self.names, self.tensors, strict=True) if n.startswith(SKETCHED_PREFIX)]
-        return Sketch(self.round, parameter_sketch(params, seed), parameter_norm(params))
+        outer = [t for n, t in zip(self.names, self.tensors, strict=True) if n.startswith(OUTER_PREFIX)]
+        return Sketch(self.round, parameter_sketch(params, seed), parameter_norm(params),
+                      parameter_sketch(outer, (seed + 1) % MAX_SEED), parameter_norm(outer))
 
 
 @dataclasses.dataclass(frozen=True)
 class Sketch:
-    """A state's sketch under one seed: the round of the snapshot, its projections, its exact norm."""
+    """A state's sketch under one seed: the round of the snapshot, its parameters' projections and exact norm, and
+    those of its outer state (`OUTER_PREFIX`: the outer momentum, GASLoC's previous iterate; zeros when it has none)."""
 
     round: int
     values: list[float]
     norm: float
+    outer: list[float] = dataclasses.field(default_factory=lambda: [0.0] * SKETCH_SIZE)
+    outer_norm: float = 0.0
 
     def distance(self, other: "Sketch") -> float:
-        """‖a − b‖ / min(‖a‖, ‖b‖), estimated from the projections; a scaled-up state cannot look near by
-        inflating its own norm."""
-        difference = math.dist(self.values, other.values) / math.sqrt(SKETCH_SIZE)
-        smaller = min(self.norm, other.norm)
-        if difference == 0:
-            return 0.0
-        return difference / smaller if smaller > 0 else math.inf
+        """‖a − b‖ / min(‖a‖, ‖b‖) of the parameters, estimated from the projections; a scaled-up state cannot look
+        near by inflating its own norm."""
+        return relative_distance(self.values, self.norm, other.values, other.norm)
+
+    def outer_distance(self, other: "Sketch") -> float:
+        """The same of the outer states (0 when both have none)."""
+        return relative_distance(self.outer, self.outer_norm, other.outer, other.outer_norm)
+
+
+def relative_distance(a: Sequence[float], a_norm: float, b: Sequence[float], b_norm: float) -> float:
+    """‖a − b‖ / min(‖a‖, ‖b‖) from two sketches and the exact norms of what they sketch."""
+    difference = math.dist(a, b) / math.sqrt(SKETCH_SIZE)
+    smaller = min(a_norm, b_norm)
+    if difference == 0:
+        return 0.0
+    return difference / smaller if smaller > 0 else math.inf
 
 
 def parameter_sketch(tensors: Sequence[torch.Tensor], seed: int) -> list[float]:
@@ -238,7 +256,7 @@ class StateServer(ServicerBase):
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
         """Request metadata {"seed": int in [0, 2**64)}; answer {"round": int, "sketch": [SKETCH_SIZE floats],
-        "norm": float} or {"status": "refused", "reason": str}."""
+        "norm": float, "outer": [SKETCH_SIZE floats], "outer_norm": float} or {"status": "refused", "reason": str}."""
         snapshot = self.get_snapshot()
         try:
             seed = decode_metadata(request.metadata).get("seed")
@@ -261,7 +279,8 @@ class StateServer(ServicerBase):
                 sketch = await asyncio.get_running_loop().run_in_executor(None, snapshot.sketch, seed)
         finally:
             self._sketches_waiting -= 1
-        answer = {"round": sketch.round, "sketch": sketch.values, "norm": sketch.norm}
+        answer = {"round": sketch.round, "sketch": sketch.values, "norm": sketch.norm, "outer": sketch.outer,
+                  "outer_norm": sketch.outer_norm}
         return averaging_pb2.DownloadData(metadata=encode_metadata(answer))
 
 
@@ -344,14 +363,23 @@ async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, t
         raise WireError(f"peer {peer_id} closed the stream without a sketch") from None
     finally:
         await answers.aclose()  # type: ignore[attr-defined]
-    round_, values, norm = answer.get("round"), answer.get("sketch"), answer.get("norm")
+    round_ = answer.get("round")
     if answer.get("status") == "refused":
         raise WireError(f"peer {peer_id} refused a sketch: {str(answer.get('reason'))[:200]}")
-    if not _is_int(round_) or round_ < 0 or not isinstance(values, list) or len(values) != SKETCH_SIZE:
+    if not _is_int(round_) or round_ < 0:
+        raise MalformedSketch(f"peer {peer_id} sent a malformed sketch answer")
+    values, norm = _projections(answer.get("sketch"), answer.get("norm"), peer_id)
+    outer, outer_norm = _projections(answer.get("outer"), answer.get("outer_norm"), peer_id)
+    return Sketch(round_, values, norm, outer, outer_norm)
+
+
+def _projections(values: object, norm: object, peer_id: PeerID) -> tuple[list[float], float]:
+    """SKETCH_SIZE finite numbers and a norm ≥ 0 from a sketch answer; MalformedSketch otherwise."""
+    if not isinstance(values, list) or len(values) != SKETCH_SIZE:
         raise MalformedSketch(f"peer {peer_id} sent a malformed sketch answer")
     if not all(_is_number(v) for v in values) or not _is_number(norm) or norm < 0:
         raise MalformedSketch(f"peer {peer_id} sent a sketch with non-numbers or a negative norm")
-    return Sketch(round_, [float(v) for v in values], float(norm))
+    return [float(v) for v in values], float(norm)
 
 
 def _is_number(value: object) -> TypeGuard[float]:

@@ -120,6 +120,9 @@ class DilocoSync:
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors()
 
+    def outer_state_problem(self, params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> str | None:
+        return None  # a momentum shows nothing beside the parameters (joining.py compares it with the witnesses')
+
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         self.outer.load_state_tensors_(tensors)
         self.averager.forget_()

@@ -146,6 +146,9 @@ class FactoredSync:
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.outer.state_tensors() + self.mix2.state_tensors()
 
+    def outer_state_problem(self, params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> str | None:
+        return None  # a momentum shows nothing beside the parameters (joining.py compares it with the witnesses')
+
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Adopt a downloaded state: a Mix2 still in flight was of our old Δ, and is dropped with it."""
         if self.delayed is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
+from p2ptrain.tensor_layout import distance, norm
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,14 @@ class GaslocSync:
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"x_prev:{i}", x) for i, x in enumerate(self.state.x_prev)]
+
+    def outer_state_problem(self, params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> str | None:
+        """The previous iterate lies one outer step behind the parameters: farther than
+        `sync.join_gossip_max_distance` (relative), the next outer step would throw them γ × as far."""
+        gap, scale = distance(tensors, params), norm(params)
+        if not gap <= self.config.join_gossip_max_distance * scale:  # NaN fails too
+            return f"its previous iterate is {gap / scale if scale else math.inf:.3g} (relative) from its parameters"
+        return None
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         self._drop_pending()  # its pull is relative to the value we had, not to the state adopted

@@ -159,6 +159,11 @@ class OuterSync(Protocol):
         """The outer state a joiner needs and a checkpoint keeps (momentum, previous iterate, ...)."""
         ...
 
+    def outer_state_problem(self, params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> str | None:
+        """What is wrong with a downloaded outer state (`tensors`, in the order of `state_tensors`) beside the
+        parameters downloaded with it, that the state alone shows; None when nothing (a momentum shows nothing)."""
+        ...
+
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Load tensors in the order of `state_tensors()` (validated by the caller)."""
         ...
