@@ -356,19 +356,27 @@ class Joiner:
 
 
 async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: float) -> list[T | BaseException]:
-    """Each request's answer or exception, in order. Once the first is in, the others get LATE_WITNESS_FACTOR times
-    as long again (at least LATE_WITNESS_MIN_S); those still out then are TimeoutErrors. A joiner waited for every
-    witness, so one that never answered held each corroboration for the whole `timeout_s`."""
+    """Each request's answer or exception, in order. Once the first answer is in (not a refusal: that comes at
+    once), the others get LATE_WITNESS_FACTOR times as long again (at least LATE_WITNESS_MIN_S); those still out
+    then, or at `timeout_s`, are TimeoutErrors. A joiner waited for every witness, so one that never answered held
+    each corroboration for the whole `timeout_s`."""
     started, tasks = time.monotonic(), [asyncio.ensure_future(r) for r in requests]
-    done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    if pending and done:
-        patience_s = max(LATE_WITNESS_MIN_S, LATE_WITNESS_FACTOR * (time.monotonic() - started))
-        await asyncio.wait(pending, timeout=min(patience_s, max(0.0, started + timeout_s - time.monotonic())))
+    deadline, pending, answered_s = started + timeout_s, set(tasks), None
+    while pending and answered_s is None:
+        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        if any(task.exception() is None for task in done):
+            answered_s = time.monotonic() - started
+    if pending and answered_s is not None:
+        patience_s = max(LATE_WITNESS_MIN_S, LATE_WITNESS_FACTOR * answered_s)
+        await asyncio.wait(pending, timeout=min(patience_s, max(0.0, deadline - time.monotonic())))
     answers: list[T | BaseException] = []
     for task in tasks:
         if not task.done():
             task.cancel()
-            answers.append(TimeoutError(f"no answer while the others answered (within {timeout_s:g} s)"))
+            answers.append(TimeoutError(f"no answer within {time.monotonic() - started:.1f} s"))
         else:
             error = task.exception()
             answers.append(error if error is not None else task.result())

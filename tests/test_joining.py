@@ -12,7 +12,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -628,13 +628,21 @@ def test_witnesses_slower_than_the_first_are_waited_for_within_the_patience():
         await asyncio.sleep(after_s)
         return value
 
-    async def scenario() -> list[object]:
-        return await answers_with_patience([answer(1, 0.1), answer(2, 1.5), answer(3, 10.0)], timeout_s=60.0)
+    async def refuse() -> int:
+        raise WireError("peer refused a sketch: busy")
+
+    async def scenario(*requests: Awaitable[int]) -> list[object]:
+        return await answers_with_patience(list(requests), timeout_s=60.0)
 
     started = time.monotonic()
-    first, second, third = asyncio.run(scenario())
+    first, second, third = asyncio.run(scenario(answer(1, 0.1), answer(2, 1.5), answer(3, 10.0)))
     assert (first, second) == (1, 2) and isinstance(third, TimeoutError)  # 1.5 s is within max(2 s, 4 × 0.1 s)
     assert time.monotonic() - started < 4.0
+    # a refusal comes at once: the clock starts with the first answer (a big model's sketch takes seconds)
+    refused, slow, slower = asyncio.run(scenario(refuse(), answer(2, 1.0), answer(3, 3.5)))
+    assert isinstance(refused, WireError) and (slow, slower) == (2, 3)
+    nobody = asyncio.run(answers_with_patience([answer(1, 5.0)], timeout_s=0.2))
+    assert isinstance(nobody[0], TimeoutError)
 
 
 def test_a_state_refused_only_on_what_other_peers_claim_is_not_blamed_on_its_donor():
