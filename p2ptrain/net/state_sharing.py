@@ -229,8 +229,7 @@ class StateServer(ServicerBase):
             return  # nothing to share (yet, with this peer, or now): the caller tries another peer
         task = asyncio.current_task()  # the handler's: cancelled at the deadline, even while a write waits on a reader
         assert task is not None
-        nbytes = sum(t.numel() * t.element_size() for t in snapshot.tensors)
-        deadline = asyncio.get_running_loop().call_later(download_deadline_s(nbytes, self.chunk_timeout_s),
+        deadline = asyncio.get_running_loop().call_later(download_deadline_s(snapshot.nbytes, self.chunk_timeout_s),
                                                          task.cancel)
         self._serving.add(task)
         try:
