@@ -8,8 +8,11 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
                    averager; its group forms once the round's live peers have joined, waiting out
                    sync.matchmaking_s, 3 s by default, only for peers that do not come; it trusts each member with
                    a span of the mean: not robust to a hostile member)
+  diloco-scatter   sync.allreduce_transport scatter (sync/scatter_allreduce.py: each member reduces one chunk for
+                   all with CenteredClip, and every member checks the means it gets back)
   diloco-overlap   diloco-exchange with `sync.overlap: delayed` (DiLoCoX's one-step delay): a round's all-reduce runs
                    behind the next inner phase, and its mean is applied one round late
+  diloco-scatter-overlap  diloco-scatter with `sync.overlap: delayed`
   diloco-hivemind-overlap  diloco-hivemind with `sync.overlap: delayed`
   diloco-sparse    diloco-exchange with `sync.grad_codec: sparse` (2-bit values, 2 % of each chunk, error feedback
                    β 0.95) and the outer recipe benchmarks/algorithms.py measured for it (γ 0, outer lr 1.0)
@@ -88,7 +91,9 @@ CODEC_OUTER = {"lr": CODEC_RECIPE["outer_lr"], "momentum": CODEC_RECIPE["momentu
 SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
+    "diloco-scatter": {"mode": "diloco", "allreduce_transport": "scatter"},
     "diloco-overlap": {"mode": "diloco", "allreduce_transport": "exchange", "overlap": "delayed"},
+    "diloco-scatter-overlap": {"mode": "diloco", "allreduce_transport": "scatter", "overlap": "delayed"},
     "diloco-hivemind-overlap": {"mode": "diloco", "allreduce_transport": "hivemind", "overlap": "delayed"},
     "diloco-sparse": {"mode": "diloco", "grad_codec": "sparse", "topk_density": 0.02, "sparse_bits": 2,
                       "error_feedback_decay": CODEC_RECIPE["ef_decay"], "outer": CODEC_OUTER},

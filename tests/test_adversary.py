@@ -89,7 +89,8 @@ def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() ->
     from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
     from p2ptrain.sync.config import SyncConfig
     from p2ptrain.sync.diloco import DilocoSync
-    from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, ExchangeAverager
+    from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
+    from p2ptrain.sync.exchange_averager import ExchangeAverager
     from p2ptrain.sync.grad_gossip import GradGossip
     from p2ptrain.sync.param_gossip import ParamGossip
     from p2ptrain.testnet.adversary import _transports

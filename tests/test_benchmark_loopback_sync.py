@@ -43,6 +43,11 @@ def test_quick_run(tmp_path: Path) -> None:
     # its group forms once the round's peers have joined, not at the matchmaking window's end; the butterfly's bytes
     assert hivemind["blocked_s"] < 0.5 * written["matchmaking_s"] and hivemind["full_groups"] == 1.0, hivemind
     assert 0.9 <= hivemind["bytes_ratio"] <= 1.1, hivemind["bytes_ratio"]
+    for setup in ("diloco-scatter", "diloco-scatter-overlap"):  # a pair's chunks are halves: the same bytes
+        scatter = rows[(setup, 2)]
+        assert scatter["group_size"] == 2 and scatter["full_groups"] == 1.0, scatter
+        least = 1.0 if setup == "diloco-scatter" else (settings.rounds - 2) / (settings.rounds - 1)
+        assert 0.9 * least <= scatter["bytes_ratio"] <= 1.5, scatter["bytes_ratio"]
     overlap = rows[("diloco-overlap", 2)]  # each round reports the all-reduce of the round before: every one a pair
     assert overlap["group_size"] == 2 and overlap["full_groups"] == 1.0
     # A round's bytes are those its streams carried while it ran (net/stream_bytes.py), and an overlapped

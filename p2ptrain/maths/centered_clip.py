@@ -74,9 +74,10 @@ def stack(inputs: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
 
 
 def centered_clip_rows_(stacked: torch.Tensor, like: Sequence[torch.Tensor], multiplier: float = 2.0,
-                        iterations: int = ITERATIONS) -> RobustMean:
+                        iterations: int = ITERATIONS, tolerance: float = 0.0) -> RobustMean:
     """CenteredClip of the rows of `stacked` (n × d fp32, from `stack`), which it may overwrite (see `_gram_`).
-    The mean comes in the shapes of `like`."""
+    The mean comes in the shapes of `like`. `tolerance` > 0: stop once a step moves the centre by at most that × τ
+    (a mean others check against its fixed point, sync/scatter_allreduce.py); 0: every member's fixed count."""
     if len(stacked) == 0:
         raise ValueError("centered_clip needs at least one input")
     if multiplier <= 0:
@@ -97,7 +98,10 @@ def centered_clip_rows_(stacked: torch.Tensor, like: Sequence[torch.Tensor], mul
     for _ in range(iterations):
         torch.sub(stacked, centre, out=gaps)
         scales = torch.clamp(radius / torch.clamp(gaps.norm(dim=1).double(), min=1e-300), max=1.0).float()
-        centre += gaps.mul_(scales[:, None]).sum(dim=0).div_(n)  # Σ_j clip(x_j − v, τ) / n, in place
+        step = gaps.mul_(scales[:, None]).sum(dim=0).div_(n)  # Σ_j clip(x_j − v, τ) / n
+        centre += step
+        if tolerance > 0 and float(step.norm()) <= tolerance * radius:
+            break
     torch.sub(stacked, centre, out=gaps)
     return RobustMean(_unflatten(_shifted(centre, origin), like), radius, _finite(gaps.norm(dim=1)), lengths)
 

@@ -4,7 +4,8 @@ counted from the code of p2ptrain/sync/ and p2ptrain/net/state_sharing.py (the m
 Kept between rounds, every mode: θ_0, the reference parameter payloads are encoded against (peer.py).
 - diloco, `allreduce_transport: exchange`: the exchange's error-feedback residual (zeros: decay 0,
   exchange_allreduce.py); `hivemind`: the averager's own tensors (net/allreduce.py). With `overlap`: the previous
-  round's own Δ (DelayedOuterGradient) and the copy of Δ the background all-reduce reads (PendingGather).
+  round's own Δ (DelayedOuterGradient) and the copy of Δ the background all-reduce reads (PendingGather,
+  sync/exchange_averager.py).
 - gasloc: the gossip's reference, base and correction (param_gossip.py) and the previous mixed iterate x
   (GaslocState).
 - factored: the Mix1 gossip's reference, base and correction, the round's frozen anchor (factored.py), Mix2's

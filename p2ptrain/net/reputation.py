@@ -39,6 +39,10 @@ OFFENCES: dict[str, float] = {
     "unsynced_state": 2.5,  # a second within 88 s bans
     "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
     "equivocated": 4.0,  # sent members of one all-reduce different values (their reports disagree, no majority)
+    # a reduce-scatter's chunk mean that is not the CenteredClip of the inputs its owner reduced, or a sketch of a
+    # residual that the input its member sent contradicts (sync/scatter_allreduce.py: exact, once the inputs are seen)
+    "false_mean": 4.0,
+    "false_sketch": 4.0,
 }
 
 

@@ -18,12 +18,14 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.diloco import DilocoSync, mean_check
-from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, ExchangeAverager
+from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
+from p2ptrain.sync.exchange_averager import ExchangeAverager
 from p2ptrain.sync.factored import AllReduceMix2, FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
 from p2ptrain.sync.interface import Averager, OuterSync
 from p2ptrain.sync.param_gossip import ParamGossip
+from p2ptrain.sync.scatter_allreduce import ScatterAllReduce
 from p2ptrain.sync.state_evidence import state_sample
 
 REGISTER_TIMEOUT_S = 30.0
@@ -41,8 +43,9 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
             return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
                                      config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
                                      robust=config.robust, refuses=reputation.refuses)
-        exchange = ExchangeAllReduce(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
-                                     group_size=group_size, reputation=reputation, routes=routes)
+        transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce
+        exchange = transport(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
+                             group_size=group_size, reputation=reputation, routes=routes)
         loop.run(serve_exchanges(p2p, exchange, entry), timeout=REGISTER_TIMEOUT_S)
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)

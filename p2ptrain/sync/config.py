@@ -14,7 +14,8 @@ PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk", "sparse")
 SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error feedback
 MIX2_TRANSPORTS = ("allreduce", "gossip")
-ALLREDUCE_TRANSPORTS = ("exchange", "hivemind")
+ALLREDUCE_TRANSPORTS = ("exchange", "scatter", "hivemind")
+SCATTER_GRAD_CODECS = ("none", "fp16")  # a scatter owner's mean of sparse chunks is dense: it would not shrink
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
@@ -33,7 +34,9 @@ class SyncConfig:
     # diloco, and factored's Mix2: an all-reduce among the peers of the round
     matchmaking_s: float = 3.0  # how long a peer waits at most for the others of its round (late ones: left out)
     # exchange: every member swaps Δ with every other and takes their CenteredClip mean (robust, attributable;
-    # (n−1)·S bytes each); hivemind: its butterfly averager (2·S·(n−1)/n bytes, but any member sets the mean)
+    # (n−1)·S bytes each); scatter: each member reduces one chunk for all, whose means every member checks
+    # (2·S·(n−1)/n bytes; a failed check falls back to exchange in the same round); hivemind: its butterfly
+    # averager (2·S·(n−1)/n bytes, but any member sets the mean)
     allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
     # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late);
@@ -118,6 +121,9 @@ class SyncConfig:
                                                                and self.mix2_transport == "gossip"):
                 raise ConfigError(f"sync.grad_codec {self.grad_codec} needs sync.allreduce_transport exchange "
                                   f"(hivemind's butterfly all-reduce sums dense parts)")
+        if self.allreduce_transport == "scatter" and self.grad_codec not in SCATTER_GRAD_CODECS:
+            raise ConfigError(f"sync.allreduce_transport scatter sends sync.grad_codec none or fp16, got "
+                              f"{self.grad_codec} (a mean of sparse chunks is dense; use exchange)")
         if not 1 <= self.sparse_bits <= MAX_SPARSE_BITS:
             raise ConfigError(f"sync.sparse_bits must be in [1, {MAX_SPARSE_BITS}], got {self.sparse_bits}")
         if not 0 < self.topk_density <= 1:

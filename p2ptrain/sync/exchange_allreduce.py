@@ -36,8 +36,8 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P
@@ -46,7 +46,6 @@ from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all, decode_all
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AveragingResult
-from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
@@ -146,11 +145,13 @@ class GatherRound(Mix2Round):
         return sorted([(self.own_id, self.sent), *self.received.items()])
 
 
+StageT = TypeVar("StageT", bound=GatherRound)
 RELAY_FAILED = "relay failed"  # an exchange through the member's relay failed: asked again (`RelayRetries`)
 
 
 class ExchangeAllReduce(GradGossip):
     """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's)."""
+    STAGES, ALL_TO_ALL = 2, 0  # a round's stages are numbered STAGES × round + k; the all-to-all's start here
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
@@ -169,25 +170,41 @@ class ExchangeAllReduce(GradGossip):
         """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost.
         `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy). `state`: our anchor's
         sample (sync/state_evidence.py), shown to the members and judged against theirs (DiLoCo's peers only)."""
-        started = time.monotonic()
-        own = [d.detach().float().cpu() for d in delta]
+        started, own = time.monotonic(), [d.detach().float().cpu() for d in delta]
+        prepared, group = await self._prepared(own, round_), self._group(round_peers, round_)
+        if prepared is None or group is None:
+            return AveragingResult(own, group_size=1)
+        return await self._all_to_all(own, *prepared, group, round_, patience_s, state, started, RoundSync())
+
+    async def _prepared(self, own: list[torch.Tensor], round_: int) -> tuple[list, list[torch.Tensor]] | None:
+        """(our payload, our s), or None for a non-finite Δ (nothing can be sent)."""
         self._residual_before = None  # a refusal from now on concerns this round's mean
         try:
             payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
-        except ValueError as e:  # non-finite Δ: nothing can be sent
+        except ValueError as e:
             logger.warning(f"round {round_}: not averaging this outer gradient ({e})")
-            return AveragingResult(own, group_size=1)
+            return None
+        return payload, sent
+
+    def _group(self, round_peers: Sequence[str], round_: int) -> list[str] | None:
+        """Our group of the round (sorted; ourselves included), or None when NAT leaves us out of it."""
         members = [p for p in round_peers if not self.reputation.refuses(p)] + [self.own_id]
         group = next(g for g in round_groups(members, round_, self.group_size, self.run_id) if self.own_id in g)
         group = self.routes.connected_group(group, f"{self.run_id}/{round_}")  # every pair can meet (NAT)
         if self.own_id not in group:  # behind NAT with another outbound-only member: left out of this round
             self.previous = None
-            return AveragingResult(own, group_size=1)
-        stats = RoundSync()
-        rnd = GatherRound(2 * round_, self.own_id, sent, payload, self.feedback.codec.name, set(group))
+            return None
+        return sorted(group)
+
+    async def _all_to_all(self, own: list[torch.Tensor], payload: list, sent: list[torch.Tensor], group: list[str],
+                          round_: int, patience_s: float, state: list[float] | None, started: float,
+                          stats: RoundSync, judge: bool = True) -> AveragingResult:
+        """Swap s with every member of `group`, reduce, confirm (`judge`: by the previous round's reports too)."""
+        rnd = GatherRound(self.STAGES * round_ + self.ALL_TO_ALL, self.own_id, sent, payload,
+                          self.feedback.codec.name, set(group))
         rnd.state = state
         rnd = await self._stage(rnd, patience_s, stats)
-        out_of_step, cheats = self._judge_previous(rnd)
+        out_of_step, cheats = self._judge_previous(rnd) if judge else (False, [])
         for peer in cheats:  # every member sees the same honest reports, so every member leaves the same ones out
             rnd.received.pop(peer, None)
         inputs = rnd.inputs()
@@ -206,8 +223,8 @@ class ExchangeAllReduce(GradGossip):
             return kept() if out_of_step else result(own, 1)
         mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce,
                                                                                               inputs, round_)
-        verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, round_, patience_s,
-                                      stats)
+        verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, rnd.round + 1,
+                                      patience_s, stats)
         logger.debug(f"round {round_}: {len(inputs)} inputs (expected {len(rnd.expected) + 1}), {verdict}, "
                      f"{time.monotonic() - started:.2f} s")
         self.previous = reduction if verdict == APPLY else reduction.discarded() if verdict == DISCARD else None
@@ -228,7 +245,7 @@ class ExchangeAllReduce(GradGossip):
         if self._residual_before is not None:
             self.feedback.residual, self._residual_before = self._residual_before, None
 
-    async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
+    async def _stage(self, rnd: StageT, patience_s: float, stats: RoundSync) -> StageT:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
         self.current = rnd
         give_up_at = time.monotonic() + patience_s
@@ -243,16 +260,17 @@ class ExchangeAllReduce(GradGossip):
         stats.bytes_received += rnd.answered[1]
         return rnd
 
-    async def _confirm(self, reduction: Reduction, members: set[str], round_: int, patience_s: float,
+    async def _confirm(self, reduction: Reduction, members: set[str], stage: int, patience_s: float,
                        stats: RoundSync) -> str:
         """Swap digests with the members whose Δ we reduced; APPLY, DISCARD or OUT_OF_STEP."""
-        rnd = await self._stage(GatherRound(2 * round_ + 1, self.own_id, self._token, self._token_payload,
+        rnd = await self._stage(GatherRound(stage, self.own_id, self._token, self._token_payload,
                                             self.feedback.codec.name, members, digest=reduction.digest),
                                 patience_s, stats)
         verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(members) + 1)
         if verdict != APPLY:
-            logger.info(f"round {round_}: {sum(d == reduction.digest for d in rnd.confirmed.values())} of "
-                        f"{len(members)} members confirmed this peer's inputs: {verdict}")
+            same = sum(d == reduction.digest for d in rnd.confirmed.values())
+            logger.info(f"round {stage // self.STAGES}: {same} of {len(members)} members confirmed this peer's "
+                        f"inputs: {verdict}")
         return verdict
 
     def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
@@ -309,8 +327,8 @@ class ExchangeAllReduce(GradGossip):
         voters = None if self.group_size is None else self.previous.hashes  # one group: every member has a say
         same, other = outvoted(self.previous, reports, voters)
         if other > same:
-            logger.warning(f"round {rnd.round // 2}: {other} member(s) reduced other inputs than this peer's {same} "
-                           f"in round {self.previous.round}: out of step; keeping the anchor this round")
+            logger.warning(f"round {rnd.round // self.STAGES}: {other} member(s) reduced other inputs than this "
+                           f"peer's {same} in round {self.previous.round}: out of step; keeping the anchor this round")
         return other > same, cheats
 
     # ---- exchanges, and what they bring ----------------------------------------------------------------------------
@@ -336,7 +354,7 @@ class ExchangeAllReduce(GradGossip):
         """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer
         waited for."""
         outcome = await super()._exchange_with(rnd, partner, stats)
-        round_ = rnd.round // 2 if isinstance(rnd, GatherRound) else rnd.round
+        round_ = rnd.round // self.STAGES if isinstance(rnd, GatherRound) else rnd.round
         if outcome == "ok":
             self.relay_retries.reached_(partner)
         elif outcome == "failed" and self.routes.route_to(partner) is not None and \
@@ -352,48 +370,3 @@ class ExchangeAllReduce(GradGossip):
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
-
-
-class PendingGather:
-    """An all-reduce running on the peer's event loop (one-step-delay overlap); `result()` waits for it."""
-
-    def __init__(self, future: object, own: list[torch.Tensor]):
-        self.future, self.own = future, own
-
-    def result(self) -> AveragingResult:
-        try:
-            return self.future.result()  # type: ignore[attr-defined]
-        except Exception as e:  # a failed all-reduce must not stop training: our own Δ stands in
-            logger.warning(f"all-reduce failed ({e!r}); applying this peer's outer gradient")
-            return AveragingResult(self.own, group_size=1)
-
-
-class ExchangeAverager:
-    """`ExchangeAllReduce` behind the averager interface DiLoCo and Mix2 use (`average`, `launch`)."""
-
-    def __init__(self, exchange: ExchangeAllReduce, loop: BackgroundLoop, patience_s: float,
-                 state: Callable[[int], list[float]] | None = None):
-        self.exchange, self.loop, self.patience_s = exchange, loop, patience_s
-        self.state = state  # round → our anchor's sample (DiLoCo: sync/state_evidence.py); None: none shown
-
-    def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-                round_peers: Sequence[str]) -> AveragingResult:
-        return self.launch(delta, round_, weight, round_peers).result()
-
-    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-               round_peers: Sequence[str]) -> PendingGather:
-        """Start the all-reduce on the event loop; `weight` (the inner steps) is not sent: the receiver fixes 1/n."""
-        own = [d.detach().float().cpu().clone() for d in delta]
-        state = self.state(round_) if self.state is not None else None  # taken now: the anchor moves on
-        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s, state)),
-                             own)
-
-    def forget_(self) -> None:
-        """Report no previous reduction next round: we do not hold what it left; and give the error feedback back
-        what the latest round's commit took (its mean was refused, so our own Δ was applied whole; or a state was
-        adopted, and the remainder of our own trajectory is dropped with it either way)."""
-        self.exchange.previous = None
-        self.exchange.undo_commit_()
-
-    def shutdown(self) -> None:  # offers held for a round we will not reach are refused now (round_gate.py)
-        self.loop.run(self.exchange.gate.close(), timeout=5.0)

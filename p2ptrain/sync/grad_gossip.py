@@ -65,9 +65,8 @@ ASK_AGAIN = (WRONG_ROUND, ALREADY_PARTNERS)
 
 def outer_gradient_codec(config: SyncConfig) -> Codec:
     """The codec `sync.grad_codec` names, with its options (`topk_density`, `topk_chunk_size`, `sparse_bits`)."""
-    options: dict[str, Any] = {}
-    if config.grad_codec in SPARSE_GRAD_CODECS:
-        options = {"density": config.topk_density, "chunk_size": config.topk_chunk_size}
+    sparse = config.grad_codec in SPARSE_GRAD_CODECS
+    options: dict[str, Any] = {"density": config.topk_density, "chunk_size": config.topk_chunk_size} if sparse else {}
     if config.grad_codec == "sparse":
         options["bits"] = config.sparse_bits
     return get_codec(config.grad_codec, **options)
@@ -76,8 +75,7 @@ def outer_gradient_codec(config: SyncConfig) -> Codec:
 def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
     """An exchange's transfer time: its `seconds` less what the responder says it held our offer (its word: it may
     halve the time at most, or the exchange measures nothing; so a lie fakes a link twice as fast at most)."""
-    held_s = answer.get("held_s", 0.0)
-    if type(held_s) is not float or not 0.0 <= held_s <= seconds / 2:
+    if type(held_s := answer.get("held_s", 0.0)) is not float or not 0.0 <= held_s <= seconds / 2:
         return None
     return seconds - held_s
 
@@ -107,6 +105,10 @@ class Mix2Round:
         self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
         self.idle = asyncio.Event()  # set while no accepted offer is in flight
         self.idle.set()
+
+    def payload_for(self, partner: str) -> Payload:
+        """What we send `partner` (the same s to every partner here; a reduce-scatter sends each its chunk)."""
+        return self.payload
 
     def free_slots(self) -> int:
         return self.degree_cap - len(self.done) - len(self.outgoing) - len(self.incoming)
@@ -151,7 +153,7 @@ class Mix2Round:
     def count_answered_(self, partner: str, outgoing: bool) -> None:
         """Count the bytes of a committed exchange `partner` opened (ours are counted where we open them)."""
         if not outgoing:
-            self.answered[0] += payload_bytes(self.payload)
+            self.answered[0] += payload_bytes(self.payload_for(partner))
             self.answered[1] += self.offered_bytes.pop(partner, 0)
 
     def release_(self, partner: str, outgoing: bool) -> None:
@@ -180,7 +182,7 @@ class _Incoming:
     def __init__(self, gossip: GradGossip, rnd: Mix2Round, sender: str):
         self.gossip, self.rnd, self.sender = gossip, rnd, sender
         self.header = {"codec": rnd.codec, "round": rnd.round, **gossip.header_extra()}
-        self.payload = rnd.payload
+        self.payload = rnd.payload_for(sender)
 
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         theirs = self.gossip.decode_partner(self.rnd, partner_header, partner_payload)
@@ -205,19 +207,16 @@ class GradGossip:
         self.degree_cap = config.mix2_group_size - 1
         decay = config.error_feedback_decay if error_feedback_decay is None else error_feedback_decay
         self.feedback = ErrorFeedback(outer_gradient_codec(config), like, decay)
-        self.max_payload_bytes = sum(t.numel() * 4 for t in like) + 2**20
-        self.rng = random.Random(seed)
+        self.max_payload_bytes, self.rng = sum(t.numel() * 4 for t in like) + 2**20, random.Random(seed)
         self.links = links if links is not None else LinkSpeeds()  # the peer's one table, shared with Mix1
         self.gate = RoundGate()  # the round we are in, and offers held for the next one
         self._current: Mix2Round | None = None
-        self.namespace = f"{run_id}.{kind}"
-        self.chunk_timeout_s = config.state_download_timeout_s
+        self.namespace, self.chunk_timeout_s = f"{run_id}.{kind}", config.state_download_timeout_s
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
 
     @property
-    def current(self) -> Mix2Round | None:
-        """The latest round's Mix2 (closed once `mix` returned)."""
+    def current(self) -> Mix2Round | None:  # the latest round's Mix2 (closed once `mix` returned)
         return self._current
 
     @current.setter
@@ -279,7 +278,8 @@ class GradGossip:
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         """One exchange we start (its slot is reserved); returns "ok", "failed" or the partner's refusal."""
-        nbytes, hold_s = payload_bytes(rnd.payload), max(0.0, rnd.hold_until - time.monotonic())
+        ours = rnd.payload_for(partner)
+        nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.hold_until - time.monotonic())
         link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
@@ -300,7 +300,7 @@ class GradGossip:
             return lambda: rnd.apply_(partner, theirs, outgoing=True)
 
         try:
-            outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, rnd.payload,
+            outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, ours,
                                       validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
                                       hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix)
             outcome.apply()

@@ -23,9 +23,10 @@ import math
 import time
 from typing import Any
 
-# how far ahead an offer may be and still be held: an all-reduce numbers a round's stages 2r (Δ) and 2r + 1
-# (digests), so a member still in the previous round's confirmation stage is one behind the data stage, and a
-# member computing with overlap (its all-reduce one round behind) up to two
+# how far ahead an offer may be and still be held: the exchange all-reduce numbers a round's stages 2r (Δ) and
+# 2r + 1 (digests), so a member still in the previous round's confirmation stage is one behind the data stage, and
+# a member computing with overlap (its all-reduce one round behind) up to two; the reduce-scatter, with 6 stages a
+# round (sync/scatter_allreduce.py), holds offers up to its round's stages ahead (`RoundGate.max_stages_ahead`)
 MAX_STAGES_AHEAD = 2
 LEAVING = "leaving the run"  # the refusal of a peer shutting down: not asked again this round
 
@@ -42,8 +43,9 @@ def offered_hold_s(header: dict[str, Any], own_cap_s: float) -> float:
 class RoundGate:
     """The stage this peer has reached, and the offers waiting for a later one."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_stages_ahead: int = MAX_STAGES_AHEAD) -> None:
         self.round: int | None = None  # None until the first stage begins
+        self.max_stages_ahead = max_stages_ahead
         self._advanced = asyncio.Event()  # set (and replaced) each time `round` changes
         self.closed = False  # shutting down: nothing is held any more
 
@@ -55,7 +57,7 @@ class RoundGate:
 
     def may_hold(self, round_: int) -> bool:
         """Whether an offer for `round_` is worth holding: a stage not reached yet, and not far ahead."""
-        return not self.closed and (self.round is None or self.round < round_ <= self.round + MAX_STAGES_AHEAD)
+        return not self.closed and (self.round is None or self.round < round_ <= self.round + self.max_stages_ahead)
 
     async def close(self) -> None:
         """Hold nothing from now on, and let the held offers be judged (refused) now (on the gate's event loop)."""
