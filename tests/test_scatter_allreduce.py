@@ -21,7 +21,7 @@ from p2ptrain.maths.centered_clip import centered_clip_rows_
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.net.exchange import serve_exchanges
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.scatter_allreduce import ChunkMean, ScatterAllReduce, View, chunks_of
+from p2ptrain.sync.scatter_allreduce import FALLBACK, ChunkMean, ScatterAllReduce, View, chunks_of
 from p2ptrain.tensor_layout import distance, norm
 
 RUN, FINGERPRINT = "scatter-allreduce-test", "fp-1"
@@ -237,6 +237,17 @@ def test_a_liar_sends_the_round_to_the_all_to_all_and_is_banned(lie: Any):
 
 
 @pytest.mark.network
+def test_a_pair_swaps_whole_outer_gradients_and_each_computes_the_mean_itself():
+    async def scenario(transports: list[ScatterAllReduce]) -> None:
+        results = await run_round(transports, 0)
+        assert_exact_mean(results, 0, [0, 1])
+        assert all(r.bytes_sent >= 4 * sum(math.prod(s) for s in SHAPES) for r in results)  # S each, not S/2
+        assert all(t.current is not None and t.current.round % t.STAGES >= FALLBACK for t in transports)
+
+    with_transports(2, scenario)
+
+
+@pytest.mark.network
 def test_a_member_that_never_answers_costs_one_fallback_and_the_others_get_their_mean():
     async def scenario(transports: list[ScatterAllReduce]) -> None:
         ids = [t.own_id for t in transports]
@@ -279,3 +290,21 @@ def test_a_diloco_swarm_on_the_scatter_transport_trains_in_step():
         assert history[-1].val_loss < history[0].val_loss - 0.5
         assert sum(m.peers_averaged == 4 for m in history) >= 4
     assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_factored_swarm_mixes_its_outer_gradients_by_reduce_scatter_in_groups_of_three():
+    config_ = tiny_config("scatter-factored-swarm", run={"rounds": 5},
+                          sync={"mode": "factored", "allreduce_transport": "scatter", "mix2_group_size": 3})
+    first = start_peer(config_)
+    members = [first] + [start_peer(config_, first.maddrs) for _ in range(2)]
+    threads, histories = run_peers(members)
+    for history in histories:
+        print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history])
+        assert history[-1].val_loss < history[0].val_loss - 0.5
+    # Mix2's group of three: every member reduces one chunk (a scatter of 2 or 1 would not show it)
+    mix2 = [member.sync.mix2.averager.exchange for member in members]  # type: ignore[attr-defined]
+    assert all(isinstance(t, ScatterAllReduce) and t.previous is not None and len(t.previous.hashes) == 3
+               for t in mix2), [None if t.previous is None else len(t.previous.hashes) for t in mix2]

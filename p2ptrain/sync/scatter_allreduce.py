@@ -27,6 +27,7 @@ cannot make the group fall back for nothing more than once. The reports of the p
 sync/allreduce_agreement.py) hash each owner's mean, so an owner that sends members different means is an
 equivocator. Bytes: 2·S·(n − 1)/n per member plus headers (each sketch SKETCH_BUCKETS floats per chunk).
 Codecs: none and fp16 (a chunk's values travel as the codec made them; a sparse s's mean is dense: use exchange).
+A pair runs the all-to-all (`MIN_MEMBERS`): the same bytes, and each computes the mean itself.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 CHUNKS, MEANS, SKETCHES, CONFIRMATIONS, FALLBACK = range(5)  # stages of a round; the fallback's digests: FALLBACK + 1
 FAILED = "f" * 64  # the digest a member confirms when its check of the means failed
+# groups smaller than this run the all-to-all: for a pair it sends the same bytes (S each) and each member computes
+# the mean itself, where a scatter lets the other member move its chunk's mean by what one claim can cancel (1.5 τ)
+MIN_MEMBERS = 3
 AUDIT_TOLERANCE = 0.01  # × a chunk's scale: a recomputed mean farther from the owner's is a lie (fp32 noise: 1e-6)
 
 
@@ -198,7 +202,7 @@ class ScatterAllReduce(ExchangeAllReduce):
         if prepared is None or group is None:
             return AveragingResult(own, group_size=1)
         (payload, sent), stats, self._liars, self._audit = prepared, RoundSync(), set(), None
-        if len(group) == 1:
+        if len(group) < MIN_MEMBERS:  # the all-to-all costs no more there, and nobody's word stands in for a mean
             return await self._all_to_all(own, payload, sent, group, round_, patience_s, state, started, stats)
         chunks = chunks_of(sent, group)
         payloads = {o: compress_all(self.feedback.codec, [c]) for o, c in chunks.items()}
