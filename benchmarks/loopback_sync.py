@@ -42,7 +42,7 @@ Peers are threads of this process, one torch thread each, on a 2-core machine: t
 shows by how much with no network at all. Times are wall-clock: other work on a shared machine skews them (the load
 average before and after is recorded). Each setup runs once per peer count (`--repeats` for more, interleaved:
 A B C A B C), peer counts in turn. The default run (2 and 4 peers, tiny model, 10 rounds x 20 inner steps,
-batch 8 x 128 tokens, 7 setups) took 7.7 min of wall time and 11 min of CPU time in this process on 2 cores, besides
+batch 8 x 128 tokens, 9 setups) took 3.4 min of wall time and 4.7 min of CPU time in this process on 2 cores, besides
 the DHT processes, P2P daemons and hivemind's averager processes (their CPU is in the table).
 
     python benchmarks/loopback_sync.py            # default run
@@ -106,7 +106,7 @@ NETWORK = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto
 CORPUS = {"max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2}
 RUN_TIMEOUT_S = 120.0  # per swarm, plus ROUND_TIMEOUT_S a round: a swarm still running then is stopped
 ROUND_TIMEOUT_S = 30.0
-WALL_BUDGET = "about 8 min of wall time, 11 min of CPU time in this process on 2 cores"
+WALL_BUDGET = "about 4 min of wall time, 5 min of CPU time in this process on 2 cores"
 QUICK = {"peers": (2,), "rounds": 4}  # CI size
 
 
