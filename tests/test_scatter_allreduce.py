@@ -237,6 +237,24 @@ def test_a_liar_sends_the_round_to_the_all_to_all_and_is_banned(lie: Any):
 
 
 @pytest.mark.network
+def test_a_member_whose_outer_gradient_is_far_is_clipped_in_every_chunk_and_penalised_by_every_honest_owner():
+    async def scenario(transports: list[ScatterAllReduce]) -> None:
+        ids = [t.own_id for t in transports]
+        values = [deltas(i) for i in range(3)] + [[-1000 * t for t in deltas(3)]]
+        results = await asyncio.gather(*(t.gather(v, [p for p in ids if p != t.own_id], 0, 3.0)
+                                         for t, v in zip(transports, values, strict=True)))
+        honest_mean = exact_average(values[:3])
+        for t, result in zip(transports[:3], results[:3], strict=True):
+            assert result.group_size == 4 and not result.discarded  # checked: a far input is no lie
+            # CenteredClip bounded it by about τ/3 (the plain mean would be ~2,900 away)
+            assert distance(result.delta, honest_mean) < 2 * max(norm(v) for v in values[:3])
+            assert torch.equal(result.delta[0], results[0].delta[0])
+            assert t.reputation.offences()[ids[3]] == {"clipped": 1}  # one offence a round, at every honest member
+
+    with_transports(4, scenario)
+
+
+@pytest.mark.network
 def test_a_pair_swaps_whole_outer_gradients_and_each_computes_the_mean_itself():
     async def scenario(transports: list[ScatterAllReduce]) -> None:
         results = await run_round(transports, 0)

@@ -46,6 +46,7 @@ import torch
 from p2ptrain.maths import chunk_check
 from p2ptrain.maths.centered_clip import centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all
+from p2ptrain.maths.robust import HARD_CLIP_FACTOR
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
@@ -317,11 +318,17 @@ class ScatterAllReduce(ExchangeAllReduce):
                                                              f"input it sent")
 
     def _reduce_chunk(self, inputs: list[tuple[str, list[torch.Tensor]]]) -> tuple[torch.Tensor, ChunkMean]:
-        """Our chunk's mean over the inputs we got (ours included), and what we say of it. A far input is clipped, not
-        penalised: only we see it, and a ban by one member alone would split the group's view of the round."""
+        """Our chunk's mean over the inputs we got (ours included), and what we say of it. An input far beyond τ is
+        an offence (`clipped`), as in the all-to-all: a member whose whole Δ is far sends every owner a far chunk,
+        so every honest member penalises it alike (one that aims at a few owners is banned by those only)."""
         members, rows = [p for p, _ in inputs], stack([x for _, x in inputs])
         hashes = [value_hash([row]) for row in rows]
         mean, radius, lengths = self._chunk_mean(rows)
+        apart = (rows - mean).norm(dim=1).tolist()
+        for peer, distance in zip(members, apart, strict=True):
+            if self.config.robust and peer != self.own_id and radius > 0 and distance > HARD_CLIP_FACTOR * radius:
+                self.reputation.penalise(peer, "clipped", f"its chunk of our span is {distance:.3g} from the chunk's "
+                                                          f"robust mean (τ {radius:.3g})")
         return mean, ChunkMean(radius, tuple(members), tuple(lengths), tuple(hashes))
 
     def _chunk_mean(self, rows: torch.Tensor) -> tuple[torch.Tensor, float, list[float]]:
