@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
+from swarm_utils import run_swarm, shutdown, start_p2ps, tiny_config
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths import chunk_check
@@ -298,9 +298,7 @@ def test_members_whose_views_of_the_group_differ_fall_back_together_and_stay_in_
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_diloco_swarm_on_the_scatter_transport_trains_in_step():
     config_ = tiny_config("scatter-diloco-swarm", run={"rounds": 6}, sync={"allreduce_transport": "scatter"})
-    first = start_peer(config_)
-    members = [first] + [start_peer(config_, first.maddrs) for _ in range(3)]
-    threads, histories = run_peers(members)
+    threads, histories = run_swarm(config_, peers=4)
     final = [t.params_after_round[5] for t in threads]
     for history in histories:
         print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history],
@@ -316,13 +314,11 @@ def test_a_diloco_swarm_on_the_scatter_transport_trains_in_step():
 def test_a_factored_swarm_mixes_its_outer_gradients_by_reduce_scatter_in_groups_of_three():
     config_ = tiny_config("scatter-factored-swarm", run={"rounds": 5},
                           sync={"mode": "factored", "allreduce_transport": "scatter", "mix2_group_size": 3})
-    first = start_peer(config_)
-    members = [first] + [start_peer(config_, first.maddrs) for _ in range(2)]
-    threads, histories = run_peers(members)
+    threads, histories = run_swarm(config_, peers=3)
     for history in histories:
         print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history])
         assert history[-1].val_loss < history[0].val_loss - 0.5
     # Mix2's group of three: every member reduces one chunk (a scatter of 2 or 1 would not show it)
-    mix2 = [member.sync.mix2.averager.exchange for member in members]  # type: ignore[attr-defined]
+    mix2 = [t.peer.sync.mix2.averager.exchange for t in threads]  # type: ignore[attr-defined]
     assert all(isinstance(t, ScatterAllReduce) and t.previous is not None and len(t.previous.hashes) == 3
                for t in mix2), [None if t.previous is None else len(t.previous.hashes) for t in mix2]
