@@ -17,6 +17,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.maths.inner import PRECISIONS
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES
 from p2ptrain.net.dht import ADMISSION_MODES
+from p2ptrain.net.log_noise import quiet_connection_errors
 from p2ptrain.sync.config import SYNC_MODES
 from p2ptrain.testnet.loopback import LOG_LEVELS
 
@@ -96,6 +97,7 @@ def cli(log_level: str) -> None:
                         stream=sys.stderr)
     for noisy in ("hivemind", "transformers", "datasets", "httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    quiet_connection_errors()  # a partner resetting a stream is a warning line, not a traceback
 
 
 @cli.command()
