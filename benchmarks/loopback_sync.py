@@ -2,14 +2,14 @@
 per outer-sync setup, with every peer in this process on 127.0.0.1.
 
 Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the production round loop):
-  diloco-exchange  sync.mode diloco, sync.allreduce_transport exchange (sync/exchange_allreduce.py, every member swaps
-                   Δ with every other and takes their CenteredClip mean; the default below 3 members)
+  diloco-exchange  sync.mode diloco, sync.allreduce_transport exchange (the default: sync/exchange_allreduce.py, every
+                   member swaps Δ with every other and takes their CenteredClip mean)
   diloco-hivemind  sync.mode diloco, sync.allreduce_transport hivemind (net/allreduce.py: hivemind's butterfly
                    averager; its group forms once the round's live peers have joined, waiting out
                    sync.matchmaking_s, 3 s by default, only for peers that do not come; it trusts each member with
                    a span of the mean: not robust to a hostile member)
-  diloco-scatter   sync.allreduce_transport scatter (the default from 3 members: sync/scatter_allreduce.py, each
-                   member reduces one chunk for all with CenteredClip, and every member checks the means it gets back)
+  diloco-scatter   sync.allreduce_transport scatter (sync/scatter_allreduce.py: each member reduces one chunk for
+                   all with CenteredClip, and every member checks the means it gets back)
   diloco-overlap   diloco-exchange with `sync.overlap: delayed` (DiLoCoX's one-step delay): a round's all-reduce runs
                    behind the next inner phase, and its mean is applied one round late
   diloco-scatter-overlap  diloco-scatter with `sync.overlap: delayed`

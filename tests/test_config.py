@@ -204,14 +204,6 @@ def test_the_exchange_all_reduce_takes_the_sparse_codecs(mode: str) -> None:
         "exchange", "sparse", 0.02, 3)
 
 
-@pytest.mark.parametrize("codec, transport", [("none", "scatter"), ("fp16", "scatter"), ("topk", "exchange"),
-                                              ("sparse", "exchange")])
-def test_the_default_all_reduce_is_the_reduce_scatter_unless_the_codec_is_sparse(codec: str, transport: str) -> None:
-    assert build_config({"sync": {"grad_codec": codec}}).sync.allreduce_transport == transport
-    assert build_config({"sync": {"grad_codec": codec, "allreduce_transport": "exchange"}}).sync.allreduce_transport \
-        == "exchange"
-
-
 def test_mix2_defaults_keep_the_all_reduce() -> None:
     sync = build_config().sync
     assert (sync.mix2_transport, sync.grad_codec, sync.topk_density, sync.error_feedback_decay) == (

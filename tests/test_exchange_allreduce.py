@@ -300,7 +300,7 @@ def test_a_member_sending_members_different_values_costs_one_round_and_is_left_o
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
-    config_ = tiny_config("equivocation-swarm", run={"rounds": 6}, sync={"allreduce_transport": "exchange"})
+    config_ = tiny_config("equivocation-swarm", run={"rounds": 6})
     first = start_peer(config_)
     members = [first] + [start_peer(config_, first.maddrs) for _ in range(3)]
     equivocate(members[-1].sync.averager.exchange)  # type: ignore[attr-defined]

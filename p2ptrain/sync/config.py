@@ -14,7 +14,7 @@ PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk", "sparse")
 SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error feedback
 MIX2_TRANSPORTS = ("allreduce", "gossip")
-ALLREDUCE_TRANSPORTS = ("auto", "scatter", "exchange", "hivemind")
+ALLREDUCE_TRANSPORTS = ("exchange", "scatter", "hivemind")
 SCATTER_GRAD_CODECS = ("none", "fp16")  # a scatter owner's mean of sparse chunks is dense: it would not shrink
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
@@ -33,11 +33,11 @@ class SyncConfig:
     mode: str = "diloco"  # diloco | gasloc | factored
     # diloco, and factored's Mix2: an all-reduce among the peers of the round
     matchmaking_s: float = 3.0  # how long a peer waits at most for the others of its round (late ones: left out)
-    # scatter: each member reduces one chunk for all, whose means every member checks (2·S·(n−1)/n bytes; a failed
-    # check falls back to exchange in the same round); exchange: every member swaps Δ with every other and takes
-    # their CenteredClip mean (robust, attributable; (n−1)·S bytes each); hivemind: its butterfly averager
-    # (2·S·(n−1)/n bytes, but any member sets the mean); auto: scatter, or exchange with a sparse grad_codec
-    allreduce_transport: str = "auto"
+    # exchange: every member swaps Δ with every other and takes their CenteredClip mean (robust, attributable;
+    # (n−1)·S bytes each); scatter: each member reduces one chunk for all, whose means every member checks
+    # (2·S·(n−1)/n bytes; a failed check falls back to exchange in the same round); hivemind: its butterfly
+    # averager (2·S·(n−1)/n bytes, but any member sets the mean)
+    allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
     # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late);
     # gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull applied then)
@@ -81,9 +81,6 @@ class SyncConfig:
     join_gossip_max_distance: float = 0.5  # gossip modes: refuse a state farther than this × ‖θ‖ from most peers'
 
     def __post_init__(self) -> None:
-        if self.allreduce_transport == "auto":  # resolved here, so the config a peer logs names the one it runs
-            transport = "exchange" if self.grad_codec in SPARSE_GRAD_CODECS else "scatter"
-            object.__setattr__(self, "allreduce_transport", transport)
         choices = (("mode", SYNC_MODES), ("overlap", OVERLAP_MODES), ("param_codec", PARAM_CODECS),
                    ("grad_codec", GRAD_CODECS), ("mix2_transport", MIX2_TRANSPORTS),
                    ("allreduce_transport", ALLREDUCE_TRANSPORTS))
