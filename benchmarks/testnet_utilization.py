@@ -10,7 +10,9 @@ same run; validation loss at equal wall clock <= DiLoCo's.
     sudo python benchmarks/testnet_utilization.py [--peers 6] [--budget-s 150] [--fast-mbit 20]
 
 The 2 CPU cores of a CI machine carry all peers at once (one torch thread each), so compute time is shared
-between peers: utilisation is about waiting on the network, not about CPU speed.
+between peers: a step takes longer the more peers compute at once, and a row whose peers wait less reads a higher
+utilisation partly because its steps stretch. Inner steps completed per peer in the budget is the steadier figure
+of throughput; the table gives both, and each row's median inner phase.
 """
 
 from __future__ import annotations
@@ -26,15 +28,25 @@ from typing import Any
 
 import yaml
 
-from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.step_timing import step_seconds  # noqa: E402
+from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("diloco", "gasloc", "factored")
 # rows beyond the issue's three, by name: the sync section they run with
 VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"},
             "factored-overlap": {"mode": "factored", "overlap": "delayed"},  # Mix2 during the next inner phase
+            "factored-eager": {"mode": "factored", "overlap": "eager"},  # that, and its own Δ applied at once
             "diloco-overlap": {"mode": "diloco", "overlap": "delayed"},
             "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"}}  # its exchanges during the next inner phase
+
+
+MODEL = {"name": "tiny", "max_seq_len": 64}
+DATA = {"seq_len": 64, "batch_size": 8, "max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2}
+H_RANGE = (10, 2000)  # the H that --phase-s may choose
 
 
 def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_steps: int) -> dict[str, Any]:
@@ -46,9 +58,8 @@ def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_ste
         "bandwidth": rates,
         "duration_s": budget_s,
         "peer_config": {
-            "model": {"name": "tiny", "max_seq_len": 64},
-            "data": {"seq_len": 64, "batch_size": 8, "max_corpus_bytes": 2_000_000, "num_shards": 8,
-                     "val_batches": 2},
+            "model": MODEL,
+            "data": DATA,
             "inner": {"steps": inner_steps, "min_steps": max(1, inner_steps // 20)},
             "sync": sync,
             "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
@@ -57,11 +68,18 @@ def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_ste
     }
 
 
+def inner_steps_for(phase_s: float, step_s: float) -> int:
+    """The H whose inner phase lasts about `phase_s` at `step_s` seconds a step, within H_RANGE."""
+    return min(max(round(phase_s / step_s), H_RANGE[0]), H_RANGE[1])
+
+
 def peer_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Utilisation = compute seconds / wall seconds from the start of its first round to the end of its last."""
     wall_s = rows[-1]["time"] - (rows[0]["time"] - rows[0]["round_s"])
     return {"utilisation": sum(r["compute_s"] for r in rows) / max(wall_s, 1e-9),
             "val_loss": rows[-1]["val_loss"], "rounds": len(rows),
+            "phase_s": sum(r["compute_s"] for r in rows) / len(rows),
+            "inner_steps": sum(r["inner_steps"] for r in rows),
             "bytes_sent": float(sum(r["bytes_sent"] for r in rows))}
 
 
@@ -75,6 +93,8 @@ def summarise(mode: str, report: dict[str, Any], straggler: str) -> dict[str, An
         "straggler_utilisation": figures.get(straggler, {}).get("utilisation", float("nan")),
         "mean_val_loss": statistics.fmean(f["val_loss"] for f in figures.values()),
         "mean_rounds": statistics.fmean(f["rounds"] for f in figures.values()),
+        "median_phase_s": statistics.median(f["phase_s"] for f in figures.values()),
+        "mean_inner_steps": statistics.fmean(f["inner_steps"] for f in figures.values()),
         "bytes_sent_per_peer": statistics.fmean(f["bytes_sent"] for f in figures.values()),
         "peers": figures,
     }
@@ -94,11 +114,13 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
 def table(rows: list[dict[str, Any]]) -> str:
     diloco = next((r for r in rows if r["mode"] == "diloco"), None)
     lines = ["| algorithm | median utilisation | ÷ DiLoCo | straggler utilisation | mean val loss | rounds (mean) "
-             "| MB sent per peer |", "|---|---|---|---|---|---|---|"]
+             "| inner steps ÷ DiLoCo | inner phase s (median) | MB sent per peer |", "|---" * 9 + "|"]
     for r in rows:
         ratio = r["median_utilisation"] / diloco["median_utilisation"] if diloco else float("nan")
+        steps = r["mean_inner_steps"] / diloco["mean_inner_steps"] if diloco else float("nan")
         lines.append(f"| {r['mode']} | {r['median_utilisation']:.3f} | {ratio:.2f}× | "
                      f"{r['straggler_utilisation']:.3f} | {r['mean_val_loss']:.4f} | {r['mean_rounds']:.1f} | "
+                     f"{steps:.2f}× | {r['median_phase_s']:.2f} | "
                      f"{r['bytes_sent_per_peer'] / 1e6:.2f} |")
     return "\n".join(lines)
 
@@ -109,19 +131,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=150.0, help="wall-clock budget per algorithm")
     parser.add_argument("--fast-mbit", type=float, default=20.0, help="rate of the fast links (straggler: 10 %%)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H of every peer (paced rows: at most H)")
+    parser.add_argument("--phase-s", type=float, default=None,
+                        help="instead of --inner-steps: the H whose inner phase lasts about this long on this machine, "
+                             "timed first with as many trainer processes at once as there are peers")
+    parser.add_argument("--keep", default=None, help="write the scenarios and reports here, and keep them")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + tuple(VARIANTS))}")
     args = parser.parse_args(argv)
     unknown = set(args.modes.split(",")) - set(MODES) - set(VARIANTS)
-    if unknown or args.inner_steps < 1:
-        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}" if unknown else "--inner-steps must be >= 1")
-    started = time.time()
+    if unknown or args.inner_steps < 1 or (args.phase_s is not None and args.phase_s <= 0):
+        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}" if unknown
+                     else "--inner-steps must be >= 1 and --phase-s > 0")
+    started, step_s = time.time(), None
+    if args.phase_s is not None:
+        step_s = step_seconds({"model": MODEL, "data": DATA}, trainers=args.peers)
+        args.inner_steps = inner_steps_for(args.phase_s, step_s)
+        print(f"{args.peers} trainers at once: {step_s * 1e3:.1f} ms a step; H = {args.inner_steps} "
+              f"for inner phases of about {args.phase_s:g} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="p2ptrain-util-") as tmp:
-        rows = [run_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
+        workdir = Path(args.keep or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        rows = [run_mode(mode, args, workdir) for mode in args.modes.split(",")]
     text = table(rows)
     print(text)
     RESULTS.mkdir(exist_ok=True)
     settings = {"command": " ".join(["python", *sys.argv]), "peers": args.peers, "budget_s": args.budget_s,
                 "inner_steps": args.inner_steps,
+                "phase_s": args.phase_s, "timed_step_s": step_s,
                 "fast_mbit": args.fast_mbit, "straggler_mbit": args.fast_mbit / 10, "wall_s": time.time() - started}
     (RESULTS / "testnet_utilization.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     (RESULTS / "testnet_utilization.md").write_text(

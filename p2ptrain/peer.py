@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.utils import get_dht_time
 
-from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.device import resolve_device
-from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
+from p2ptrain.errors import UserError
 from p2ptrain.join_rules import split_by_quorum
 from p2ptrain.joining import Joiner
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
@@ -44,10 +43,11 @@ from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import OUTER_PREFIX, StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
+from p2ptrain.peer_checkpoint import apply_sync_state, load_peer_checkpoint, save_peer_checkpoint
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import OuterSync, RoundContext, round_peers
-from p2ptrain.tensor_layout import check_tensors, layout_of
+from p2ptrain.tensor_layout import layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,11 @@ class TrainingPeer:
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
-        checkpoint = self._load_checkpoint() if resume else None
+        self._sync_view: tuple[float, SwarmView | None] = (-math.inf, None)  # (when read, the view) at the last sync
+        checkpoint = load_peer_checkpoint(self) if resume else None
         self._start_network(initial_peers)
         if checkpoint is not None:
-            self._apply_sync_state(checkpoint)
+            apply_sync_state(self, checkpoint)
         shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
             self.peer_id, config.data.num_shards)
         self.data = node_data(config, self.tokenizer, shard, self.node.world_size)
@@ -152,12 +153,23 @@ class TrainingPeer:
         self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
 
-    def _announce(self, **fields: object) -> None:
+    def _round_start_view(self) -> SwarmView:
+        """The swarm at a round's start: with overlap, the view read at the end of the round before if younger than
+        a heartbeat (the overlapped sync returned at once, and a second read would find the same records at the
+        cost of a wait before the inner phase); otherwise read now."""
+        read_at, view = self._sync_view
+        if view is not None and self.config.sync.overlap != "none" and \
+                time.monotonic() - read_at < self.config.network.heartbeat_s:
+            return view
+        return self.swarm()
+
+    def _announce(self, wait: bool = True, **fields: object) -> None:
         """Publish a change of round or phase: at once and waiting for the DHT where peers sync by all-reduce
-        (they must see who is in the round), in the background otherwise. The wait is bounded by the heartbeat: a
-        store waiting on a silent node must not hold the round."""
-        self.announcer.update(publish=not self.config.sync.needs_current_swarm, **fields)
-        if self.config.sync.needs_current_swarm:
+        (they must see who is in the round) and `wait`, in the background otherwise. The wait is bounded by the
+        heartbeat: a store waiting on a silent node must not hold the round."""
+        waits = wait and self.config.sync.needs_current_swarm
+        self.announcer.update(publish=not waits, **fields)
+        if waits:
             self.announcer.publish(BLOCKING_PUBLISH_HEARTBEATS * self.config.network.heartbeat_s)
 
     # ---- the round loop -------------------------------------------------------------------------------------
@@ -193,7 +205,7 @@ class TrainingPeer:
     def run_round(self, bar: ProgressBar) -> RoundMetrics | None:
         """One round; None when stopped mid-round (the parameters are put back at the round's anchor)."""
         started = time.monotonic()
-        view = self.swarm()
+        view = self._round_start_view()
         self.joined_this_round = self.joiner.catch_up_(view)
         round_ = self.round
         self._count_from(round_)
@@ -211,9 +223,12 @@ class TrainingPeer:
             self.outer.restore_anchor_()
             return None
         self._update_step_time(phase.compute_s / max(1, phase.steps))
-        self._announce(phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss)
+        # overlapped, the all-reduce expects the peers a round either side of ours: "sync" need not be seen at once
+        self._announce(wait=self.config.sync.overlap == "none", phase="sync", inner_step=phase.steps,
+                       train_loss=phase.mean_loss)
         sync_started = time.monotonic()
         sync_view = self.swarm()
+        self._sync_view = (time.monotonic(), sync_view)
         context = self._context(sync_view, inner_steps=phase.steps)
         result = self.sync.finish_round(context)
         comm_blocked_s = time.monotonic() - sync_started
@@ -336,49 +351,9 @@ class TrainingPeer:
         self.sync.load_state_tensors_(snapshot.tensors[count:])
         self.round = max(self.round, snapshot.round) if self.config.sync.rounds_count_own_steps else snapshot.round
 
-    # ---- checkpoints --------------------------------------------------------------------------------------------
+    # ---- checkpoints (peer_checkpoint.py) ----------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        model = {n: a for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)}
-        sync_state = {"mode": self.config.sync.mode,
-                      "tensors": [t.detach().cpu().clone() for _, t in self.sync.state_tensors()]}
-        path = save_checkpoint(self.config.run.checkpoint_dir, TrainingCheckpoint(
-            self.round, model, self.inner.state_dict(), sync_state, self.config.to_dict(), self.fingerprint))
-        logger.info(f"checkpoint written to {path}")
-
-    def _load_checkpoint(self) -> TrainingCheckpoint:
-        """Load and apply the model and inner state (before the network starts, so a bad file fails fast)."""
-        if not self.config.run.checkpoint_dir:
-            raise UserError("--resume needs a checkpoint directory (run.checkpoint_dir or --checkpoint-dir)")
-        checkpoint = load_checkpoint(self.config.run.checkpoint_dir)
-        if checkpoint.fingerprint != self.fingerprint:
-            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} is for another model "
-                                  f"(fingerprint {checkpoint.fingerprint}, this model {self.fingerprint})")
-        names = [n for n, _ in self.named_params]
-        if sorted(checkpoint.model) != sorted(names):
-            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} has other parameter names")
-        expected = layout_of(names, [p.detach().cpu() for p in self.params])
-        try:
-            check_tensors(expected, [checkpoint.model[n] for n in names], what="checkpoint")
-            self.outer.set_params_([checkpoint.model[n] for n in names])
-            self.inner.load_state_dict(checkpoint.inner)
-        except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
-        if checkpoint.sync_state.get("mode") != self.config.sync.mode:
-            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} was written with sync.mode "
-                                  f"{checkpoint.sync_state.get('mode')!r}, not {self.config.sync.mode!r}")
-        self.round, self.joined_ever = checkpoint.round, False
-        return checkpoint
-
-    def _apply_sync_state(self, checkpoint: TrainingCheckpoint) -> None:
-        expected = layout_of([n for n, _ in self.sync.state_tensors()],
-                             [t.detach().cpu() for _, t in self.sync.state_tensors()])
-        tensors = checkpoint.sync_state.get("tensors")
-        try:
-            check_tensors(expected, tensors if isinstance(tensors, list) else [], what="checkpoint outer state")
-        except StateMismatchError as e:
-            self.shutdown()
-            raise CheckpointError(f"checkpoint in {self.config.run.checkpoint_dir} does not fit: {e}") from None
-        self.sync.load_state_tensors_(tensors)  # type: ignore[arg-type]
+        save_peer_checkpoint(self)
 
     # ---- shutdown -----------------------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -40,8 +40,40 @@ def test_every_row_shares_the_swarm_and_the_paced_row_adapts(mode: str, adapt: b
 
 
 def test_utilisation_is_compute_over_the_peers_own_wall_clock() -> None:
-    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5},
-            {"time": 16.0, "round_s": 6.0, "compute_s": 3.0, "val_loss": 2.5, "bytes_sent": 5}]
+    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100},
+            {"time": 16.0, "round_s": 6.0, "compute_s": 3.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60}]
     figures = bench.peer_figures(rows)
     assert figures["utilisation"] == pytest.approx(6.0 / 10.0)  # wall from 10 − 4 = 6 s to 16 s
     assert figures["val_loss"] == 2.5 and figures["rounds"] == 2 and figures["bytes_sent"] == 10
+    assert figures["inner_steps"] == 160  # a phase cut short (aligned rounds) counts the steps it ran
+
+
+def test_a_peers_phase_is_its_mean_compute_per_round() -> None:
+    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100},
+            {"time": 16.0, "round_s": 6.0, "compute_s": 5.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60}]
+    assert bench.peer_figures(rows)["phase_s"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(("phase_s", "step_s", "steps"), [(10.0, 0.0365, 274), (1.0, 0.5, 10), (1e4, 0.001, 2000)])
+def test_phase_s_picks_the_h_of_that_phase_within_bounds(phase_s: float, step_s: float, steps: int) -> None:
+    assert bench.inner_steps_for(phase_s, step_s) == steps
+
+
+def test_step_timing_measures_trainers_at_once_and_reports_a_failed_one() -> None:
+    from benchmarks.step_timing import step_seconds
+
+    config = {"model": bench.MODEL, "data": bench.DATA}
+    seconds = step_seconds(config, trainers=2, steps=2, timeout_s=120)
+    assert 0 < seconds < 10
+    with pytest.raises(RuntimeError, match="trainer process failed"):  # an unknown model: the child dies at once
+        step_seconds({**config, "model": {"name": "no-such-model"}}, trainers=1, steps=1, timeout_s=120)
+
+
+def test_the_table_gives_each_row_against_diloco_in_utilisation_and_in_steps() -> None:
+    def row(mode: str, utilisation: float, steps: float) -> dict[str, object]:
+        return {"mode": mode, "median_utilisation": utilisation, "straggler_utilisation": 0.1, "mean_val_loss": 2.0,
+                "mean_rounds": 3.0, "mean_inner_steps": steps, "median_phase_s": 2.0, "bytes_sent_per_peer": 1e6}
+
+    lines = bench.table([row("diloco", 0.4, 800), row("factored-overlap", 0.6, 1200)]).splitlines()
+    assert lines[2].startswith("| diloco | 0.400 | 1.00× |") and "| 1.00× |" in lines[2]
+    assert lines[3].startswith("| factored-overlap | 0.600 | 1.50× |") and "| 1.50× | 2.00 |" in lines[3]

@@ -7,6 +7,7 @@ the liar is banned."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import types
 from typing import Any
@@ -17,7 +18,7 @@ from swarm_utils import run_swarm, shutdown, start_p2ps, tiny_config
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths import chunk_check
-from p2ptrain.maths.centered_clip import centered_clip_rows_
+from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.net.exchange import serve_exchanges
 from p2ptrain.sync.config import SyncConfig
@@ -184,9 +185,10 @@ def lie_about_the_mean(transport: ScatterAllReduce) -> None:
     """Make `transport`, as an owner, return its chunk's mean moved by 3 × its radius."""
     plain = transport._chunk_mean
 
-    def chunk_mean(self: ScatterAllReduce, rows: torch.Tensor) -> tuple[torch.Tensor, float, list[float]]:
-        mean, radius, lengths = plain(rows)
-        return mean + 3 * radius / math.sqrt(mean.numel()), radius, lengths
+    def chunk_mean(self: ScatterAllReduce, rows: torch.Tensor) -> RobustMean:
+        honest = plain(rows)
+        moved = honest.mean[0] + 3 * honest.radius / math.sqrt(honest.mean[0].numel())
+        return dataclasses.replace(honest, mean=[moved])
 
     transport._chunk_mean = types.MethodType(chunk_mean, transport)  # type: ignore[method-assign]
 

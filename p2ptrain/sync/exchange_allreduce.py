@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import random
@@ -204,16 +205,10 @@ class ExchangeAllReduce(GradGossip):
                           self.feedback.codec.name, set(group))
         rnd.state = state
         rnd = await self._stage(rnd, patience_s, stats)
-        out_of_step, cheats = self._judge_previous(rnd) if judge else (False, [])
-        for peer in cheats:  # every member sees the same honest reports, so every member leaves the same ones out
-            rnd.received.pop(peer, None)
+        out_of_step = self._judged(rnd)[0] if judge else False
         inputs = rnd.inputs()
-
-        shown = {peer: rnd.states[peer] for peer, _ in inputs if peer in rnd.states}
-
-        def result(delta: list[torch.Tensor], size: int, **extra: Any) -> AveragingResult:
-            return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
-                                   in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
+        result = functools.partial(self._result, stats=stats, started=started, state=state,
+                                   shown={peer: rnd.states[peer] for peer, _ in inputs if peer in rnd.states})
 
         def kept() -> AveragingResult:  # the anchor stays: nothing to apply (made only then: a Δ's worth of zeros)
             return result([torch.zeros_like(o) for o in own], len(inputs), discarded=True)
@@ -239,6 +234,21 @@ class ExchangeAllReduce(GradGossip):
         # round split two and two apart from all the others, netns testnet), and the next round's states show
         # whether we are behind (sync/state_evidence.py)
         return kept()
+
+    def _result(self, delta: list[torch.Tensor], size: int, *, stats: RoundSync, started: float,
+                state: list[float] | None, shown: dict[str, list[float]], **extra: Any) -> AveragingResult:
+        """A round's outcome: what to apply, the group's size, its cost, and whether our anchor is in step with the
+        members' anchors they showed (`shown`; DiLoCo's peers only)."""
+        return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
+                               in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
+
+    def _judged(self, rnd: GatherRound) -> tuple[bool, list[str]]:
+        """`_judge_previous`, and the inputs of the members it found cheating left out: every member sees the same
+        honest reports, so every member leaves the same ones out."""
+        out_of_step, cheats = self._judge_previous(rnd)
+        for peer in cheats:
+            rnd.received.pop(peer, None)
+        return out_of_step, cheats
 
     def undo_commit_(self) -> None:
         """Put the error-feedback residual back as it was before the latest round's commit (if that round has one)."""

@@ -43,9 +43,9 @@ def offered_hold_s(header: dict[str, Any], own_cap_s: float) -> float:
 class RoundGate:
     """The stage this peer has reached, and the offers waiting for a later one."""
 
-    def __init__(self, max_stages_ahead: int = MAX_STAGES_AHEAD) -> None:
+    def __init__(self) -> None:
         self.round: int | None = None  # None until the first stage begins
-        self.max_stages_ahead = max_stages_ahead
+        self.max_stages_ahead = MAX_STAGES_AHEAD  # the reduce-scatter holds its round's stages (ScatterAllReduce)
         self._advanced = asyncio.Event()  # set (and replaced) each time `round` changes
         self.closed = False  # shutting down: nothing is held any more
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -44,16 +45,14 @@ import blake3
 import torch
 
 from p2ptrain.maths import chunk_check
-from p2ptrain.maths.centered_clip import centered_clip_rows_, stack
+from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all
-from p2ptrain.maths.robust import HARD_CLIP_FACTOR
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
 from p2ptrain.sync.exchange_allreduce import RELAY_FAILED, ExchangeAllReduce, GatherRound
 from p2ptrain.sync.grad_gossip import Mix2Round
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.state_evidence import state_in_step
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -211,15 +210,9 @@ class ScatterAllReduce(ExchangeAllReduce):
                          set(group))
         rnd.state = state
         rnd = await self._stage(rnd, patience_s, stats)
-        out_of_step, cheats = self._judge_previous(rnd)
-        for peer in cheats:
-            rnd.received.pop(peer, None)
-        shown = {peer: rnd.states[peer] for peer in [self.own_id, *rnd.done] if peer in rnd.states}
-
-        def result(delta: list[torch.Tensor], size: int, **extra: Any) -> AveragingResult:
-            return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
-                                   in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
-
+        out_of_step, cheats = self._judged(rnd)
+        result = functools.partial(self._result, stats=stats, started=started, state=state,
+                                   shown={peer: rnd.states[peer] for peer in rnd.done if peer in rnd.states})
         if out_of_step:
             self.previous = None
             return result([torch.zeros_like(o) for o in own], len(group), discarded=True)
@@ -323,23 +316,22 @@ class ScatterAllReduce(ExchangeAllReduce):
         so every honest member penalises it alike (one that aims at a few owners is banned by those only)."""
         members, rows = [p for p, _ in inputs], stack([x for _, x in inputs])
         hashes = [value_hash([row]) for row in rows]
-        mean, radius, lengths = self._chunk_mean(rows)
-        apart = (rows - mean).norm(dim=1).tolist()
-        for peer, distance in zip(members, apart, strict=True):
-            if self.config.robust and peer != self.own_id and radius > 0 and distance > HARD_CLIP_FACTOR * radius:
-                self.reputation.penalise(peer, "clipped", f"its chunk of our span is {distance:.3g} from the chunk's "
-                                                          f"robust mean (τ {radius:.3g})")
-        return mean, ChunkMean(radius, tuple(members), tuple(lengths), tuple(hashes))
+        result = self._chunk_mean(rows)
+        for j in result.far_inputs() if self.config.robust else []:
+            if members[j] != self.own_id:
+                self.reputation.penalise(members[j], "clipped", f"its chunk of our span is {result.distances[j]:.3g} "
+                                                                f"from the chunk's robust mean (τ {result.radius:.3g})")
+        return result.mean[0], ChunkMean(result.radius, tuple(members), tuple(result.lengths), tuple(hashes))
 
-    def _chunk_mean(self, rows: torch.Tensor) -> tuple[torch.Tensor, float, list[float]]:
-        """(mean, τ, input lengths) of the rows: CenteredClip run until it stops moving; without `sync.robust` the
-        plain mean, with τ the farthest input's distance (nothing clipped, the residuals still sum to zero)."""
+    def _chunk_mean(self, rows: torch.Tensor) -> RobustMean:
+        """The rows' CenteredClip, run until it stops moving; without `sync.robust` the plain mean, with τ the
+        farthest input's distance (nothing clipped, the residuals still sum to zero)."""
         if not self.config.robust:
             mean = rows.sum(dim=0).div_(len(rows))
-            return mean, max((rows - mean).norm(dim=1).tolist()), rows.norm(dim=1).tolist()
-        result = centered_clip_rows_(rows.clone(), [rows[0]], self.config.clip_multiplier,
-                                     chunk_check.MAX_ITERATIONS, chunk_check.CONVERGED)
-        return result.mean[0], result.radius, result.lengths
+            distances = (rows - mean).norm(dim=1).tolist()
+            return RobustMean([mean], max(distances), distances, rows.norm(dim=1).tolist())
+        return centered_clip_rows_(rows.clone(), [rows[0]], self.config.clip_multiplier, chunk_check.MAX_ITERATIONS,
+                                   chunk_check.CONVERGED)
 
     async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
         outcome = await super()._exchange_with(rnd, partner, stats)
@@ -362,15 +354,16 @@ class ScatterAllReduce(ExchangeAllReduce):
         agreeing = {m for m, d in sketches.confirmed.items() if d == view.digest}
         for owner in view.owners:
             summary = view.summaries[owner]
-            held = [m for m in summary.members if m in chunks and view.entry(owner, m) is not None
-                    and value_hash([chunks[m][owner]]) == view.entry(owner, m)[1]]  # type: ignore[index]
+            held = [m for m in summary.members
+                    if m in chunks and (entry := view.entry(owner, m)) is not None
+                    and value_hash([chunks[m][owner]]) == entry[1]]
             for member in held:
                 claim = sketches.theirs.get(member, {}).get(owner) if member in agreeing else None
                 if claim is not None:
                     self._check_claim(view, owner, member, claim, chunks[member][owner])
             if owner == self.own_id or owner in self._liars or len(held) < len(summary.members):
                 continue  # a member's input we cannot tell from the owner's word: no judgement of the owner
-            mean, _, _ = self._chunk_mean(torch.stack([chunks[m][owner] for m in held]))
+            mean = self._chunk_mean(torch.stack([chunks[m][owner] for m in held])).mean[0]
             gap = float((mean - view.means[owner]).norm())
             if gap > AUDIT_TOLERANCE * chunk_check.scale(summary.radius, summary.lengths):
                 self._liars.add(owner)
