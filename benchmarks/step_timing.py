@@ -2,10 +2,13 @@
 
 That is how the netns testnet's peers run, so a benchmark can size H to give an inner phase of a chosen length on
 whatever machine it runs on, instead of a fixed H whose phase is 3 times longer on a slow morning than on a fast one.
+
+    python benchmarks/step_timing.py [--trainers 6] [--steps 20] [--model tiny]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import select
 import statistics
@@ -18,6 +21,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from p2ptrain.config import build_config  # noqa: E402
+from p2ptrain.errors import UserError  # noqa: E402
 
 WARMUP_STEPS = 3
 READY = "ready"  # a child's first line: its model is built and warm
@@ -81,3 +87,30 @@ def _line(child: subprocess.Popen, deadline: float) -> str:
     if not line:
         raise RuntimeError(f"step timing: a trainer process failed (exit code {child.wait()})")
     return line.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Seconds per inner step with several trainer processes at once "
+                                                 "(one torch thread each), as the netns testnet's peers train")
+    parser.add_argument("--trainers", type=int, default=6, help="processes training at once")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per process (after a warm-up)")
+    parser.add_argument("--model", default="tiny", help="a model preset")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+    if min(args.trainers, args.steps, args.seq_len, args.batch_size) < 1:
+        parser.error("--trainers, --steps, --seq-len and --batch-size must be >= 1")
+    config = {"model": {"name": args.model, "max_seq_len": args.seq_len},
+              "data": {"seq_len": args.seq_len, "batch_size": args.batch_size, "max_corpus_bytes": 2_000_000}}
+    try:
+        build_config(config)  # a bad value is one line here, not a child's traceback
+        seconds = step_seconds(config, args.trainers, args.steps)
+    except (UserError, RuntimeError, TimeoutError) as e:
+        print(f"step_timing: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.trainers} trainers at once: {seconds * 1e3:.1f} ms a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
