@@ -40,8 +40,11 @@ MODES = ("diloco", "gasloc", "factored")
 VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param_codec": "adaptive"},
             "factored-overlap": {"mode": "factored", "overlap": "delayed"},  # Mix2 during the next inner phase
             "factored-eager": {"mode": "factored", "overlap": "eager"},  # that, and its own Δ applied at once
+            "factored-local": {"mode": "factored", "overlap": "local"},  # all its own Δ at once, the mean a round late
+            "factored-local-gossip": {"mode": "factored", "overlap": "local", "mix2_transport": "gossip"},
             "diloco-overlap": {"mode": "diloco", "overlap": "delayed"},
-            "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"}}  # its exchanges during the next inner phase
+            "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"},  # its exchanges during the next inner phase
+            "diloco-g0": {"mode": "diloco", "outer": {"momentum": 0.0}}}  # DiLoCo without outer momentum
 
 
 MODEL = {"name": "tiny", "max_seq_len": 64}
@@ -50,7 +53,8 @@ H_RANGE = (10, 2000)  # the H that --phase-s may choose
 
 
 def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_steps: int) -> dict[str, Any]:
-    sync = dict(VARIANTS.get(mode, {"mode": mode}), matchmaking_s=2.0)
+    variant = VARIANTS.get(mode, {"mode": mode})
+    sync = {key: value for key, value in variant.items() if key != "outer"} | {"matchmaking_s": 2.0}
     rates = [f"{fast_mbit:g}mbit"] * (peers - 1) + [f"{fast_mbit / 10:g}mbit"]
     return {
         "description": f"utilisation benchmark: {mode}, one straggler at 10 %",
@@ -63,7 +67,7 @@ def scenario(mode: str, peers: int, fast_mbit: float, budget_s: float, inner_ste
             "inner": {"steps": inner_steps, "min_steps": max(1, inner_steps // 20)},
             "sync": sync,
             "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
-        },
+        } | ({"outer": variant["outer"]} if "outer" in variant else {}),
         "checks": {"loss_fell": True},
     }
 

@@ -3,6 +3,7 @@ whom to ask for a state, and how to judge the state and the witnesses' answers a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import random
@@ -10,7 +11,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from p2ptrain.net.discovery import PeerRecord
-from p2ptrain.net.state_sharing import Sketch
+from p2ptrain.net.state_sharing import MalformedSketch, Sketch
 
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
@@ -212,3 +213,11 @@ def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float)
                            offence=offence)
     swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"
     return Verdict(True, f"validation loss {loss:.3f}, ours {own:.3f}{swarm}")
+
+
+def witness_offence(error: BaseException) -> str | None:
+    """What a witness's failed sketch answer costs it: a garbled one is "malformed", a stalled one a "timeout", a
+    refusal (a rate limit, or a ban on us) or a lost connection nothing."""
+    if isinstance(error, MalformedSketch):
+        return "malformed"
+    return "timeout" if isinstance(error, (TimeoutError, asyncio.TimeoutError)) else None

@@ -53,11 +53,11 @@ from p2ptrain.join_rules import (
     outvoted_state,
     own_loss_bound,
     snapshot_rounds,
+    witness_offence,
 )
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.state_sharing import (
     OUTER_PREFIX,
-    MalformedSketch,
     Sketch,
     SnapshotExpectation,
     SnapshotRefused,
@@ -92,6 +92,9 @@ JOIN_RETRY_ROUNDS = 1
 LATE_WITNESS_FACTOR = 4.0
 LATE_WITNESS_MIN_S = 2.0
 RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
+# after a try longer than this, the next donor comes from a fresh read: a slow link's download outlasts rounds (a
+# 2 Mbit/s joiner on the netns testnet refused 4 donors in a row from one list, "of round 4 .. 15, expected 0..1")
+DONOR_LIST_STALE_S = 5.0
 
 
 @contextlib.contextmanager
@@ -172,14 +175,14 @@ class Joiner:
             logger.warning(f"round {peer.round} is more than {self.config.join_max_round_lead} ahead of most of "
                            f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
-        for donor in choice.donors:
-            snapshot = self._download(donor, choice)
+        for donor, drawn_from in self._donors(choice):
+            snapshot = self._download(donor, drawn_from)
             if snapshot is None:
                 continue
             if not fresh and snapshot.round < peer.round:  # a donor that did not move on (done, or stuck)
                 logger.info(f"the state of {donor.peer_id} is of round {snapshot.round}, before ours: not taken")
                 continue
-            verdict = self._corroborate(snapshot, donor, choice, own_loss)
+            verdict = self._corroborate(snapshot, donor, drawn_from, own_loss)
             if not verdict.accepted:
                 logger.warning(f"refused the state of {donor.peer_id}: {verdict.detail}")
                 if verdict.offence is not None:
@@ -195,6 +198,19 @@ class Joiner:
                            f"{self._retry_later() if fresh and not self.config.aligned_rounds else ''}")
         peer.joined_ever = peer.joined_ever or bool(view.others)
         return False
+
+    def _donors(self, choice: DonorChoice) -> Iterator[tuple[PeerRecord, DonorChoice]]:
+        """Each donor once, best first, with its choice: after a try over DONOR_LIST_STALE_S, from a fresh read."""
+        tried: set[str] = set()
+        read_at = time.monotonic()
+        while True:
+            donor = next((d for d in choice.donors if d.peer_id not in tried), None)
+            if donor is None:
+                return
+            tried.add(donor.peer_id)
+            yield donor, choice
+            if time.monotonic() - read_at > DONOR_LIST_STALE_S:
+                choice, read_at = self._unless_too_soon(self.choose(self.peer.swarm())), time.monotonic()
 
     def _retry_later(self) -> str:
         """Schedule a fresh peer's next try (JOIN_RETRIES, backing off); what the log line says of it."""
@@ -296,7 +312,7 @@ class Joiner:
                   and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
         witnesses = choose_witnesses(self.peer.routes.best_first(others), donor.peer_id, snapshot.round, WITNESSES,
                                      self.rng)
-        tight = self.config.aligned_rounds and self.config.overlap != "eager" and donor.synced
+        tight = self.config.aligned_rounds and not self.config.own_delta_first and donor.synced
         candidate, answers = snapshot.sketch(seed), self._ask(witnesses, seed)
         sketches = judge_sketches(candidate, answers, tight, ALIGNED_MAX_DISTANCE, self.config.join_gossip_max_distance)
         if sketches.accepted:
@@ -382,10 +398,3 @@ async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: flo
             answers.append(error if error is not None else task.result())
     return answers
 
-
-def witness_offence(error: BaseException) -> str | None:
-    """What a witness's failed sketch answer costs it: a garbled one is "malformed", a stalled one a "timeout", a
-    refusal (a rate limit, or a ban on us) or a lost connection nothing."""
-    if isinstance(error, MalformedSketch):
-        return "malformed"
-    return "timeout" if isinstance(error, (TimeoutError, asyncio.TimeoutError)) else None

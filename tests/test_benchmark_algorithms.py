@@ -89,6 +89,20 @@ def _assert_ratio(measured: float, raw_bytes: float, copies: float, numels: list
     assert copies * raw_bytes / model <= measured <= copies * (raw_bytes + PROTO_OVERHEAD_BYTES * len(numels)) / model
 
 
+def test_local_overlap_rows_keep_the_swarm_mean_on_diloco_and_lose_no_round() -> None:
+    """After one round a `local` peer holds θ_0 − η Δ_i (its own Δ, at once: no round lost to the delay), so the
+    swarm's mean is DiLoCo's step without momentum; with Mix2 (factored-local) the mean is the same, since Mix1 and
+    Mix2 both keep it."""
+    bench = build_bench(Settings(**{**QUICK, "rounds": 1}))
+    steps, rounds = [3] * 4, [1] * 4
+    diloco = train_row(Algorithm("diloco-g0", "diloco", momentum=0.0), bench, steps, rounds)
+    for name in ("diloco-local", "factored-local"):
+        local = train_row(ROW[name], bench, steps, rounds)
+        assert consensus_distance(local[0].theta, local[1].theta) > 1e-4  # each holds its own Δ
+        mean = [sum(group) / len(local) for group in zip(*(p.theta for p in local), strict=True)]
+        assert consensus_distance(mean, diloco[0].theta) <= 1e-6, name
+
+
 def test_choco_with_an_exact_codec_is_gasloc_on_its_overlay() -> None:
     """With codec none the public estimates are the proposals themselves, so a CHOCO round with γ_c = 1 is GASLoC's
     mix of y with the ring's Metropolis weights (1/3): the same parameters, to float rounding."""

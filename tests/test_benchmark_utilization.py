@@ -39,6 +39,17 @@ def test_every_row_shares_the_swarm_and_the_paced_row_adapts(mode: str, adapt: b
     assert config.inner.steps == 100 and config.inner.min_steps == 5
 
 
+@pytest.mark.parametrize(("mode", "overlap", "momentum"), [
+    ("factored-local", "local", 0.0), ("diloco-g0", "none", 0.0), ("diloco", "none", 0.9)])
+def test_a_row_runs_its_own_overlap_and_outer_momentum(mode: str, overlap: str, momentum: float) -> None:
+    """Every row is a valid peer config; a row that sets the outer optimizer (DiLoCo without momentum) gets it."""
+    config = build_config(bench.scenario(mode, peers=6, fast_mbit=20.0, budget_s=100.0, inner_steps=100)
+                          ["peer_config"])
+    assert config.sync.overlap == overlap
+    assert config.sync.outer_momentum(config.outer.momentum) == momentum
+    assert all(build_config(bench.scenario(m, 6, 20.0, 100.0, 100)["peer_config"]) for m in bench.VARIANTS)
+
+
 def test_utilisation_is_compute_over_the_peers_own_wall_clock() -> None:
     rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100},
             {"time": 16.0, "round_s": 6.0, "compute_s": 3.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60}]

@@ -31,6 +31,7 @@ from p2ptrain.sync.allreduce_agreement import (
     confirmation_verdict,
     equivocators,
     is_digest,
+    largest_group,
     outvoted,
     value_hash,
 )
@@ -59,9 +60,25 @@ def test_round_groups_are_the_same_for_every_viewer_and_cover_every_member():
     members = [f"peer-{i}" for i in range(10)]
     groups = round_groups(members, 7, 3, RUN)
     assert groups == round_groups(list(reversed(members)), 7, 3, RUN)  # order of the view does not matter
-    assert sorted(p for g in groups for p in g) == sorted(members) and [len(g) for g in groups] == [3, 3, 3, 1]
+    assert sorted(p for g in groups for p in g) == sorted(members) and len(groups) == 3  # round(10 / 3) groups
     assert round_groups(members, 8, 3, RUN) != groups  # a new draw each round
     assert round_groups(members, 7, None, RUN) == [sorted(members)]  # DiLoCo: one group
+    big = [f"peer-{i}" for i in range(80)]
+    assert [len(g) for g in round_groups(big, 7, None, RUN)] == [32, 32, 16]  # at most MAX_MEMBERS each
+    for round_ in range(50):  # drawn by hash, sizes vary: never beyond twice the size asked for
+        assert max(len(g) for g in round_groups(members, round_, 3, RUN)) <= largest_group(3) == 6
+
+
+@pytest.mark.parametrize("round_", range(20))
+def test_a_member_one_view_lacks_moves_nobody_elses_group(round_):
+    """Views of a round differ at its edges (a peer whose record one member read and another did not): every other
+    member must still land in the same group in both views, or both ends refuse each other's offer ("not in this
+    peer's group") and average alone."""
+    members = [f"peer-{i}" for i in range(6)]
+    full = round_groups(members, round_, 3, RUN)
+    for missing in members:
+        partial = round_groups([m for m in members if m != missing], round_, 3, RUN)
+        assert [[m for m in g if m != missing] for g in full if g != [missing]] == partial
 
 
 def test_a_reduction_digest_depends_on_every_member_and_value_and_parses_back():

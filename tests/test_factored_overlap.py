@@ -70,7 +70,7 @@ def context(round_: int) -> RoundContext:
     return RoundContext(round_, 5, [], 0, 1.0, {})
 
 
-@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+@pytest.mark.parametrize("overlap", ["delayed", "eager", "local"])
 def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3))]
@@ -80,7 +80,7 @@ def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap)
     sync = FactoredSync(OuterOptimizer(params, OuterConfig(momentum=0.0)), LoneMixer(), mix2,  # type: ignore[arg-type]
                         types.SimpleNamespace(submit=done), config)  # type: ignore[arg-type]
     outer = OuterOptimizer(reference, OuterConfig(momentum=0.0))
-    rule = DelayedOuterGradient(eager=overlap == "eager")
+    rule = DelayedOuterGradient(eager=overlap != "delayed")
     previous_mix = None
     try:
         for r in range(3):
@@ -94,7 +94,7 @@ def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap)
             sync.finish_round(context(r))
             assert time.monotonic() - started < 0.8 * MIX2_S, "Mix2 blocked the round"
             delta = outer.outer_gradient()  # what the reference sees: apply the delayed rule by hand
-            applied = rule.outer_gradient_(delta, previous_mix, 0.5 if previous_mix is not None else 1.0)
+            applied = rule.outer_gradient_(delta, previous_mix, config.own_weight(2) if previous_mix else 1.0)
             previous_mix = [d / 2 for d in delta]
             if applied is None:
                 outer.restore_anchor_()
@@ -106,12 +106,63 @@ def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap)
     assert mix2.threads and all(name.startswith("mix2") for name in mix2.threads)
 
 
+class ExactMeanMix2:
+    """A two-peer swarm's Mix2: both peers' Δ meet at a barrier (in their Mix2 threads) and each gets their mean."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.deltas: dict[int, list[torch.Tensor]] = {}
+
+    def member(self, peer: int) -> types.SimpleNamespace:
+        def mix(delta: list[torch.Tensor], _context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+            self.deltas[peer] = delta
+            self.barrier.wait()
+            mean = [(a + b) / 2 for a, b in zip(self.deltas[0], self.deltas[1], strict=True)]
+            self.barrier.wait()  # both have read before the next round's deltas land
+            return mean, RoundSync(group_size=2)
+        return types.SimpleNamespace(mix=mix, state_tensors=list, load_state_tensors_=lambda tensors: None)
+
+
+def test_local_overlap_mix1_gossips_the_point_its_mix2_group_shares():
+    """With `sync.overlap: local` each peer holds θ = common point − η × its own unsettled Δ. Mix1 must gossip the
+    common point (which Mix2 keeps equal), not θ: averaging θ would half undo the own Δ that the Mix2 mean replaces
+    a round later. And the swarm's mean takes the exact step of the round's mean Δ, with nothing lost to the delay."""
+    torch.manual_seed(0)
+    start = torch.randn(4, 3)
+    params = [[torch.nn.Parameter(start.clone())] for _ in range(2)]
+    lr = 0.7
+    mix2, mixers = ExactMeanMix2(), [LoneMixer(), LoneMixer()]
+    syncs = [FactoredSync(OuterOptimizer(params[i], OuterConfig(lr=lr, momentum=0.0)), mixers[i],  # type: ignore
+                          mix2.member(i), types.SimpleNamespace(submit=done),  # type: ignore[arg-type]
+                          SyncConfig(mode="factored", overlap="local")) for i in range(2)]
+    try:
+        for r in range(4):
+            for sync in syncs:
+                sync.start_round(context(r))
+            if r:
+                assert not torch.allclose(params[0][0], params[1][0]), "each peer's own Δ differs"
+                torch.testing.assert_close(mixers[0].base[0], mixers[1].base[0])  # the Mix2 group's common point
+            before = (params[0][0].detach() + params[1][0].detach()) / 2
+            steps = [torch.randn(4, 3) * 0.1 for _ in range(2)]
+            with torch.no_grad():
+                for p, step in zip(params, steps, strict=True):
+                    p[0].sub_(step)
+            for sync in syncs:
+                sync.finish_round(context(r))
+            after = (params[0][0].detach() + params[1][0].detach()) / 2
+            torch.testing.assert_close(after, before - lr * (steps[0] + steps[1]) / 2)
+    finally:
+        for sync in syncs:
+            sync.shutdown()
+
+
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_factored_swarm_with_overlapped_mix2_trains_and_mixes():
+@pytest.mark.parametrize("overlap", ["delayed", "local"])
+def test_a_factored_swarm_with_overlapped_mix2_trains_and_mixes(overlap):
     config = tiny_config(f"factored-overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 6},
-                         sync={"mode": "factored", "overlap": "delayed"})
+                         sync={"mode": "factored", "overlap": overlap})
     _threads, histories = run_swarm(config, peers=3)
     for history in histories:
         assert min(m.val_loss for m in history[1:]) < history[0].val_loss

@@ -144,8 +144,9 @@ def test_a_mix_takes_its_yardstick_when_started_not_when_it_runs():
 
 def test_overlap_for_gasloc_is_delayed_only_and_its_momentum_is_gasloc_momentum():
     assert SyncConfig(mode="gasloc", overlap="delayed").outer_momentum(0.9) == 0.0
-    with pytest.raises(ConfigError, match="sync.overlap eager applies to sync.mode diloco and factored"):
-        SyncConfig(mode="gasloc", overlap="eager")
+    for own_first in ("eager", "local"):
+        with pytest.raises(ConfigError, match=f"sync.overlap {own_first} applies to sync.mode diloco and factored"):
+            SyncConfig(mode="gasloc", overlap=own_first)
     with pytest.raises(ConfigError, match="gasloc's is sync.gasloc_momentum"):
         SyncConfig(mode="gasloc", overlap="delayed", overlap_momentum=0.5)
 

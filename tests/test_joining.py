@@ -39,6 +39,7 @@ from p2ptrain.join_rules import (
     snapshot_rounds,
 )
 from p2ptrain.joining import (
+    DONOR_LIST_STALE_S,
     JOIN_RETRIES,
     LATE_WITNESS_MIN_S,
     RAN_AHEAD_ROUNDS,
@@ -1122,3 +1123,26 @@ def test_a_gasloc_peer_that_takes_a_slower_peers_state_keeps_its_own_round_count
     TrainingPeer._apply_snapshot(peer, snapshot)  # type: ignore[arg-type]
     assert peer.round == expected
     assert [t.tolist() for group in applied for t in group] == [[1.0] * 3, [2.0] * 3]
+
+
+def test_a_slow_download_reads_the_swarm_again_before_the_next_donor(monkeypatch):
+    """A download over a slow link outlasts rounds: after a try older than DONOR_LIST_STALE_S, the next donor and
+    the rounds its snapshot may be of come from a fresh read of the swarm, not from the list read before the first
+    try (whose donors have moved on); a donor tried once is not tried again."""
+    joiner, peer, _tries = gossip_joiner_refusing(refusals=10_000)
+    clock = [100.0]
+    monkeypatch.setattr("p2ptrain.joining.time.monotonic", lambda: clock[0])
+    reads: list[int] = []
+    peer.swarm = lambda: reads.append(1) or SwarmView("me", [record("a", 34), record("b", 35), record("c", 33)])
+    asked: list[tuple[str, int]] = []
+
+    def download(donor: PeerRecord, choice: DonorChoice) -> object:
+        asked.append((donor.peer_id, donor.round))
+        clock[0] += DONOR_LIST_STALE_S + 1  # the download took longer than a donor list stays fresh
+        return object()
+
+    joiner._download = download  # type: ignore[method-assign]
+    joiner.catch_up_(SwarmView("me", [record("a", 30), record("b", 31)]))
+    assert asked[0] == ("b", 31)  # the most advanced first
+    assert asked[1:] == [("a", 34), ("c", 33)]  # read again: a's new round, and c, which had joined meanwhile
+    assert len(reads) == 3  # once after each try

@@ -343,7 +343,8 @@ def test_inner_state_round_trips(tiny_model_state: dict[str, torch.Tensor]) -> N
 
 
 @pytest.mark.parametrize(("overlap", "explicit", "expected"), [
-    ("none", None, 0.9), ("delayed", None, 0.0), ("eager", None, 0.5), ("delayed", 0.3, 0.3)])
+    ("none", None, 0.9), ("delayed", None, 0.0), ("eager", None, 0.5), ("delayed", 0.3, 0.3), ("local", None, 0.0),
+    ("local", 0.0, 0.0)])
 def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explicit: float | None,
                                                            expected: float) -> None:
     """A one-round-late gradient with γ = 0.9 diverged in benchmarks/algorithms.py: overlap gets its own γ."""
@@ -352,7 +353,8 @@ def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explici
     assert config.sync.outer_momentum(config.outer.momentum) == expected
 
 
-@pytest.mark.parametrize("sync", [{"overlap_momentum": 0.5}, {"overlap": "delayed", "overlap_momentum": 1.0}])
+@pytest.mark.parametrize("sync", [{"overlap_momentum": 0.5}, {"overlap": "delayed", "overlap_momentum": 1.0},
+                                  {"overlap": "local", "overlap_momentum": 0.5}])
 def test_overlap_momentum_without_overlap_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="overlap_momentum"):
         build_config({"sync": sync})

@@ -254,3 +254,37 @@ def test_eager_bookkeeping_applies_every_delta_with_its_mixing_weight() -> None:
         total += applied[0]
     expected = torch.stack(means[:-1]).sum(dim=0) + deltas[-1][0] / n_peers
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1 / 3, 1 / 3, 0.5, 1.0, 1 / 4], [1.0] * 6])
+def test_eager_bookkeeping_applies_every_mean_once_whatever_the_weights(weights: list[float]) -> None:
+    """Σ_t Δ̃_t = Σ_{t<T} Δ̄_t + w_T·Δ_T however w moves between rounds (groups of changing size, the first round's
+    1, a failed exchange in round 3): what a round applied of its own Δ ahead of the mean is taken back when the mean
+    arrives, never applied twice (w = 1 throughout: `sync.overlap: local`)."""
+    rounds, failed = len(weights), 3
+    generator = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(5, generator=generator) for _ in range(rounds)]
+    means = [d + torch.randn(5, generator=generator) for d in deltas]  # our Δ mixed with others'
+    means[failed - 1] = deltas[failed - 1]  # the exchange of round 2 failed: counted as mixing with nobody
+    delayed = DelayedOuterGradient(eager=True)
+    total = torch.zeros(5)
+    for t, w in enumerate(weights):
+        mixed = [means[t - 1]] if t and t != failed else None
+        applied = delayed.outer_gradient_([deltas[t]], mixed, own_weight=w)
+        assert applied is not None
+        total += applied[0]
+    expected = torch.stack(means[:-1]).sum(dim=0) + weights[-1] * deltas[-1]
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    unsettled = delayed.unsettled()
+    assert unsettled is not None
+    torch.testing.assert_close(unsettled[0], weights[-1] * deltas[-1])
+
+
+def test_local_overlap_applies_its_whole_delta_in_the_first_round() -> None:
+    """No round is lost to the delay: round 0 steps by Δ_0 itself; round 1 swaps it for the mean that holds it."""
+    local = DelayedOuterGradient(eager=True)
+    first = local.outer_gradient_([torch.tensor([2.0])], None, own_weight=1.0)
+    assert first is not None and first[0].item() == 2.0
+    second = local.outer_gradient_([torch.tensor([5.0])], [torch.tensor([3.0])], own_weight=1.0)
+    assert second is not None and second[0].item() == pytest.approx(3.0 - 2.0 + 5.0)  # Δ̄_0 − Δ_0 + Δ_1
+    assert DelayedOuterGradient(eager=False).unsettled() is None

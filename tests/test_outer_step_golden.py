@@ -59,6 +59,7 @@ RULES = {
     "diloco": SyncConfig(mode="diloco", robust=False),
     "diloco_delayed": SyncConfig(mode="diloco", overlap="delayed", robust=False),
     "diloco_eager": SyncConfig(mode="diloco", overlap="eager", robust=False),
+    "diloco_local": SyncConfig(mode="diloco", overlap="local", robust=False),
     "gasloc": SyncConfig(mode="gasloc", gossip_peers=1, robust=False),
     "factored": SyncConfig(mode="factored", gossip_peers=1, mix2_every=1, mix2_transport="allreduce", robust=False),
 }
@@ -324,11 +325,12 @@ def swarm_mean(values: Sequence[Tensors]) -> Tensors:
 
 def reference_diloco(overlap: str, momentum: float, rounds: int = ROUNDS) -> list[Tensors]:
     """DiLoCo by hand (ALGORITHMS.md §1 and §4), without the production strategies: Nesterov SGD on the mean Δ, on
-    the previous round's mean (delayed), or on Δ̄_{t−1} + w(Δ_t − Δ_{t−1}) with w = 1/M, 1 in round 0 (eager)."""
+    the previous round's mean (delayed), or on Δ̄_{t−1} − w_{t−1}Δ_{t−1} + w_t Δ_t with w = 1/M (eager; 1 in round
+    0) or 1 (local)."""
     theta, targets = swarm_start()
     buffers: list[Tensors | None] = [None] * PEERS
     mean_prev: Tensors | None = None
-    own_prev: list[Tensors | None] = [None] * PEERS
+    applied_prev: list[Tensors | None] = [None] * PEERS  # w_{t−1} Δ_{t−1}
     for _ in range(rounds):
         deltas = []
         for th, target in zip(theta, targets, strict=True):
@@ -342,17 +344,18 @@ def reference_diloco(overlap: str, momentum: float, rounds: int = ROUNDS) -> lis
             elif overlap == "delayed":
                 grad = mean_prev
             else:
-                w = 1 / PEERS if mean_prev is not None else 1.0
+                w = 1 / PEERS if mean_prev is not None and overlap == "eager" else 1.0
                 zeros = [torch.zeros_like(d) for d in deltas[i]]
                 base = mean_prev if mean_prev is not None else zeros
-                prev = own_prev[i] if own_prev[i] is not None else zeros
-                grad = [s + w * (d - p) for s, d, p in zip(base, deltas[i], prev, strict=True)]
+                prev = applied_prev[i] if applied_prev[i] is not None else zeros
+                applied_prev[i] = [w * d for d in deltas[i]]
+                grad = [s - p + a for s, p, a in zip(base, prev, applied_prev[i], strict=True)]
             if grad is None:
                 continue
             old = buffers[i]
             buffers[i] = _clone(grad) if old is None else [momentum * b + g for b, g in zip(old, grad, strict=True)]
             theta[i] = [t - OUTER_LR * (g + momentum * b) for t, g, b in zip(theta[i], grad, buffers[i], strict=True)]
-        mean_prev, own_prev = mean, deltas
+        mean_prev = mean
     return theta
 
 
@@ -401,7 +404,7 @@ def check_factored(rule: str, swarm: Swarm) -> None:
 
 
 CHECKS: dict[str, Callable[[str, Swarm], None]] = {
-    "diloco": check_diloco, "diloco_delayed": check_diloco, "diloco_eager": check_diloco,
+    "diloco": check_diloco, "diloco_delayed": check_diloco, "diloco_eager": check_diloco, "diloco_local": check_diloco,
     "gasloc": check_gasloc, "factored": check_factored,
 }
 

@@ -100,13 +100,14 @@ def exchange_factored(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Te
     """θ⁺ = OuterStep(θ, mixed Δ) + Mix1's correction, in the order of p2ptrain/sync/factored.py; with
     `mix2_overlap`, the step takes the Mix2 result of the round before (DelayedOuterGradient, as FactoredSync)."""
     present, matching, cycle = {p.index: p for p in peers}, graphs[0][r], graphs[1][r]
-    frozen = {i: send_parameters(row.param_codec, p.theta, bench.theta0) for i, p in present.items()}
+    public = {i: public_point(p) for i, p in present.items()}
+    frozen = {i: send_parameters(row.param_codec, public[i], bench.theta0) for i in present}
     mix2 = (r + 1) % row.mix2_every == 0
     pending: dict[int, tuple[Tensors, float] | None] = carry.setdefault("pending", {})
     nbytes = {}
     for i, peer in present.items():
         partners, weights = partners_of(matching, i, present)
-        correction = mix1_pull(peer.theta, [frozen[j][0] for j in partners], weights)
+        correction = mix1_pull(public[i], [frozen[j][0] for j in partners], weights)
         mixed, own_weight = clone(deltas[i]), 1.0
         nbytes[i] = float(len(matching[i]) * frozen[i][1])
         if mix2:  # Mix2 of the (fp32) outer gradients on the round's 2-peer cycle
@@ -120,11 +121,20 @@ def exchange_factored(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Te
             previous = pending.get(i)
             applied = peer.delayed.outer_gradient_(deltas[i], previous[0] if previous else None,
                                                    previous[1] if previous else 1.0)
-            pending[i] = (mixed, own_weight) if mix2 else None
+            pending[i] = (mixed, 1.0 if row.mix2_overlap == "local" else own_weight) if mix2 else None
             if applied is not None:
                 outer_step_(peer, applied)
         peer.theta = [t + c for t, c in zip(peer.theta, correction, strict=True)]
     return nbytes
+
+
+def public_point(peer: SimPeer) -> Tensors:
+    """What Mix1 gossips, as FactoredSync._public_point: θ, less the own Δ an eager or local peer applied ahead of
+    its Mix2 mean (without outer momentum)."""
+    unsettled = peer.delayed.unsettled() if peer.delayed is not None else None
+    if unsettled is None or peer.outer is None or peer.outer.config.momentum > 0:
+        return peer.theta
+    return [t + peer.outer.config.lr * u for t, u in zip(peer.theta, unsettled, strict=True)]
 
 
 def exchange_delayed(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Tensors], r: int, graphs: Graphs,
@@ -132,7 +142,8 @@ def exchange_delayed(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Ten
     mean, nbytes = average_deltas(row, peers, deltas)
     for peer in peers:  # the mean of round r−1 arrived during this inner phase
         assert peer.delayed is not None
-        grad = peer.delayed.outer_gradient_(deltas[peer.index], carry.get("pending"), 1 / len(peers))
+        grad = peer.delayed.outer_gradient_(deltas[peer.index], carry.get("pending"),
+                                            1.0 if row.local else 1 / len(peers))
         if grad is not None:
             outer_step_(peer, grad)
     carry["pending"] = mean

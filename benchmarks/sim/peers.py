@@ -111,7 +111,7 @@ def make_peers(row: Algorithm, bench: Bench) -> list[SimPeer]:
         else:
             peer.outer = OuterOptimizer(params, outer_config)
         if row.kind == "delayed" or row.mix2_overlap != "none" or (row.kind == "gradgossip" and row.overlap):
-            peer.delayed = DelayedOuterGradient(row.eager or row.mix2_overlap == "eager")
+            peer.delayed = DelayedOuterGradient(row.eager or row.local or row.mix2_overlap in ("eager", "local"))
         if row.codec in ("topk", "sparse") and row.kind != "choco":
             peer.feedback = ErrorFeedback(row_codec(row), peer.theta, decay=row.ef_decay)
         peers.append(peer)

@@ -17,7 +17,7 @@ MODEL_SHAPES = {"bench-1m": dict(hidden_size=128, intermediate_size=344, num_hid
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """One run of the simulator. The defaults are the small run benchmarks/robustness.py builds on; the algorithm
-    benchmark's full run is FULL on top of them (about 75 minutes of CPU on one core; see benchmarks/algorithms.py)."""
+    benchmark's full run is FULL on top of them (about 82 minutes of CPU on one core; see benchmarks/algorithms.py)."""
 
     peers: int = 4
     rounds: int = 16  # R, outer rounds at equal tokens
@@ -74,8 +74,9 @@ class Algorithm:
     outer_lr: float = 0.0  # η; 0 = outer.lr (0.7)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
-    mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager), momentum as set
+    mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager | local), momentum as set
     eager: bool = False  # delayed: the eager variant
+    local: bool = False  # delayed: the local variant (sync.overlap local: all of own Δ now, the mean a round late)
     consensus_step: float = 1.0  # choco: γ_c, the step towards the neighbours' public estimates
     overlap: bool = False  # choco, gradgossip: a round's payloads travel during the next inner phase, mixed or
     # applied one round late (gradgossip: production's DelayedOuterGradient, as sync.overlap delayed)
@@ -101,6 +102,8 @@ ROWS = (
     Algorithm("factored-K1", "factored", mix2_every=1),
     Algorithm("diloco-delay1", "delayed", momentum=0.0),  # production's γ with overlap (OVERLAP_MOMENTUM)
     Algorithm("diloco-eager", "delayed", eager=True, momentum=0.5),
+    Algorithm("diloco-local", "delayed", local=True, momentum=0.0),
+    Algorithm("factored-local", "factored", mix2_every=1, mix2_overlap="local", momentum=0.0),
     Algorithm("diloco-g0", "diloco", section="momentum", momentum=0.0),
     Algorithm("gasloc-1peer-g0.9", "gasloc", section="momentum", graph="matching", momentum=0.9),
     Algorithm("factored-K2", "factored", section="mix2", mix2_every=2),

@@ -71,17 +71,18 @@ class DelayedOuterGradient:
     """Which outer gradient to apply at the end of round t when the exchange of Δ_t overlaps round t+1.
 
     Plain delay applies Δ̄_{t−1}, the mixed result that has just arrived. The eager variant applies
-    ``Δ̃_t = Δ̄_{t−1} + w (Δ_t − Δ_{t−1})``: its own contribution is current, the others' one round late.
-    ``w`` is the weight of the peer's own Δ in the mix (1/M for an all-reduce over M peers, w_ii for gossip),
-    assumed constant across rounds. A failed exchange (``mixed_prev=None``) counts as mixing with nobody
-    (Δ̄_{t−1} = Δ_{t−1}, the identity); in the first round nothing is pending and Δ_{−1} = 0.
-    When every exchange succeeds, eager bookkeeping applies each own Δ with total weight exactly w, as the
-    synchronous mix does.
+    ``Δ̃_t = Δ̄_{t−1} − w_{t−1} Δ_{t−1} + w_t Δ_t``: its own contribution is current, the others' one round late, and
+    the share of Δ_{t−1} it applied a round ago is taken back now that the mean holding it has arrived. ``w`` is the
+    weight of the peer's own Δ in what it applies at once: 1/M for DiLoCoX's eager rule (an all-reduce over M peers),
+    1 for `sync.overlap: local` (local SGD whose average lands a round late). A failed exchange (``mixed_prev=None``)
+    counts as mixing with nobody (Δ̄_{t−1} = Δ_{t−1}); in the first round nothing is pending. Summed over rounds,
+    eager bookkeeping applies every mean once and only the last own Δ beside them, whatever the weights were.
     """
 
     def __init__(self, eager: bool) -> None:
         self.eager = eager
         self.own_prev: Tensors | None = None
+        self.applied_own: Tensors | None = None  # eager: w_{t−1} Δ_{t−1}, applied before its mean arrived
 
     def outer_gradient_(
         self, own_delta: Sequence[torch.Tensor], mixed_prev: Sequence[torch.Tensor] | None, own_weight: float
@@ -98,6 +99,13 @@ class DelayedOuterGradient:
         self.own_prev = _clone(own_delta)
         if not self.eager:
             return base
-        previous = own_prev if own_prev is not None else [torch.zeros_like(d) for d in own_delta]
         start = base if base is not None else [torch.zeros_like(d) for d in own_delta]
-        return [s.add(d - p, alpha=own_weight) for s, d, p in zip(start, own_delta, previous, strict=True)]
+        if self.applied_own is not None:
+            start = [s - a for s, a in zip(start, self.applied_own, strict=True)]
+        self.applied_own = [d.detach() * own_weight for d in own_delta]
+        return [s + a for s, a in zip(start, self.applied_own, strict=True)]
+
+    def unsettled(self) -> Tensors | None:
+        """The own share applied before its mean arrived (eager: w_{t−1} Δ_{t−1}; None: nothing pending). Without
+        outer momentum, anchor + η × this is the point the peer holds in common with its Mix2 group."""
+        return self.applied_own

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from p2ptrain.maths import sparse_codec
-from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS
+from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, largest_group
 from p2ptrain.sync.config import SyncConfig
 
 THETA_0 = 1.0  # the peer's θ_0 reference (peer.py `initial_params`)
@@ -93,8 +93,9 @@ def sync_buffers(config: SyncConfig, peers: int) -> Buffers:
     if config.mix2_transport == "gossip":
         mix2, residual, snapshot = 3 + grad_share + d * (1 + grad_share), 1.0, 2.0 + 1
     else:
-        mix2, residual, snapshot = allreduce_round(min(peers, config.mix2_group_size), grad_share), 1.0, 2.0
+        group = min(peers, largest_group(config.mix2_group_size))
+        mix2, residual, snapshot = allreduce_round(group, grad_share), 1.0, 2.0
     return Buffers(THETA_0 + GOSSIP_KEPT + 1 + residual + overlap, max(mix1, 2 + mix2), snapshot,
                    "θ_0, Mix1 gossip state, frozen anchor, Mix2 residual" + (", delayed Δ" if overlap else ""),
-                   f"Mix1, then Mix2 with {min(peers, config.mix2_group_size)} peers"
+                   f"Mix1, then Mix2 with {min(peers, largest_group(config.mix2_group_size))} peers at most"
                    + (" (during the next inner phase)" if overlap else ""))

@@ -38,6 +38,12 @@ MIN_REPORTERS = 3  # members (ourselves included) whose reports on a sender it t
 APPLY, DISCARD, OUT_OF_STEP = "apply", "discard", "out of step"
 
 
+def largest_group(group_size: int | None) -> int:
+    """The most members a round's group of about `group_size` may hold (exchange_allreduce.round_groups draws
+    groups by hash, so their sizes vary): twice that size, at most MAX_MEMBERS (None: one group, MAX_MEMBERS)."""
+    return min(2 * group_size, MAX_MEMBERS) if group_size else MAX_MEMBERS
+
+
 def value_hash(tensors: Sequence[torch.Tensor]) -> str:
     """BLAKE3 of a member's decoded Δ: its fp32 bytes, tensor after tensor (a row of `centered_clip.stack`'s matrix
     hashes alike). BLAKE3 is collision-resistant like SHA-256 (a member cannot make two values that hash alike and

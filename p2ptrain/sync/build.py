@@ -51,7 +51,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
     if config.mode == "diloco":  # its peers hold one state and show it (not with eager overlap, nor gossip modes)
-        return DilocoSync(outer, averager("diloco", None, shows_state=config.overlap != "eager"), config)
+        return DilocoSync(outer, averager("diloco", None, shows_state=not config.own_delta_first), config)
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,

@@ -9,7 +9,7 @@ from p2ptrain.maths.codecs import MAX_CHUNK_SIZE
 from p2ptrain.maths.sparse_codec import MAX_BITS as MAX_SPARSE_BITS
 
 SYNC_MODES = ("diloco", "gasloc", "factored")
-OVERLAP_MODES = ("none", "delayed", "eager")
+OVERLAP_MODES = ("none", "delayed", "eager", "local")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk", "sparse")
 SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error feedback
@@ -18,7 +18,7 @@ ALLREDUCE_TRANSPORTS = ("exchange", "scatter", "hivemind")
 SCATTER_GRAD_CODECS = ("none", "fp16")  # a scatter owner's mean of sparse chunks is dense: it would not shrink
 # γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
 # delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
-OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5}
+OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5, "local": 0.0}
 # GASLoC's γ (momentum on the mixed iterates). 0.9 re-injects 0.9 × the last round's disagreement after every pair
 # average; on the netns testnet (50/50/1 Mbit, a paced peer at 5 of 100 steps) consensus distances reached 3.5 and
 # validation loss spiked ×3, while γ = 0 trained smoothly to a lower loss (1.77 against 1.9–2.3), and
@@ -39,8 +39,10 @@ class SyncConfig:
     # averager (2·S·(n−1)/n bytes, but any member sets the mean)
     allreduce_transport: str = "exchange"
     allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
-    # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ now, others late);
-    # gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull applied then)
+    # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ/M now, others
+    # late) | local (all of own Δ now, swapped for the group's mean a round late: local SGD whose average lands a
+    # round late; γ 0); gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull
+    # applied then)
     overlap: str = "none"
     overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
@@ -66,7 +68,9 @@ class SyncConfig:
     param_clip_multiplier: float = 1.0
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
-    mix2_group_size: int = 3  # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3)
+    # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3); an all-reduce draws about
+    # n / this many groups by hash, so a group holds 1 to twice this many
+    mix2_group_size: int = 3
     mix2_transport: str = "allreduce"  # allreduce (exact mean of the group) | gossip (push-pull, grad_gossip.py)
     topk_density: float = 1 / 32  # grad_codec topk and sparse: fraction of each chunk's entries sent
     topk_chunk_size: int = 4096  # grad_codec topk and sparse: elements per chunk (64×64), each with its own scale
@@ -87,8 +91,12 @@ class SyncConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sync.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.overlap == "eager" and self.mode == "gasloc":
-            raise ConfigError("sync.overlap eager applies to sync.mode diloco and factored (gasloc: none or delayed)")
+        if self.own_delta_first and self.mode == "gasloc":
+            raise ConfigError(f"sync.overlap {self.overlap} applies to sync.mode diloco and factored (gasloc: none or "
+                              f"delayed)")
+        if self.overlap == "local" and self.overlap_momentum:
+            raise ConfigError("sync.overlap local takes no sync.overlap_momentum: its own Δ is applied now and "
+                              "replaced by the group's mean a round later, which adds up only without momentum")
         if self.overlap_momentum is not None and (self.overlap == "none" or self.mode == "gasloc"
                                                   or not 0 <= self.overlap_momentum < 1):
             raise ConfigError("sync.overlap_momentum applies with sync.overlap delayed or eager (diloco, factored; "
@@ -149,6 +157,17 @@ class SyncConfig:
         if self.overlap == "none":
             return configured
         return self.overlap_momentum if self.overlap_momentum is not None else OVERLAP_MOMENTUM[self.overlap]
+
+    @property
+    def own_delta_first(self) -> bool:
+        """Whether an overlapped peer applies its own Δ at once, before the group's mean arrives (eager, local):
+        peers of one round then hold different parameters until that mean lands."""
+        return self.overlap in ("eager", "local")
+
+    def own_weight(self, group_size: int) -> float:
+        """The weight of a peer's own Δ in what it applies at once (maths/outer_rules.DelayedOuterGradient):
+        local applies all of it and lets the group's mean correct it a round late; eager applies its share, 1/M."""
+        return 1.0 if self.overlap == "local" else 1.0 / max(1, group_size)
 
     @property
     def aligned_rounds(self) -> bool:

@@ -74,7 +74,7 @@ class DilocoSync:
 
     def __init__(self, outer: OuterOptimizer, averager: Averager, config: SyncConfig):
         self.outer, self.averager, self.config = outer, averager, config
-        self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
+        self.delayed = DelayedOuterGradient(eager=config.own_delta_first) if config.overlap != "none" else None
         self.check = mean_check(config)
         self.pending: PendingResult | None = None
         self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
@@ -101,7 +101,7 @@ class DilocoSync:
         previous, refused = self._collect_previous()
         self.pending = self.averager.launch(delta, context.round, float(context.inner_steps), context.round_peers)
         self.pending_own, self.pending_round, self.pending_stretch = delta, context.round, context.steps_cut_stretch()
-        own_weight = 1.0 / previous.group_size if previous is not None else 1.0
+        own_weight = self.config.own_weight(previous.group_size) if previous is not None else 1.0
         assert self.delayed is not None
         applied = self.delayed.outer_gradient_(delta, previous.delta if previous else None, own_weight)
         if applied is None:

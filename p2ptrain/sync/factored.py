@@ -79,7 +79,7 @@ class FactoredSync:
         self.closers = list(closers)
         self.mix1: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None
         self.frozen: list[torch.Tensor] = []
-        self.delayed = DelayedOuterGradient(eager=config.overlap == "eager") if config.overlap != "none" else None
+        self.delayed = DelayedOuterGradient(eager=config.own_delta_first) if config.overlap != "none" else None
         self.pending: concurrent.futures.Future[tuple[list[torch.Tensor], RoundSync]] | None = None  # Mix2 of r − 1
         self._mix2_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mix2") if self.delayed \
             else None
@@ -87,11 +87,22 @@ class FactoredSync:
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
         self.mixer.budget_s = context.inner_phase_s
-        self.frozen = [a.detach().float().cpu().clone() for a in self.outer.anchor]
+        self.frozen = self._public_point()
         self.mixer.set_base_(self.frozen)
         self.mix1 = self.loop.submit(self.mixer.mix(self.frozen, context.live_peers, context.round,
                                                     patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S),
                                                     links=context.link_bytes_per_s))
+
+    def _public_point(self) -> list[torch.Tensor]:
+        """What Mix1 gossips: the anchor θ_r with the step of Δ_{r−1}'s own share undone where it was applied ahead of
+        its Mix2 mean (eager or local, without outer momentum). That point is common to a Mix2 group; θ_r itself
+        differs by each member's own Δ, which Mix1 would half undo on top of the Mix2 mean that replaces it."""
+        anchor = [a.detach().float().cpu().clone() for a in self.outer.anchor]
+        unsettled = self.delayed.unsettled() if self.delayed is not None else None
+        if unsettled is None or self.outer.config.momentum > 0:
+            return anchor
+        lr = self.outer.config.lr
+        return [a.add_(u.float().cpu(), alpha=lr) for a, u in zip(anchor, unsettled, strict=True)]
 
     def finish_round(self, context: RoundContext) -> RoundSync:
         started = time.monotonic()
@@ -125,7 +136,7 @@ class FactoredSync:
         if self._mixes(context):
             assert self._mix2_thread is not None
             self.pending = self._mix2_thread.submit(self.mix2.mix, [d.clone() for d in delta], context)
-        own_weight = 1.0 / max(1, mix2.group_size) if previous is not None else 1.0
+        own_weight = self.config.own_weight(mix2.group_size) if previous is not None else 1.0
         applied = self.delayed.outer_gradient_(delta, previous, own_weight)
         if applied is None:
             self.outer.restore_anchor_()
