@@ -35,7 +35,6 @@ def _time_steps(config_values: dict[str, Any], shard: int, steps: int) -> None:
     """In a child process: build the peer's model and batches, say so, wait for the word, time `steps` steps."""
     import torch
 
-    from p2ptrain.config import build_config
     from p2ptrain.data import TextShards, build_tokenizer
     from p2ptrain.maths.inner import InnerTrainer
     from p2ptrain.models import build_model
