@@ -114,19 +114,25 @@ def test_a_home_router_lets_connections_out_and_none_in(nat_ok: None) -> None:
 
 def test_gasloc_behind_nat_trains_through_a_relay_then_outbound_only_when_the_relay_dies(
         nat_ok: None, tmp_path: Path) -> None:
-    report, workdir = run(tmp_path, "natg", steps=60, mode="gasloc", peers=4, rounds=10, nat=["peer2", "peer3"],
+    report, workdir = run(tmp_path, "natg", steps=60, mode="gasloc", peers=4, rounds=12, nat=["peer2", "peer3"],
                           events=[{"after_round": 3, "kill": "bootstrap"}],
                           checks={"loss_fell": True, "reachability": True, "min_nat_exchanges": 3})
     relay = peer_id(workdir, "bootstrap")
     for peer in ("peer0", "peer1"):
         assert lines(workdir, peer) == [f"reachable directly at /ip4/10.213.0.{int(peer[-1]) + 2}/tcp/31337"]
     killed_at = next(e["time"] for e in report["events"] if e["action"] == "kill")
+    public_until = max(read_metrics(workdir / f"{peer}.jsonl")[-1]["time"] for peer in ("peer0", "peer1"))
     for peer in ("peer2", "peer3"):
         said = lines(workdir, peer)
         assert said[0].startswith(f"behind NAT, reachable through relay {relay}")
         assert said[-1].startswith("outbound only: no peer can connect to this one") and len(said) == 2
-        after = [row for row in read_metrics(workdir / f"{peer}.jsonl") if row["time"] > killed_at + 2]
-        assert after and sum(len(row["partners"]) for row in after) >= len(after) // 2  # it still initiates
+        # it still initiates (nobody can open an exchange to it): it tries every round while a peer it can reach
+        # trains, and mixes in most. Its rounds after the public peers ended are not counted: on a loaded machine
+        # the NATed peers lag, and CI once saw only 2 of 6 rounds after the kill mixed when they were.
+        after = [(len(row["partners"]), row["refused_exchanges"], row["failed_exchanges"])
+                 for row in read_metrics(workdir / f"{peer}.jsonl") if killed_at + 2 < row["time"] < public_until]
+        assert after and all(sum(tries) > 0 for tries in after), after
+        assert sum(mixed for mixed, _, _ in after) >= len(after) / 2, after
 
 
 def test_diloco_behind_nat_moves_to_another_relay_when_its_relay_dies(nat_ok: None, tmp_path: Path) -> None:
