@@ -2,13 +2,19 @@
 
 The pytest process makes itself a child subreaper, so a daemon orphaned by a killed DHT process is re-parented
 to pytest and still counts as ours; daemons of other programs on the machine are never looked at or touched.
+
+Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
+netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 
 import psutil
 import pytest
@@ -20,6 +26,47 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
+TIER_MARKERS = ("slow", "network", "netns", "docker")
+PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.system", "subprocess.Popen")
+SOCKET_EVENTS = ("socket.bind", "socket.connect")
+
+
+class _StartWatch:
+    """Records, while on, what the main thread starts: processes, and sockets bound or connected over IP."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.started: list[str] = []
+
+    def __call__(self, event: str, args: tuple[object, ...]) -> None:
+        if not self.on or threading.current_thread() is not threading.main_thread():
+            return
+        if event in PROCESS_EVENTS:
+            self.started.append(f"{event} {args[0] if args else ''}"[:120])
+        elif event in SOCKET_EVENTS and isinstance(args[0], socket.socket) and args[0].family in (
+                socket.AF_INET, socket.AF_INET6):
+            self.started.append(f"{event} {args[1]}")
+
+
+_start_watch = _StartWatch()
+sys.addaudithook(_start_watch)
+
+
+@pytest.fixture(autouse=True)
+def unmarked_tests_start_nothing(request: pytest.FixtureRequest):
+    """A test without a tier marker that starts a process or an IP socket fails: the fast tier must not."""
+    if any(request.node.get_closest_marker(name) for name in TIER_MARKERS):
+        yield
+        return
+    _start_watch.started.clear()
+    _start_watch.on = True
+    try:
+        yield
+    finally:
+        _start_watch.on = False
+    if _start_watch.started:
+        pytest.fail(f"this test starts {sorted(set(_start_watch.started))[:5]}: mark it "
+                    f"(@pytest.mark.slow, or network / netns / docker; see tests/README.md)", pytrace=False)
 
 
 def _name(process: psutil.Process) -> str:

@@ -89,6 +89,7 @@ def _assert_ratio(measured: float, raw_bytes: float, copies: float, numels: list
     assert copies * raw_bytes / model <= measured <= copies * (raw_bytes + PROTO_OVERHEAD_BYTES * len(numels)) / model
 
 
+@pytest.mark.slow
 def test_local_overlap_rows_keep_the_swarm_mean_on_diloco_and_lose_no_round() -> None:
     """After one round a `local` peer holds θ_0 − η Δ_i (its own Δ, at once: no round lost to the delay), so the
     swarm's mean is DiLoCo's step without momentum; with Mix2 (factored-local) the mean is the same, since Mix1 and
@@ -103,6 +104,7 @@ def test_local_overlap_rows_keep_the_swarm_mean_on_diloco_and_lose_no_round() ->
         assert consensus_distance(mean, diloco[0].theta) <= 1e-6, name
 
 
+@pytest.mark.slow
 def test_choco_with_an_exact_codec_is_gasloc_on_its_overlay() -> None:
     """With codec none the public estimates are the proposals themselves, so a CHOCO round with γ_c = 1 is GASLoC's
     mix of y with the ring's Metropolis weights (1/3): the same parameters, to float rounding."""

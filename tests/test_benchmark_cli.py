@@ -16,6 +16,7 @@ def test_the_benchmarks_are_found() -> None:
                                              "testnet_utilization.py"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
 def test_a_benchmark_prints_its_help(script: Path) -> None:
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)

@@ -70,6 +70,7 @@ def test_phase_s_picks_the_h_of_that_phase_within_bounds(phase_s: float, step_s:
     assert bench.inner_steps_for(phase_s, step_s) == steps
 
 
+@pytest.mark.slow
 def test_step_timing_measures_trainers_at_once_and_reports_a_failed_one() -> None:
     from benchmarks.step_timing import step_seconds
 

@@ -216,6 +216,7 @@ def states_equal(a: Setup, b: Setup) -> None:
     assert a.round == b.round
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_with_identical_state(tmp_path: Path) -> None:
     run_a = Setup.build(CONFIG, seed=0)
     for round_ in range(2):

@@ -23,6 +23,8 @@ from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.models import build_model, model_fingerprint
 
+pytestmark = pytest.mark.slow  # every test reads CLI runs made as subprocesses
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 240
 UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWD7zMSytpc5uPkJPRcM54GhnyBLrL5YDa6L4AAJqde25w"

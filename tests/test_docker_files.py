@@ -98,6 +98,7 @@ def test_dockerfiles_copy_existing_files_and_install_the_torch_pin() -> None:
     assert setup_cfg_pins == ["torch==2.13.0"], "setup.cfg must pin torch exactly once"
 
 
+@pytest.mark.slow
 def test_entrypoints_parse_as_posix_sh() -> None:
     for script in ENTRYPOINTS.values():
         checked = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
@@ -122,6 +123,7 @@ def _compose_config(*files: Path) -> dict[str, Any]:
     return config
 
 
+@pytest.mark.slow
 def test_docker_compose_config_accepts_the_file() -> None:
     services = _compose_config(COMPOSE_FILE)["services"]
     assert services["peer1"]["environment"]["P2PTRAIN_DEVICE"] == "cpu"
@@ -136,6 +138,7 @@ def test_every_peer_keeps_identity_and_checkpoints_in_a_volume_of_its_own() -> N
     assert set(volumes) >= {f"peer{i}-data" for i in range(1, 5)}
 
 
+@pytest.mark.slow
 def test_gpu_override_reserves_nvidia_gpus_for_every_peer_on_a_cuda_image() -> None:
     services = _compose_config(COMPOSE_FILE, GPU_COMPOSE_FILE)["services"]
     for name in ("peer1", "peer2", "peer3", "peer4"):
@@ -150,6 +153,7 @@ def test_gpu_override_reserves_nvidia_gpus_for_every_peer_on_a_cuda_image() -> N
     assert "deploy" not in services["bootstrap"] and services["bootstrap"]["image"] == "p2ptrain-bootstrap:latest"
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_resumes_from_the_volume_and_can_drop_the_data_flags(tmp_path: Path) -> None:
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
@@ -166,6 +170,7 @@ def test_peer_entrypoint_resumes_from_the_volume_and_can_drop_the_data_flags(tmp
     assert done.stdout.splitlines() == ["p2ptrain", "peer", "--initial-peers", MADDR_A, "--no-nat-port-map"]
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_execs_p2ptrain_peer_with_flags_from_env(tmp_path: Path) -> None:
     env = {"P2PTRAIN_INITIAL_PEERS": f"{MADDR_A}, {MADDR_B}", "P2PTRAIN_RUN_ID": "run 7",
            "P2PTRAIN_CONFIG": "/config/peer.yaml", "P2PTRAIN_DEVICE": "cpu"}  # fmt: skip
@@ -177,6 +182,7 @@ def test_peer_entrypoint_execs_p2ptrain_peer_with_flags_from_env(tmp_path: Path)
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_joins_through_the_bootstrap_address_file(tmp_path: Path) -> None:
     address_file = tmp_path / "bootstrap.maddrs"
     address_file.write_text(f"/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWAAAA\n{MADDR_A}\n/ip6/::1/tcp/31337/p2p/X\n")
@@ -186,6 +192,7 @@ def test_peer_entrypoint_joins_through_the_bootstrap_address_file(tmp_path: Path
     assert done.stdout.splitlines() == ["p2ptrain", "peer", *DATA_FLAGS, "--initial-peers", MADDR_A]
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_gives_up_on_a_missing_address_file(tmp_path: Path) -> None:
     env = {"P2PTRAIN_BOOTSTRAP_ADDRESS_FILE": str(tmp_path / "absent"), "P2PTRAIN_BOOTSTRAP_WAIT_S": "0"}
     done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, env)
@@ -193,6 +200,7 @@ def test_peer_entrypoint_gives_up_on_a_missing_address_file(tmp_path: Path) -> N
     assert len(done.stderr.splitlines()) == 1 and "is the bootstrap service running?" in done.stderr
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_shapes_upload_with_tbf_before_starting(tmp_path: Path) -> None:
     done = _run_entrypoint(PEER_ENTRYPOINT, tmp_path, {"P2PTRAIN_RATE_MBIT": "20", "P2PTRAIN_INITIAL_PEERS": MADDR_A})
     assert done.returncode == 0, done.stderr
@@ -204,6 +212,7 @@ def test_peer_entrypoint_shapes_upload_with_tbf_before_starting(tmp_path: Path) 
                                         "--no-nat-port-map"]
 
 
+@pytest.mark.slow
 def test_peer_entrypoint_stops_with_one_line_when_tc_fails(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -219,6 +228,7 @@ def test_peer_entrypoint_stops_with_one_line_when_tc_fails(tmp_path: Path) -> No
     assert done.returncode == 2 and "not a number" in done.stderr
 
 
+@pytest.mark.slow
 def test_bootstrap_entrypoint_execs_with_identity_and_fresh_address_file(tmp_path: Path) -> None:
     address_file = tmp_path / "shared" / "bootstrap.maddrs"
     address_file.parent.mkdir()

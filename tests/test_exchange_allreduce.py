@@ -429,6 +429,7 @@ def test_a_members_value_whose_ack_was_lost_is_kept_so_every_member_reduces_the_
     asyncio.run(asyncio.wait_for(main(), timeout=60))
 
 
+@pytest.mark.network
 def test_only_the_data_stage_measures_links_so_a_silent_member_costs_one_short_deadline():
     """The confirmations are a few bytes in a round trip: counted as link measurements they read as ~1/100 of the
     link, and the next data exchange's deadline (payload / speed × safety) reached sync.allreduce_timeout_s: the

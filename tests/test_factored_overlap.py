@@ -70,6 +70,7 @@ def context(round_: int) -> RoundContext:
     return RoundContext(round_, 5, [], 0, 1.0, {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["delayed", "eager", "local"])
 def test_mix2_runs_during_the_next_round_and_its_result_is_applied_then(overlap):
     torch.manual_seed(0)

@@ -43,6 +43,7 @@ def assert_close(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float, atol
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parts", [2, 3, 8])
 def test_micro_batches_give_the_whole_batchs_gradients(parts: int) -> None:
     """8 samples in 2, 3 (3 + 3 + 2) or 8 parts: each part's loss weighted by its share of the batch."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +33,14 @@ SCENARIO = {
 
 
 def run_testnet(tmp_path: Path, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    """The scenario's metrics. A run in which a peer died of SIGSEGV is run once more, with a warning: that crash
-    (uvloop transports closed by a garbage collection in the main thread, about one run in seven before
-    `p2ptrain/loop_gc.py`; tests/test_loop_gc.py covers the fix) is not what this test is about, and a recurrence
-    must stay visible without hiding the pacing checks."""
+    """The scenario's metrics; every check of the run must pass, clean exits included."""
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(yaml.safe_dump(SCENARIO))
-    for attempt in range(2):
-        workdir = tmp_path / f"run{attempt}"
-        workdir.mkdir()
-        ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(workdir),
-                                                   timeout_s=300, name_prefix=prefix))
-        report = json.loads((workdir / "report" / "report.json").read_text())
-        failed = [c for c in report["checks"] if not c["passed"]]
-        if attempt == 0 and [c["name"] for c in failed] == ["clean_exits"] and "exit -11" in failed[0]["detail"]:
-            warnings.warn(f"a peer crashed with SIGSEGV, running the scenario again: {failed[0]['detail']}",
-                          stacklevel=2)
-            continue
-        assert ok and report["passed"], failed
-        return {peer: read_metrics(workdir / f"{peer}.jsonl") for peer in (*FAST, SLOW)}
-    raise AssertionError("unreachable")
+    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(tmp_path),
+                                               timeout_s=300, name_prefix=prefix))
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert ok and report["passed"], [c for c in report["checks"] if not c["passed"]]
+    return {peer: read_metrics(tmp_path / f"{peer}.jsonl") for peer in (*FAST, SLOW)}
 
 
 def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wait_for_it(

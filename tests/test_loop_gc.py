@@ -141,3 +141,21 @@ def test_a_task_exception_nobody_retrieved_goes_to_the_debug_log_not_stderr(capl
     assert records[0].exc_info is not None and isinstance(records[0].exc_info[1], ConnectionResetError)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_automatic_gc_resumes_only_after_the_loop_has_stopped(monkeypatch: Any) -> None:
+    """Automatic GC in the stopping thread while the loop thread is still inside libuv is the hazard itself (a
+    peer's shutdown allocates right after stopping its loop)."""
+    running_when_left: list[bool] = []
+    unregister = loop_gc.unregister
+
+    def recording_unregister(entry: loop_gc.LoopThread) -> None:
+        running_when_left.append(entry.loop.is_running())
+        unregister(entry)
+
+    monkeypatch.setattr(loop_gc, "unregister", recording_unregister)
+    loop = BackgroundLoop(name="p2ptrain-loop-a")
+    loop.run(asyncio.sleep(0), timeout=10)
+    loop.stop()
+    assert running_when_left == [False]
+    assert gc.isenabled()

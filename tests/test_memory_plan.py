@@ -170,11 +170,13 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     return {name: finish(*run) for name, run in runs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_line(case: str, cli_runs: dict[str, Outcome]) -> None:
     assert_one_line_user_error(cli_runs[case], BAD[case][1])
 
 
+@pytest.mark.slow
 def test_the_cli_plans_several_gpus_as_json_and_as_a_table(cli_runs: dict[str, Outcome]) -> None:
     report = json.loads(cli_runs["json"].stdout)
     eight, twenty_four = report["fits"]
@@ -185,12 +187,14 @@ def test_the_cli_plans_several_gpus_as_json_and_as_a_table(cli_runs: dict[str, O
     assert "cuda 8.00 GiB: does NOT fit" in table and "fits with inner." in table and "activations" in table
 
 
+@pytest.mark.slow
 def test_peer_plan_prints_the_plan_and_starts_nothing(cli_runs: dict[str, Outcome]) -> None:
     outcome = cli_runs["peer"]
     assert outcome.returncode == 0, outcome.stderr
     assert "model tiny" in outcome.stdout and "Peer " not in outcome.stdout
 
 
+@pytest.mark.slow
 def test_the_example_of_the_readme_is_current(cli_runs: dict[str, Outcome]) -> None:
     """README's "Which model can my GPU join?" shows this command's output as it is now."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

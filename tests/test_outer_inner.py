@@ -238,6 +238,7 @@ def test_trainer_follows_the_schedule(tiny_model_state: dict[str, torch.Tensor])
         trainer.train_step(batch)
 
 
+@pytest.mark.slow
 def test_trainer_lowers_the_loss_on_a_repeated_batch(tiny_model_state: dict[str, torch.Tensor]) -> None:
     config = InnerConfig(steps=30, lr=1e-2, warmup_steps=3, total_steps=1000)
     trainer = tiny_trainer(tiny_model_state, config)

@@ -35,6 +35,7 @@ def test_no_daemon_reads_as_unknown_not_zero():
     assert tcp_bytes(set()) is None
 
 
+@pytest.mark.slow
 def test_the_script_prints_a_row_per_daemon_and_refuses_bad_pids_in_one_line(capsys: pytest.CaptureFixture) -> None:
     assert main(["--pids", "999999"]) == 0  # no such process: no socket of its own, nothing counted
     out = capsys.readouterr().out.splitlines()

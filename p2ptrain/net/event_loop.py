@@ -47,10 +47,13 @@ class BackgroundLoop:
             raise TimeoutError(f"timed out after {timeout} s") from None
 
     def stop(self) -> None:
-        loop_gc.unregister(self)
-        if self.loop.is_running():
+        """Stop the loop, then leave safe-point GC: automatic GC may resume only once this thread is out of libuv
+        (a loop that did not stop within the join's bound stays registered, its garbage still collected safely)."""
+        if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            loop_gc.unregister(self)
 
 
 def log_loop_error(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
