@@ -1,12 +1,13 @@
 """A training peer's round loop: batch → inner steps → outer gradient → averaging → outer step, on the swarm.
 
 This is the one module that joins the maths side (inner, outer) with the network side (discovery, state
-sharing, averaging). Each round:
-1. look at the swarm; if this peer is behind (or new, or fell out of its last group) download a live peer's
-   round-start state and join that round;
-2. publish a snapshot of the round-start state for peers that join;
+sharing, averaging). Each round runs over the peer's state (peer_state.py) in stages:
+1. observe the swarm and catch up: if this peer is behind (or new, or fell out of its last group), the joiner
+   (joining.py) decides whose round-start state to adopt, and the loop applies it;
+2. open the round: publish a snapshot of the round-start state for peers that join;
 3. run the inner phase, ending no later than the peers of this round expect to (a late joiner takes fewer steps);
-4. average the outer gradient with the peers of this round, apply the outer step, evaluate, log, checkpoint.
+4. sync: average with the peers of this round (sync/), leaving the parameters at the next anchor;
+5. settle (in step with the swarm or not, the next round, evaluation) and report (metrics, our record).
 """
 
 from __future__ import annotations
