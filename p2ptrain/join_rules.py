@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from p2ptrain.net.discovery import PeerRecord
-from p2ptrain.net.state_sharing import MalformedSketch, Sketch
+from p2ptrain.net.state_sharing import MalformedSketch, Sketch, StateSnapshot
 
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
@@ -31,6 +31,18 @@ class DonorChoice:
     suspects: list[PeerRecord]
     donors: list[PeerRecord]
     ran_ahead: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinDecision:
+    """What a catch-up decided, for the round loop to apply: adopt `snapshot` (served by `donor`, checked as
+    `detail` says), or stay with our own state (None). `member`: whether the peer counts as one of the swarm's from
+    now on (it took a state, found that it holds the swarm's, or saw other peers)."""
+
+    snapshot: StateSnapshot | None = None
+    member: bool = False
+    donor: str = ""
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

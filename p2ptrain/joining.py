@@ -32,16 +32,19 @@ import dataclasses
 import logging
 import random
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from p2ptrain.config import PeerConfig
 from p2ptrain.join_rules import (
     DonorChoice,
+    JoinDecision,
     Verdict,
     Witnessed,
     choose_donors,
@@ -55,7 +58,11 @@ from p2ptrain.join_rules import (
     snapshot_rounds,
     witness_offence,
 )
-from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
     OUTER_PREFIX,
     Sketch,
@@ -69,10 +76,9 @@ from p2ptrain.net.state_sharing import (
     request_sketch,
 )
 from p2ptrain.net.wire import WireTimeout
+from p2ptrain.peer_state import PeerState
+from p2ptrain.sync.interface import OuterSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
-
-if TYPE_CHECKING:
-    from p2ptrain.peer import TrainingPeer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,10 +118,59 @@ def parameters_set_to(params: Sequence[torch.Tensor], values: Sequence[torch.Ten
                 p.copy_(b)
 
 
-class Joiner:
-    """The catching-up step of a peer's round loop: choose donors, download, corroborate, then apply or penalise."""
+class JoiningPeer(Protocol):
+    """What the Joiner reads of the peer it catches up (peer.TrainingPeer), and the two things it asks of it:
+    a read of the swarm, and an announcement."""
 
-    def __init__(self, peer: TrainingPeer):
+    @property
+    def config(self) -> PeerConfig: ...
+
+    @property
+    def state(self) -> PeerState: ...
+
+    @property
+    def sync(self) -> OuterSync: ...
+
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def inner(self) -> InnerTrainer: ...
+
+    @property
+    def val_batches(self) -> list[torch.Tensor]: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def p2p(self) -> P2P: ...
+
+    @property
+    def loop(self) -> BackgroundLoop: ...
+
+    @property
+    def routes(self) -> Routes: ...
+
+    @property
+    def reputation(self) -> Reputation: ...
+
+    @property
+    def announcer(self) -> Announcer: ...
+
+    @property
+    def stop_event(self) -> threading.Event: ...
+
+    def swarm(self) -> SwarmView: ...
+
+    def announce(self, wait: bool = True, **fields: object) -> None: ...
+
+
+class Joiner:
+    """The catching-up step of a peer's round loop: choose donors, download, corroborate, then decide whose state
+    the peer adopts (the round loop applies the decision) and penalise the donors whose state failed."""
+
+    def __init__(self, peer: JoiningPeer):
         self.peer = peer
         self.config = peer.config.sync
         self.rng = random.Random(secrets.randbits(64))
@@ -128,21 +183,21 @@ class Joiner:
         # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
         # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first (one
         # the loss check finds no worse than its own); DiLoCo's round catches it up anyway
-        self.resumed = not self.config.aligned_rounds and peer.round > 0 and not peer.joined_ever
+        self.resumed = not peer.sync.aligned_rounds and peer.state.round > 0 and not peer.state.joined_ever
 
     def fresh(self) -> bool:
         """Whether we hold no state of the swarm's yet and should take one: a new process (round 0, never joined),
         in gossip modes one resumed from a checkpoint, or one whose join failed and is due to try again (any
         trusted round will do then)."""
-        peer = self.peer
-        return ((peer.round == 0 or self.resumed) and not peer.joined_ever) or (
-            self.retry_round is not None and peer.round >= self.retry_round)
+        state = self.peer.state
+        return ((state.round == 0 or self.resumed) and not state.joined_ever) or (
+            self.retry_round is not None and state.round >= self.retry_round)
 
     def choose(self, view: SwarmView) -> DonorChoice:
         peer = self.peer
         fresh = self.fresh()
-        own_round = 0 if fresh else peer.round  # a retrying peer's round counts its own rounds alone
-        choice = choose_donors(view.others, own_round, peer.synced, fresh, self.config.aligned_rounds,
+        own_round = 0 if fresh else peer.state.round  # a retrying peer's round counts its own rounds alone
+        choice = choose_donors(view.others, own_round, peer.state.synced, fresh, peer.sync.aligned_rounds,
                                self.config.join_max_round_lead, peer.reputation.is_banned,
                                self._last_round_syncing_s(), get_dht_time())
         for suspect in choice.suspects:
@@ -158,28 +213,27 @@ class Joiner:
         overlap): its all-reduce's two stages, each waiting at most `sync.matchmaking_s`, and a margin."""
         return 2 * self.config.matchmaking_s + RECORD_MARGIN_S if self.config.overlap == "none" else 0.0
 
-    def catch_up_(self, view: SwarmView) -> bool:
-        """Adopt the first donor's state that passes the checks; True if one was applied."""
-        peer = self.peer
+    def catch_up_(self, view: SwarmView) -> JoinDecision:
+        """Whose state to adopt: the first donor's that passes the checks, or none (stay with ours)."""
+        peer, state = self.peer, self.peer.state
         choice = self.choose(view)
         self.ran_ahead_rounds = self.ran_ahead_rounds + 1 if choice.ran_ahead else 0
         choice = self._unless_too_soon(choice)
-        if choice.donors and self.config.aligned_rounds and not self._counted_in_round_0(choice):
+        if choice.donors and peer.sync.aligned_rounds and not self._counted_in_round_0(choice):
             choice = self.round_to_join(choice)
         if self._starts_alike(choice):
             logger.info("the swarm is in round 0 and holds our initial state: nothing to download")
-            peer.joined_ever = True
-            return False
-        own_loss = None if peer.round == 0 and not peer.joined_ever else peer.announcer.record.val_loss
+            return JoinDecision(member=True)
+        own_loss = None if state.round == 0 and not state.joined_ever else peer.announcer.record.val_loss
         if choice.ran_ahead:
-            logger.warning(f"round {peer.round} is more than {self.config.join_max_round_lead} ahead of most of "
+            logger.warning(f"round {state.round} is more than {self.config.join_max_round_lead} ahead of most of "
                            f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
         for donor, drawn_from in self._donors(choice):
             snapshot = self._download(donor, drawn_from)
             if snapshot is None:
                 continue
-            if not fresh and snapshot.round < peer.round:  # a donor that did not move on (done, or stuck)
+            if not fresh and snapshot.round < state.round:  # a donor that did not move on (done, or stuck)
                 logger.info(f"the state of {donor.peer_id} is of round {snapshot.round}, before ours: not taken")
                 continue
             verdict = self._corroborate(snapshot, donor, drawn_from, own_loss)
@@ -188,16 +242,12 @@ class Joiner:
                 if verdict.offence is not None:
                     peer.reputation.penalise(donor.peer_id, verdict.offence, verdict.detail)
                 continue
-            peer._apply_snapshot(snapshot)
-            self.join_s = time.monotonic() - started
-            logger.info(f"joined round {peer.round} with the state of {donor.peer_id} ({verdict.detail})")
-            peer.joined_ever, peer.synced, self.retry_round = True, True, None
-            return True
+            self.join_s, self.retry_round = time.monotonic() - started, None
+            return JoinDecision(snapshot, member=True, donor=donor.peer_id, detail=verdict.detail)
         if choice.donors:
             logger.warning(f"no peer could share a state that passed the checks; training on from ours"
-                           f"{self._retry_later() if fresh and not self.config.aligned_rounds else ''}")
-        peer.joined_ever = peer.joined_ever or bool(view.others)
-        return False
+                           f"{self._retry_later() if fresh and not peer.sync.aligned_rounds else ''}")
+        return JoinDecision(member=bool(view.others))
 
     def _donors(self, choice: DonorChoice) -> Iterator[tuple[PeerRecord, DonorChoice]]:
         """Each donor once, best first, with its choice: after a try over DONOR_LIST_STALE_S, from a fresh read."""
@@ -218,7 +268,7 @@ class Joiner:
         if self.failed_joins > JOIN_RETRIES:
             self.retry_round = None
             return f" (gave up after {self.failed_joins} tries)"
-        self.retry_round = self.peer.round + JOIN_RETRY_ROUNDS * 2 ** (self.failed_joins - 1)
+        self.retry_round = self.peer.state.round + JOIN_RETRY_ROUNDS * 2 ** (self.failed_joins - 1)
         return f" until round {self.retry_round}, then tries again"
 
     def round_to_join(self, choice: DonorChoice) -> DonorChoice:
@@ -231,7 +281,7 @@ class Joiner:
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
         # peers each waiting for the other's next round stalled 52 s, until SIGTERM: CI, the churn scenario)
-        self.peer._announce(phase="joining")
+        self.peer.announce(phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
             later = self._unless_too_soon(self.choose(self.peer.swarm()))
@@ -247,7 +297,7 @@ class Joiner:
         """Whether a fresh peer already said it is in round 0, the round of its donors (it waited for the peers it
         was launched with: swarm_start.py): their round-0 groups count it, and wait for it."""
         peer = self.peer
-        return (peer.round == 0 and not peer.joined_ever and choice.donors[0].round == 0
+        return (peer.state.round == 0 and not peer.state.joined_ever and choice.donors[0].round == 0
                 and peer.announcer.record.phase == "inner")
 
     def _unless_too_soon(self, choice: DonorChoice) -> DonorChoice:
@@ -264,7 +314,7 @@ class Joiner:
         minutes). Told from the sketches of up to WITNESSES round-0 peers under a seed of ours, most of which must
         match our own (a misconfigured seed, or a liar, only costs the download that would have happened)."""
         peer = self.peer
-        if peer.round != 0 or peer.joined_ever or not choice.donors or choice.donors[0].round != 0:
+        if peer.state.round != 0 or peer.state.joined_ever or not choice.donors or choice.donors[0].round != 0:
             return False
         seed = secrets.randbits(64)
         answers = self._ask(choose_witnesses(peer.routes.best_first(choice.trusted), "", 0, WITNESSES, self.rng), seed)
@@ -285,11 +335,11 @@ class Joiner:
         peer, timeout_s = self.peer, self.config.state_download_timeout_s
         assert choice.quorum is not None  # there are donors
         low, high = snapshot_rounds(donor.round, choice.quorum, self.config.join_max_round_lead)
-        nbytes = peer._state_nbytes()
+        nbytes = peer.state.nbytes()
         deadline_s = download_deadline_s(nbytes, timeout_s)
         try:
             return peer.loop.run(download_state(
-                peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer._state_layout(),
+                peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer.state.layout(),
                 max_bytes=2 * nbytes + 2**20, chunk_timeout_s=timeout_s,
                 expected_metadata=SnapshotExpectation(peer.config.run.run_id, peer.fingerprint, low, high),
                 route=peer.routes.route_to(donor.peer_id)), timeout=deadline_s)
@@ -312,7 +362,7 @@ class Joiner:
                   and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
         witnesses = choose_witnesses(self.peer.routes.best_first(others), donor.peer_id, snapshot.round, WITNESSES,
                                      self.rng)
-        tight = self.config.aligned_rounds and not self.config.own_delta_first and donor.synced
+        tight = self.peer.sync.aligned_rounds and not self.config.own_delta_first and donor.synced
         candidate, answers = snapshot.sketch(seed), self._ask(witnesses, seed)
         sketches = judge_sketches(candidate, answers, tight, ALIGNED_MAX_DISTANCE, self.config.join_gossip_max_distance)
         if sketches.accepted:
@@ -337,7 +387,7 @@ class Joiner:
                            tight: bool) -> Verdict:
         """The snapshot's outer state: against the witnesses' (join_rules.judge_outer_state), then beside its own
         parameters (the strategy's `outer_state_problem`)."""
-        ours = [t for n, t in self.peer._named_state() if n.startswith(OUTER_PREFIX)]
+        ours = [t for n, t in self.peer.state.named_tensors() if n.startswith(OUTER_PREFIX)]
         verdict = judge_outer_state(candidate, answers, tight, ALIGNED_MAX_DISTANCE, parameter_norm(ours))
         count = len(self.peer.params)
         problem = self.peer.sync.outer_state_problem(snapshot.tensors[:count], snapshot.tensors[count:])

@@ -1,12 +1,13 @@
 """A training peer's round loop: batch → inner steps → outer gradient → averaging → outer step, on the swarm.
 
 This is the one module that joins the maths side (inner, outer) with the network side (discovery, state
-sharing, averaging). Each round:
-1. look at the swarm; if this peer is behind (or new, or fell out of its last group) download a live peer's
-   round-start state and join that round;
-2. publish a snapshot of the round-start state for peers that join;
+sharing, averaging). Each round runs over the peer's state (peer_state.py) in stages:
+1. observe the swarm and catch up: if this peer is behind (or new, or fell out of its last group), the joiner
+   (joining.py) decides whose round-start state to adopt, and the loop applies it;
+2. open the round: publish a snapshot of the round-start state for peers that join;
 3. run the inner phase, ending no later than the peers of this round expect to (a late joiner takes fewer steps);
-4. average the outer gradient with the peers of this round, apply the outer step, evaluate, log, checkpoint.
+4. sync: average with the peers of this round (sync/), leaving the parameters at the next anchor;
+5. settle (in step with the swarm or not, the next round, evaluation) and report (metrics, our record).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from hivemind.utils import get_dht_time
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.device import resolve_device
-from p2ptrain.errors import UserError
+from p2ptrain.errors import CheckpointError, UserError
 from p2ptrain.join_rules import split_by_quorum
 from p2ptrain.joining import Joiner
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
-from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.maths.inner import InnerTrainer, PhaseResult
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
@@ -40,16 +41,26 @@ from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.services import start_services
-from p2ptrain.net.state_sharing import OUTER_PREFIX, StateServer, StateSnapshot
+from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
-from p2ptrain.peer_checkpoint import apply_sync_state, load_peer_checkpoint, save_peer_checkpoint
+from p2ptrain.peer_checkpoint import load_peer_checkpoint, load_sync_state_, save_peer_checkpoint
+from p2ptrain.peer_state import PeerState
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
-from p2ptrain.sync.interface import OuterSync, RoundContext, round_peers
-from p2ptrain.tensor_layout import layout_of
+from p2ptrain.sync.interface import OuterSync, RoundContext, RoundSync, round_peers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOutcome:
+    """What a round's sync stage read and did."""
+
+    view: SwarmView  # the swarm, read as the sync began
+    context: RoundContext
+    result: RoundSync
+    blocked_s: float  # seconds training waited on the sync
 
 
 class TrainingPeer:
@@ -75,7 +86,6 @@ class TrainingPeer:
         self.inner = InnerTrainer(self.model, config.inner, self.device, self.node)
         self.outer = OuterOptimizer(self.params, dataclasses.replace(
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
-        self.round, self.synced, self.joined_this_round = 0, True, False
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
         # not run again at the end, alone: the others had stopped, and the swarm's last states differed)
@@ -85,10 +95,15 @@ class TrainingPeer:
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
         self._sync_view: tuple[float, SwarmView | None] = (-math.inf, None)  # (when read, the view) at the last sync
-        checkpoint = load_peer_checkpoint(self) if resume else None
-        self._start_network(initial_peers)
+        checkpoint = load_peer_checkpoint(config, self.fingerprint, self.named_params, self.outer,
+                                          self.inner) if resume else None
+        self._start_network(initial_peers, start_round=checkpoint.round if checkpoint is not None else 0)
         if checkpoint is not None:
-            apply_sync_state(self, checkpoint)
+            try:
+                load_sync_state_(self.state, checkpoint, config.run.checkpoint_dir)
+            except CheckpointError:
+                self.shutdown()
+                raise
         shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
             self.peer_id, config.data.num_shards)
         self.data = node_data(config, self.tokenizer, shard, self.node.world_size)
@@ -99,7 +114,7 @@ class TrainingPeer:
         self.round_callbacks: list[Callable[[TrainingPeer, RoundMetrics], None]] = []  # called after each round
 
     # ---- network set-up -------------------------------------------------------------------------------------
-    def _start_network(self, initial_peers: Sequence[str]) -> None:
+    def _start_network(self, initial_peers: Sequence[str], start_round: int) -> None:
         cfg, network = self.config, self.config.network
         if reachable_before_joining(network, initial_peers) is False:  # nobody can connect to us: a DHT client
             network = dataclasses.replace(network, client_mode=True)
@@ -122,12 +137,13 @@ class TrainingPeer:
                                    cfg.sync.state_download_timeout_s)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
-        self.joiner = Joiner(self)
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,
                                                 entry=self.services.entry)
-        record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
+        self.state = PeerState([n for n, _ in self.named_params], self.outer, self.sync, start_round)
+        self.joiner = Joiner(self)
+        record = PeerRecord(peer_id=self.peer_id, round=self.state.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint, relay=cfg.network.relay)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
                                    cfg.network.record_ttl_s, admission=self.admission)
@@ -136,8 +152,17 @@ class TrainingPeer:
                                      lambda **fields: self.announcer.update(publish=True, **fields))
         self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s,
                                     admission=self.admission)
-        if not cfg.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
+        if not self.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
             self.watcher.start()
+
+    @property
+    def round(self) -> int:
+        """The round this peer is in (its state's)."""
+        return self.state.round
+
+    @round.setter
+    def round(self, value: int) -> None:  # the red team's state liar announces another round (testnet/adversary.py)
+        self.state.round = value
 
     @property
     def maddrs(self) -> list[str]:
@@ -148,7 +173,7 @@ class TrainingPeer:
     def swarm(self) -> SwarmView:
         # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
         # (half the window was tried: behind NAT, where reads go through relays, stale views split rounds, 2 of 3 runs)
-        records = self.watcher.records(current=self.config.sync.needs_current_swarm,
+        records = self.watcher.records(current=self.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
@@ -163,11 +188,11 @@ class TrainingPeer:
             return view
         return self.swarm()
 
-    def _announce(self, wait: bool = True, **fields: object) -> None:
+    def announce(self, wait: bool = True, **fields: object) -> None:
         """Publish a change of round or phase: at once and waiting for the DHT where peers sync by all-reduce
         (they must see who is in the round) and `wait`, in the background otherwise. The wait is bounded by the
         heartbeat: a store waiting on a silent node must not hold the round."""
-        waits = wait and self.config.sync.needs_current_swarm
+        waits = wait and self.sync.needs_current_swarm
         self.announcer.update(publish=not waits, **fields)
         if waits:
             self.announcer.publish(BLOCKING_PUBLISH_HEARTBEATS * self.config.network.heartbeat_s)
@@ -177,10 +202,10 @@ class TrainingPeer:
         history: list[RoundMetrics] = []
         bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
         try:
-            if self.round == 0 and not self.joined_ever:  # launched with others: begin with them (swarm_start.py)
+            if self.state.round == 0 and not self.state.joined_ever:  # launched with others: begin with them
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
-                               in_round_0=self._publish_round_start)
-            while not self.stop_event.is_set() and (self.end_round is None or self.round < self.end_round):
+                               in_round_0=self._publish_round_start)  # (swarm_start.py)
+            while not self.stop_event.is_set() and (self.end_round is None or self.state.round < self.end_round):
                 metrics = self.run_round(bar)
                 if metrics is None:
                     break
@@ -189,7 +214,7 @@ class TrainingPeer:
                 bar.round_done(metrics)
                 for callback in self.round_callbacks:
                     callback(self, metrics)
-                if self.config.run.checkpoint_dir and self.round % self.config.run.checkpoint_every == 0:
+                if self.config.run.checkpoint_dir and self.state.round % self.config.run.checkpoint_every == 0:
                     self.save_checkpoint()
             self.node.command(STOP)  # the node's other workers end with us
         except NodeError:  # a worker of this node died: keep the round's anchor, checkpoint it, leave the swarm
@@ -203,14 +228,36 @@ class TrainingPeer:
         return history
 
     def run_round(self, bar: ProgressBar) -> RoundMetrics | None:
-        """One round; None when stopped mid-round (the parameters are put back at the round's anchor)."""
+        """One round, as its stages; None when stopped mid-round (the parameters are put back at the round's anchor)."""
         started = time.monotonic()
         view = self._round_start_view()
-        self.joined_this_round = self.joiner.catch_up_(view)
-        round_ = self.round
-        self._count_from(round_)
+        self._catch_up(view)
+        round_ = self.state.round
+        self._open_round(view)
+        phase = self._inner_phase(bar, view)
+        if phase is None:
+            return None
+        synced = self._sync(phase)
+        evaluated = self._settle(round_, synced)
+        return self._report(round_, started, phase, synced, evaluated)
+
+    def _catch_up(self, view: SwarmView) -> None:
+        """Take the swarm's state where the joiner decides so (joining.py); our first round sets the one we stop at."""
+        decision = self.joiner.catch_up_(view)
+        self.state.take_(decision)
+        if decision.snapshot is not None:
+            logger.info(f"joined round {self.state.round} with the state of {decision.donor} ({decision.detail})")
+        self._count_from(self.state.round)
+
+    def _open_round(self, view: SwarmView) -> None:
+        """Publish the round's start (our snapshot and record); the sync may start its background work."""
         self._publish_round_start()
         self.sync.start_round(self._context(view, inner_steps=0))
+
+    def _inner_phase(self, bar: ProgressBar, view: SwarmView) -> PhaseResult | None:
+        """The inner steps, on every worker of the node, ending no later than the round's peers expect to; None when
+        stopped (the parameters are put back at the anchor)."""
+        round_ = self.state.round
         deadline = self._inner_deadline(view)
         peers_in_round = 1 + len(view.at_round(round_))
         self.node.command(TRAIN)
@@ -223,39 +270,56 @@ class TrainingPeer:
             self.outer.restore_anchor_()
             return None
         self._update_step_time(phase.compute_s / max(1, phase.steps))
+        return phase
+
+    def _sync(self, phase: PhaseResult) -> SyncOutcome:
+        """Say we sync, read the swarm and combine with its peers (sync/): the parameters end at the next anchor."""
         # overlapped, the all-reduce expects the peers a round either side of ours: "sync" need not be seen at once
-        self._announce(wait=self.config.sync.overlap == "none", phase="sync", inner_step=phase.steps,
-                       train_loss=phase.mean_loss)
+        self.announce(wait=self.config.sync.overlap == "none", phase="sync", inner_step=phase.steps,
+                      train_loss=phase.mean_loss)
         sync_started = time.monotonic()
-        sync_view = self.swarm()
-        self._sync_view = (time.monotonic(), sync_view)
-        context = self._context(sync_view, inner_steps=phase.steps)
+        view = self.swarm()
+        self._sync_view = (time.monotonic(), view)
+        context = self._context(view, inner_steps=phase.steps)
         result = self.sync.finish_round(context)
-        comm_blocked_s = time.monotonic() - sync_started
-        self.blocked_s = _ema(self.blocked_s, comm_blocked_s)
+        blocked_s = time.monotonic() - sync_started
+        self.blocked_s = _ema(self.blocked_s, blocked_s)
         self.expected_blocking_s, self.swarm_blocking_s = result.expected_blocking_s, result.swarm_blocking_s
+        return SyncOutcome(view, context, result, blocked_s)
+
+    def _settle(self, round_: int, synced: SyncOutcome) -> bool:
+        """Whether we are in step with the swarm, the next round, and its validation loss where it is measured
+        (`_evaluates_this_round`); whether it was."""
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
-        _, trusted, _ = split_by_quorum(sync_view.others, self.config.sync.join_max_round_lead,
+        _, trusted, _ = split_by_quorum(synced.view.others, self.config.sync.join_max_round_lead,
                                         self.reputation.is_banned)  # a liar's round must not unsettle us
         here_or_ahead = [r for r in trusted if r.round >= round_]
-        others_here = max(context.same_round_peers, len(here_or_ahead))
-        self._record_step(result.group_size, others_here, result.in_step)
-        self.round += 1
+        others_here = max(synced.context.same_round_peers, len(here_or_ahead))
+        self.state.record_step_(synced.result.group_size, others_here, synced.result.in_step)
+        self.state.round += 1
         evaluated = self._evaluates_this_round()  # every run.eval_every rounds; in between, the latest loss
         self.val_loss = self.inner.evaluate(self.val_batches) if evaluated else self.val_loss
+        return evaluated
+
+    def _report(self, round_: int, started: float, phase: PhaseResult, synced: SyncOutcome,
+                evaluated: bool) -> RoundMetrics:
+        """The round's metrics, written to the metrics file, and our record's figures."""
+        result = synced.result
+        bytes_sent, bytes_received = self.traffic.take_()  # measured: stream_bytes.py
         metrics = RoundMetrics(
-            self.peer_id, round_, phase.steps, phase.mean_loss, self.val_loss,
-            phase.tokens / max(phase.compute_s, 1e-9), phase.compute_s, comm_blocked_s,
-            *self.traffic.take_(), result.group_size,  # measured: stream_bytes.py
-            time.monotonic() - started, joined=self.joined_this_round, sync=self.config.sync.mode,
-            partners=result.partners, codec=result.codec, exchange_s=result.exchange_s,
-            eval_s=self.inner.last_eval_s if evaluated else 0.0, evaluated=evaluated,
-            consensus_distance=result.consensus_distance, failed_exchanges=result.failed,
-            refused_exchanges=result.refused, exchanges=[dataclasses.asdict(e) for e in result.exchanges],
-            banned_peers=sorted(self.reputation.banned()), mix2_averaged=result.mix2_group_size)
+            peer_id=self.peer_id, round=round_, inner_steps=phase.steps, train_loss=phase.mean_loss,
+            val_loss=self.val_loss, tokens_per_s=phase.tokens / max(phase.compute_s, 1e-9),
+            compute_s=phase.compute_s, comm_blocked_s=synced.blocked_s, bytes_sent=bytes_sent,
+            bytes_received=bytes_received, peers_averaged=result.group_size, round_s=time.monotonic() - started,
+            joined=self.state.joined_this_round, sync=self.config.sync.mode, partners=result.partners,
+            codec=result.codec, exchange_s=result.exchange_s, consensus_distance=result.consensus_distance,
+            failed_exchanges=result.failed, refused_exchanges=result.refused,
+            exchanges=[dataclasses.asdict(e) for e in result.exchanges], banned_peers=sorted(self.reputation.banned()),
+            mix2_averaged=result.mix2_group_size, eval_s=self.inner.last_eval_s if evaluated else 0.0,
+            evaluated=evaluated)
         self.metrics_log.write(metrics)
-        self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.synced,
+        self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.state.synced,
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))
         return metrics
 
@@ -266,23 +330,16 @@ class TrainingPeer:
 
     def _evaluates_this_round(self) -> bool:
         every = self.config.run.eval_every
-        return self.rounds_run % every == 0 or self.joined_this_round or self.round == self.end_round
-
-    def _record_step(self, group_size: int, others_here: int, shown: bool | None) -> None:
-        """In step when our group held a majority of the peers of our round or beyond, and our state was the group's
-        where its members showed theirs (`shown`, sync/state_evidence.py). Without samples, out of step stays so
-        until a state is adopted (joining.py sets `synced`): a peer that applied its own Δ while the others applied
-        their mean holds other parameters even when it averages with them the next round."""
-        in_step = 2 * group_size > 1 + others_here
-        self.synced = in_step and (shown if shown is not None else self.synced or self.joined_this_round)
+        return self.rounds_run % every == 0 or self.state.joined_this_round or self.state.round == self.end_round
 
     def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
-        return RoundContext(self.round, inner_steps, [r.peer_id for r in others], len(view.at_round(self.round)),
+        round_ = self.state.round
+        return RoundContext(round_, inner_steps, [r.peer_id for r in others], len(view.at_round(round_)),
                             phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0},
-                            round_peers=round_peers(others, self.round, self.config.sync.overlap != "none"),
+                            round_peers=round_peers(others, round_, self.config.sync.overlap != "none"),
                             full_steps=self._inner_steps())
 
     def _inner_steps(self) -> int:
@@ -307,11 +364,16 @@ class TrainingPeer:
         self.step_time_s = _ema(self.step_time_s, seconds)
 
     def _publish_round_start(self) -> None:
-        """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
+        """Snapshot our state for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        self._snapshot = StateSnapshot.capture(dict(round=self.round, fingerprint=self.fingerprint,
+        self._snapshot = StateSnapshot.capture(dict(round=self.state.round, fingerprint=self.fingerprint,
                                                     run_id=self.config.run.run_id), self._named_state())
-        self._announce(round=self.round, inner_step=0, phase="inner", round_eta=eta)
+        self.announce(round=self.state.round, inner_step=0, phase="inner", round_eta=eta)
+
+    def _named_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The state we serve to joiners: our state's tensors (the red team's state liar replaces this method and
+        `_publish_round_start`: testnet/adversary.py)."""
+        return self.state.named_tensors()
 
     def _inner_deadline(self, view: SwarmView) -> float:
         """End the inner phase when the latest peer already in this round expects to end it (monotonic time);
@@ -321,39 +383,17 @@ class TrainingPeer:
         them). Otherwise a group that starts its rounds a matchmaking window after another averages on its own,
         round after round, and the swarm stays split in two (seen on the netns testnet: 2 + 3 peers, 15 rounds).
         """
-        if not self.config.sync.aligned_rounds:
+        if not self.sync.aligned_rounds:
             return math.inf
-        etas = [r.round_eta for r in view.at_round(self.round) if r.phase in ("inner", "sync") and r.round_eta > 0]
+        etas = [r.round_eta for r in view.at_round(self.state.round)
+                if r.phase in ("inner", "sync") and r.round_eta > 0]
         if not etas:
             return math.inf
         return time.monotonic() + max(0.0, max(etas) - get_dht_time())
 
-    # ---- joining and catching up (joining.py decides whose state; the peer says what its state is) ---------------
-    joined_ever = False
-
-    def _named_state(self) -> list[tuple[str, torch.Tensor]]:
-        """What a joiner downloads and a checkpoint keeps: the anchor and the outer-sync state, by name."""
-        named = [(f"param:{n}", a) for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)]
-        return named + [(f"{OUTER_PREFIX}{n}", t) for n, t in self.sync.state_tensors()]
-
-    def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
-        named = self._named_state()
-        return layout_of([n for n, _ in named], [t.detach().cpu() for _, t in named])
-
-    def _state_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self._named_state())
-
-    def _apply_snapshot(self, snapshot: StateSnapshot) -> None:
-        """Apply a fully validated snapshot: parameters, outer-sync state, round (all or nothing; in GASLoC the
-        round only moves forward: it counts our own outer steps)."""
-        count = len(self.params)
-        self.outer.set_params_(snapshot.tensors[:count])
-        self.sync.load_state_tensors_(snapshot.tensors[count:])
-        self.round = max(self.round, snapshot.round) if self.config.sync.rounds_count_own_steps else snapshot.round
-
     # ---- checkpoints (peer_checkpoint.py) ----------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        save_peer_checkpoint(self)
+        save_peer_checkpoint(self.state, self.inner, self.config, self.fingerprint)
 
     # ---- shutdown -----------------------------------------------------------------------------------------------
     def stop(self) -> None:

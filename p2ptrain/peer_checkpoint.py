@@ -1,66 +1,69 @@
-"""A training peer's checkpoint: what it writes (the round's anchor, the inner optimiser, the outer sync's state)
-and how it resumes from one, every part checked against the model before any of it is applied (checkpoint.py: the
-file itself)."""
+"""A training peer's checkpoint: what it writes (the peer's state: the round and its anchor, the outer sync's state;
+and the inner optimiser's) and how it resumes from one, every part checked against the model before any of it is
+applied (checkpoint.py: the file itself)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+
+import torch
 
 from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkpoint
+from p2ptrain.config import PeerConfig
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
+from p2ptrain.maths.inner import InnerTrainer
+from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.peer_state import PeerState
 from p2ptrain.tensor_layout import check_tensors, layout_of
-
-if TYPE_CHECKING:
-    from p2ptrain.peer import TrainingPeer
 
 logger = logging.getLogger(__name__)
 
 
-def save_peer_checkpoint(peer: TrainingPeer) -> None:
+def save_peer_checkpoint(state: PeerState, inner: InnerTrainer, config: PeerConfig, fingerprint: str) -> None:
     """Write the round's anchor, the inner optimiser's state and the outer sync's state to run.checkpoint_dir."""
-    model = {n: a for (n, _), a in zip(peer.named_params, peer.outer.anchor, strict=True)}
-    sync_state = {"mode": peer.config.sync.mode,
-                  "tensors": [t.detach().cpu().clone() for _, t in peer.sync.state_tensors()]}
-    path = save_checkpoint(peer.config.run.checkpoint_dir, TrainingCheckpoint(
-        peer.round, model, peer.inner.state_dict(), sync_state, peer.config.to_dict(), peer.fingerprint))
+    model = dict(zip(state.names, state.outer.anchor, strict=True))
+    sync_state = {"mode": config.sync.mode,
+                  "tensors": [t.detach().cpu().clone() for _, t in state.sync.state_tensors()]}
+    path = save_checkpoint(config.run.checkpoint_dir, TrainingCheckpoint(
+        state.round, model, inner.state_dict(), sync_state, config.to_dict(), fingerprint))
     logger.info(f"checkpoint written to {path}")
 
 
-def load_peer_checkpoint(peer: TrainingPeer) -> TrainingCheckpoint:
-    """Load and apply the model and inner state (before the network starts, so a bad file fails fast)."""
-    if not peer.config.run.checkpoint_dir:
+def load_peer_checkpoint(config: PeerConfig, fingerprint: str, named_params: Sequence[tuple[str, torch.Tensor]],
+                         outer: OuterOptimizer, inner: InnerTrainer) -> TrainingCheckpoint:
+    """Load the checkpoint and apply its model and inner state (before the network starts, so a bad file fails
+    fast); its round and outer-sync state go to the peer's state once the sync exists (`load_sync_state_`)."""
+    if not config.run.checkpoint_dir:
         raise UserError("--resume needs a checkpoint directory (run.checkpoint_dir or --checkpoint-dir)")
-    checkpoint = load_checkpoint(peer.config.run.checkpoint_dir)
-    if checkpoint.fingerprint != peer.fingerprint:
-        raise CheckpointError(f"checkpoint in {peer.config.run.checkpoint_dir} is for another model "
-                              f"(fingerprint {checkpoint.fingerprint}, this model {peer.fingerprint})")
-    names = [n for n, _ in peer.named_params]
+    checkpoint = load_checkpoint(config.run.checkpoint_dir)
+    if checkpoint.fingerprint != fingerprint:
+        raise CheckpointError(f"checkpoint in {config.run.checkpoint_dir} is for another model "
+                              f"(fingerprint {checkpoint.fingerprint}, this model {fingerprint})")
+    names = [n for n, _ in named_params]
     if sorted(checkpoint.model) != sorted(names):
-        raise CheckpointError(f"checkpoint in {peer.config.run.checkpoint_dir} has other parameter names")
-    expected = layout_of(names, [p.detach().cpu() for p in peer.params])
+        raise CheckpointError(f"checkpoint in {config.run.checkpoint_dir} has other parameter names")
+    expected = layout_of(names, [p.detach().cpu() for _, p in named_params])
     try:
         check_tensors(expected, [checkpoint.model[n] for n in names], what="checkpoint")
-        peer.outer.set_params_([checkpoint.model[n] for n in names])
-        peer.inner.load_state_dict(checkpoint.inner)
+        outer.set_params_([checkpoint.model[n] for n in names])
+        inner.load_state_dict(checkpoint.inner)
     except (StateMismatchError, KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint in {peer.config.run.checkpoint_dir} does not fit: {e}") from None
-    if checkpoint.sync_state.get("mode") != peer.config.sync.mode:
-        raise CheckpointError(f"checkpoint in {peer.config.run.checkpoint_dir} was written with sync.mode "
-                              f"{checkpoint.sync_state.get('mode')!r}, not {peer.config.sync.mode!r}")
-    peer.round, peer.joined_ever = checkpoint.round, False
+        raise CheckpointError(f"checkpoint in {config.run.checkpoint_dir} does not fit: {e}") from None
+    if checkpoint.sync_state.get("mode") != config.sync.mode:
+        raise CheckpointError(f"checkpoint in {config.run.checkpoint_dir} was written with sync.mode "
+                              f"{checkpoint.sync_state.get('mode')!r}, not {config.sync.mode!r}")
     return checkpoint
 
 
-def apply_sync_state(peer: TrainingPeer, checkpoint: TrainingCheckpoint) -> None:
-    """The outer sync's state from `checkpoint`, once the sync exists (after the network starts); a misfit shuts
-    the peer down and is a CheckpointError."""
-    expected = layout_of([n for n, _ in peer.sync.state_tensors()],
-                         [t.detach().cpu() for _, t in peer.sync.state_tensors()])
+def load_sync_state_(state: PeerState, checkpoint: TrainingCheckpoint, checkpoint_dir: str) -> None:
+    """The outer sync's state from `checkpoint`, once the sync exists (after the network starts); a misfit is a
+    CheckpointError, and nothing is loaded."""
+    expected = layout_of([n for n, _ in state.sync.state_tensors()],
+                         [t.detach().cpu() for _, t in state.sync.state_tensors()])
     tensors = checkpoint.sync_state.get("tensors")
     try:
         check_tensors(expected, tensors if isinstance(tensors, list) else [], what="checkpoint outer state")
     except StateMismatchError as e:
-        peer.shutdown()
-        raise CheckpointError(f"checkpoint in {peer.config.run.checkpoint_dir} does not fit: {e}") from None
-    peer.sync.load_state_tensors_(tensors)  # type: ignore[arg-type]
+        raise CheckpointError(f"checkpoint in {checkpoint_dir} does not fit: {e}") from None
+    state.sync.load_state_tensors_(tensors)  # type: ignore[arg-type]

@@ -125,7 +125,7 @@ def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:
 
 def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_already_syncing() -> None:
     """Else a group a matchmaking window behind averages alone, round after round (the swarm splits in two)."""
-    me = SimpleNamespace(round=7, config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=True)))
+    me = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=True))
     now_dht, now = get_dht_time(), time.monotonic()
     syncing = SwarmView("me", [peer_at(7, "sync", now_dht - 1.0)])
     assert TrainingPeer._inner_deadline(me, syncing) <= now + 0.1  # type: ignore[arg-type]  # at once (min steps)
@@ -133,7 +133,7 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
     assert TrainingPeer._inner_deadline(me, still_training) == pytest.approx(now + 3.0, abs=0.5)
     other_round = SwarmView("me", [peer_at(6, "sync", now_dht - 1.0), peer_at(8, "inner", now_dht + 3.0)])
     assert TrainingPeer._inner_deadline(me, other_round) == math.inf
-    gossip = SimpleNamespace(round=7, config=SimpleNamespace(sync=SimpleNamespace(aligned_rounds=False)))
+    gossip = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=False))
     assert TrainingPeer._inner_deadline(gossip, syncing) == math.inf  # type: ignore[arg-type]
 
 

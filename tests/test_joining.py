@@ -74,6 +74,7 @@ from p2ptrain.net.state_sharing import (
 )
 from p2ptrain.net.wire import WireError, WireTimeout
 from p2ptrain.peer import TrainingPeer
+from p2ptrain.peer_state import PeerState
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
@@ -174,9 +175,10 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
 
     config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
-                                 swarm=swarm, round=0, synced=True, joined_ever=False, routes=Routes("me"),
+                                 swarm=swarm, state=types.SimpleNamespace(round=0, synced=True, joined_ever=False),
+                                 sync=types.SimpleNamespace(aligned_rounds=config.aligned_rounds), routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned), announced=[])
-    peer._announce = lambda **fields: peer.announced.append(fields)
+    peer.announce = lambda **fields: peer.announced.append(fields)
     return Joiner(peer), reads  # type: ignore[arg-type]
 
 
@@ -234,7 +236,7 @@ def test_a_lead_taken_in_a_round_or_two_does_not_send_a_peer_back():
     """The majority must be far behind RAN_AHEAD_ROUNDS rounds in a row: a member that averaged alone twice while
     the other waited, or the records of a peer just killed, make a lead that the next round undoes."""
     joiner, _ = joiner_seeing([])
-    joiner.peer.round = 26
+    joiner.peer.state.round = 26
     choice = joiner.choose(SwarmView("me", [record("p1", 23), record("p2", 23)]))
     assert choice.ran_ahead and choice.donors
     for rounds_in_a_row, held_back in ((1, True), (RAN_AHEAD_ROUNDS - 1, True), (RAN_AHEAD_ROUNDS, False)):
@@ -247,46 +249,47 @@ def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace
     """A fresh GASLoC peer's Joiner whose every candidate state is refused `refusals` times, then accepted (to
     round 40); also the rounds at which it tried."""
     tries: list[int] = []
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="gasloc")), round=0, synced=True,
-                                 joined_ever=False, reputation=types.SimpleNamespace(is_banned=nobody_banned),
+    config = SyncConfig(mode="gasloc")
+    sync = types.SimpleNamespace(aligned_rounds=config.aligned_rounds,
+                                 rounds_count_own_steps=config.rounds_count_own_steps,
+                                 load_state_tensors_=lambda _tensors: None)
+    state = PeerState([], types.SimpleNamespace(set_params_=lambda _tensors: None), sync)  # type: ignore[arg-type]
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), state=state, sync=sync,
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned),
                                  announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)),
                                  routes=Routes("me"))
     joiner = Joiner(peer)  # type: ignore[arg-type]
 
     def corroborate(*_args: object) -> Verdict:
-        tries.append(peer.round)
+        tries.append(peer.state.round)
         return Verdict(len(tries) > refusals, "by hand", offence=None)
 
-    def apply(_snapshot: object) -> None:
-        peer.round = 40
-
-    joiner._download = lambda donor, choice: object()  # type: ignore[method-assign]
+    joiner._download = lambda donor, choice: StateSnapshot({"round": 40}, (), ())  # type: ignore[method-assign]
     joiner._corroborate = corroborate  # type: ignore[method-assign]
-    peer._apply_snapshot = apply
     return joiner, peer, tries
 
 
 def run_rounds(joiner: Joiner, peer: types.SimpleNamespace, rounds: int) -> None:
-    """The peer's round loop, as far as joining goes: try to catch up, then count the round (gossip peers' rounds
-    are their own)."""
+    """The peer's round loop, as far as joining goes: try to catch up (the state takes what the joiner decides),
+    then count the round (gossip peers' rounds are their own)."""
     view = SwarmView("me", [record("a", 30), record("b", 31)])
     for _ in range(rounds):
-        joiner.catch_up_(view)
-        peer.round += 1
+        peer.state.take_(joiner.catch_up_(view))
+        peer.state.round += 1
 
 
 def test_a_fresh_gossip_peer_that_refused_every_donor_tries_again_later_and_joins():
     joiner, peer, tries = gossip_joiner_refusing(refusals=4)  # two donors, both refused at each of two tries
     run_rounds(joiner, peer, 6)
     assert tries[:2] == [0, 0] and tries[2:4] == [1, 1] and tries[4] == 3  # backing off: rounds 0, 1, 3
-    assert len(tries) == 5 and peer.round > 40 and joiner.retry_round is None
+    assert len(tries) == 5 and peer.state.round > 40 and joiner.retry_round is None
 
 
 def test_a_fresh_gossip_peer_gives_up_after_its_retries():
     joiner, peer, tries = gossip_joiner_refusing(refusals=10_000)
     run_rounds(joiner, peer, 40)
     assert sorted(set(tries)) == [0, 1, 3, 7, 15] and len(tries) == 2 * (JOIN_RETRIES + 1)
-    assert joiner.retry_round is None and peer.round == 40
+    assert joiner.retry_round is None and peer.state.round == 40
 
 
 def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum():
@@ -452,12 +455,15 @@ def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
     """The same, through a Factored joiner's corroboration: honest parameters, a momentum 10 × the witnesses'."""
     momentum = [0.1 * t for t in THETA]
     params = [t.clone() for t in THETA]
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="factored")), round=6,
-                                 synced=True, joined_ever=True, params=params, val_batches=[], routes=Routes("me"),
+    config = SyncConfig(mode="factored")
+    state = types.SimpleNamespace(round=6, synced=True, joined_ever=True,
+                                  named_tensors=lambda: [("sync:momentum:0", torch.zeros(3))])
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), state=state,
+                                 params=params, val_batches=[], routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
                                  inner=types.SimpleNamespace(evaluate=lambda _batches: 3.0),
-                                 _named_state=lambda: [("sync:momentum:0", torch.zeros(3))],
-                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None))
+                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
+                                                            aligned_rounds=config.aligned_rounds))
     joiner = Joiner(peer)  # type: ignore[arg-type]
     joiner._ask = lambda asked, seed: [Witnessed(r.peer_id, True, snapshot_with_momentum(momentum).sketch(seed))
                                        for r in asked]  # type: ignore[method-assign]
@@ -470,7 +476,8 @@ def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
     candidate = snapshot_with_momentum([10 * m for m in momentum])
     verdict = joiner._corroborate(candidate, record("donor", 7), choice, 3.0)
     assert verdict.offence == "wrong_state" and "outer state's norm" in verdict.detail
-    peer.sync = types.SimpleNamespace(outer_state_problem=lambda _params, tensors: f"{len(tensors)} tensors, all wrong")
+    peer.sync = types.SimpleNamespace(outer_state_problem=lambda _params, tensors: f"{len(tensors)} tensors, all wrong",
+                                      aligned_rounds=config.aligned_rounds)
     verdict = joiner._corroborate(snapshot_with_momentum(momentum), record("donor", 7), choice, 3.0)
     assert not verdict.accepted and verdict.detail == "2 tensors, all wrong"  # what the strategy sees beside θ
 
@@ -505,11 +512,15 @@ def corroborating_joiner(own: list[torch.Tensor], swarm: list[torch.Tensor], wit
     our own state), and whose loss on our batches is losses["own"] for our parameters, losses["swarm"] for others."""
     params = [t.clone() for t in own]
     evaluate = lambda _batches: losses["own"] if torch.equal(params[0], own[0]) else losses["swarm"]  # noqa: E731
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode="diloco")), round=6, synced=False,
-                                 joined_ever=True, params=params, val_batches=[], routes=Routes("me"),
+    config = SyncConfig(mode="diloco")
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config),
+                                 state=types.SimpleNamespace(round=6, synced=False, joined_ever=True,
+                                                             named_tensors=lambda: []),
+                                 params=params, val_batches=[], routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
-                                 inner=types.SimpleNamespace(evaluate=evaluate), _named_state=lambda: [],
-                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None))
+                                 inner=types.SimpleNamespace(evaluate=evaluate),
+                                 sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
+                                                            aligned_rounds=config.aligned_rounds))
     joiner = Joiner(peer)  # type: ignore[arg-type]
     witnesses = [record(f"w{i}", 7) for i in range(3)]
 
@@ -581,7 +592,8 @@ def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(mo
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(state_download_timeout_s=0.2),
                                                               run=RunConfig()),
                                  p2p=None, loop=loop, reputation=reputation, routes=Routes("me"), fingerprint="f",
-                                 _state_nbytes=lambda: 16 * 1024, _state_layout=lambda: [])
+                                 state=types.SimpleNamespace(nbytes=lambda: 16 * 1024, layout=lambda: []),
+                                 sync=types.SimpleNamespace(aligned_rounds=True))
     try:
         started = time.monotonic()
         assert Joiner(peer)._download(donor, DonorChoice(7, [], [], [])) is None  # type: ignore[arg-type]
@@ -612,7 +624,8 @@ def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_d
     monkeypatch.setattr("p2ptrain.joining.PeerID.from_base58", lambda text: text)
     loop, reputation = BackgroundLoop(name="p2ptrain-test-witnesses"), Reputation()
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(), run=RunConfig()), p2p=None,
-                                 loop=loop, reputation=reputation, routes=Routes("me"))
+                                 loop=loop, reputation=reputation, routes=Routes("me"),
+                                 sync=types.SimpleNamespace(aligned_rounds=True))
     try:
         witnesses = [record(f"w-{kind}", 7) for kind in ("honest", "garbled", "stalled", "refused")]
         started = time.monotonic()
@@ -894,7 +907,7 @@ class Liar:
     def __init__(self, config: PeerConfig, initial_peers: list[str], lie: Callable[[list[int]], int]):
         self.peer = TrainingPeer(config, initial_peers)
         self.lie = lie
-        self.poison = [(name, -5 * tensor) for name, tensor in self.peer._named_state()]
+        self.poison = [(name, -5 * tensor) for name, tensor in self.peer.state.named_tensors()]
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -1082,16 +1095,17 @@ def rounds_run_by(first_round: int, lost: set[int], rounds: int = 10) -> list[in
     """The rounds `TrainingPeer.run` runs with `run.rounds` set, starting at `first_round` (a joiner's donor's round),
     when each round in `lost` is waited out to join the next one."""
     ran: list[int] = []
-    peer = types.SimpleNamespace(config=PeerConfig(run=RunConfig(rounds=rounds, progress=False)), round=first_round,
-                                 joined_ever=True, end_round=None, rounds_run=0, round_callbacks=[],
+    peer = types.SimpleNamespace(config=PeerConfig(run=RunConfig(rounds=rounds, progress=False)),
+                                 state=types.SimpleNamespace(round=first_round, joined_ever=True),
+                                 end_round=None, rounds_run=0, round_callbacks=[],
                                  stop_event=threading.Event(), node=types.SimpleNamespace(command=lambda _: None))
 
     def run_round(_bar: object) -> types.SimpleNamespace:
-        while peer.round in lost:
-            peer.round += 1
-        TrainingPeer._count_from(peer, peer.round)  # type: ignore[arg-type]
-        ran.append(peer.round)
-        peer.round += 1
+        while peer.state.round in lost:
+            peer.state.round += 1
+        TrainingPeer._count_from(peer, peer.state.round)  # type: ignore[arg-type]
+        ran.append(peer.state.round)
+        peer.state.round += 1
         return types.SimpleNamespace(round=ran[-1], val_loss=3.0, tokens_per_s=1.0, peers_averaged=3, joined=False,
                                      train_loss=3.0, round_s=1.0)
 
@@ -1115,13 +1129,12 @@ def test_a_gasloc_peer_that_takes_a_slower_peers_state_keeps_its_own_round_count
     that took the state of a slower peer at round 7 went on from 7 (seen in the docker swarm). DiLoCo's all-reduce
     and Factored's same-round Mix1 take the donor's round."""
     applied: list[list[torch.Tensor]] = []
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=SyncConfig(mode=mode)), round=14,
-                                 params=[torch.zeros(3)],
-                                 outer=types.SimpleNamespace(set_params_=applied.append),
-                                 sync=types.SimpleNamespace(load_state_tensors_=applied.append))
+    sync = types.SimpleNamespace(load_state_tensors_=applied.append,
+                                 rounds_count_own_steps=SyncConfig(mode=mode).rounds_count_own_steps)
+    state = PeerState(["p"], types.SimpleNamespace(set_params_=applied.append), sync, round_=14)  # type: ignore[arg-type]
     snapshot = StateSnapshot({"round": 7}, ("p", "m"), (torch.ones(3), torch.full((3,), 2.0)))
-    TrainingPeer._apply_snapshot(peer, snapshot)  # type: ignore[arg-type]
-    assert peer.round == expected
+    state.adopt_(snapshot)
+    assert state.round == expected
     assert [t.tolist() for group in applied for t in group] == [[1.0] * 3, [2.0] * 3]
 
 

@@ -11,9 +11,10 @@ from p2ptrain.peer import TrainingPeer
 
 
 def _peer(overlap: str, read_ago_s: float | None, needs_current_swarm: bool = True) -> types.SimpleNamespace:
-    sync = types.SimpleNamespace(overlap=overlap, needs_current_swarm=needs_current_swarm)
     network = types.SimpleNamespace(heartbeat_s=0.5)
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=sync, network=network),
+    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=types.SimpleNamespace(overlap=overlap),
+                                                              network=network),
+                                 sync=types.SimpleNamespace(needs_current_swarm=needs_current_swarm),
                                  reads=0, stored=[], waited=[])
     peer._sync_view = (-float("inf"), None) if read_ago_s is None else (time.monotonic() - read_ago_s, "view at sync")
 
@@ -42,8 +43,8 @@ def test_a_round_starts_from_the_sync_view_only_when_overlapped_and_fresh(overla
 
 def test_an_all_reduce_peer_waits_for_its_store_unless_told_not_to() -> None:
     peer = _peer("delayed", None)
-    TrainingPeer._announce(peer, round=3, phase="inner")  # type: ignore[arg-type]
-    TrainingPeer._announce(peer, wait=False, phase="sync")  # type: ignore[arg-type]
+    TrainingPeer.announce(peer, round=3, phase="inner")  # type: ignore[arg-type]
+    TrainingPeer.announce(peer, wait=False, phase="sync")  # type: ignore[arg-type]
     # the round's start: stored now and waited for; "sync": stored in the background (publish=True), no wait
     assert peer.stored == [(False, {"round": 3, "phase": "inner"}), (True, {"phase": "sync"})]
     assert peer.waited == [pytest.approx(1.0)]
@@ -51,5 +52,5 @@ def test_an_all_reduce_peer_waits_for_its_store_unless_told_not_to() -> None:
 
 def test_a_gossip_peer_never_waits_for_a_store() -> None:
     peer = _peer("none", None, needs_current_swarm=False)
-    TrainingPeer._announce(peer, round=3, phase="inner")  # type: ignore[arg-type]
+    TrainingPeer.announce(peer, round=3, phase="inner")  # type: ignore[arg-type]
     assert peer.stored == [(True, {"round": 3, "phase": "inner"})] and peer.waited == []

@@ -142,14 +142,14 @@ def test_a_peer_out_of_step_stays_so_until_it_adopts_a_state_or_its_group_shows_
     the majority of the round."""
     import types
 
-    from p2ptrain.peer import TrainingPeer
+    from p2ptrain.peer_state import PeerState
 
     peer = types.SimpleNamespace(synced=True, joined_this_round=False)
     steps = ((3, False, None, True), (1, False, None, False), (3, False, None, False), (3, True, None, True),
              (3, False, False, False), (3, False, True, True), (1, False, True, False), (3, False, None, False))
     for group, joined, shown, expected in steps:
         peer.joined_this_round = joined
-        TrainingPeer._record_step(peer, group_size=group, others_here=2, shown=shown)  # type: ignore[arg-type]
+        PeerState.record_step_(peer, group_size=group, others_here=2, shown=shown)  # type: ignore[arg-type]
         assert peer.synced is expected, (group, joined, shown)
 
 

@@ -169,6 +169,7 @@ class SyncConfig:
         local applies all of it and lets the group's mean correct it a round late; eager applies its share, 1/M."""
         return 1.0 if self.overlap == "local" else 1.0 / max(1, group_size)
 
+    # the mode traits: defined here, once; the round loop and the joiner read them through the strategy (OuterSync)
     @property
     def aligned_rounds(self) -> bool:
         """Whether peers must be in the same round to sync (all-reduce modes) or gossip at any time."""

@@ -80,6 +80,18 @@ class DilocoSync:
         self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
         self.pending_round, self.pending_stretch = -1, 1.0
 
+    @property
+    def aligned_rounds(self) -> bool:
+        return self.config.aligned_rounds
+
+    @property
+    def needs_current_swarm(self) -> bool:
+        return self.config.needs_current_swarm
+
+    @property
+    def rounds_count_own_steps(self) -> bool:
+        return self.config.rounds_count_own_steps
+
     def start_round(self, context: RoundContext) -> None:
         pass
 

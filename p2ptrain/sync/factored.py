@@ -84,6 +84,18 @@ class FactoredSync:
         self._mix2_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mix2") if self.delayed \
             else None
 
+    @property
+    def aligned_rounds(self) -> bool:
+        return self.config.aligned_rounds
+
+    @property
+    def needs_current_swarm(self) -> bool:
+        return self.config.needs_current_swarm
+
+    @property
+    def rounds_count_own_steps(self) -> bool:
+        return self.config.rounds_count_own_steps
+
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
         self.mixer.budget_s = context.inner_phase_s

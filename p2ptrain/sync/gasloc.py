@@ -38,6 +38,18 @@ class GaslocSync:
         self.overlapped = config.overlap == "delayed"
         self.pending: tuple[list[torch.Tensor], concurrent.futures.Future[Mixed]] | None = None  # (y_r, its mix)
 
+    @property
+    def aligned_rounds(self) -> bool:
+        return self.config.aligned_rounds
+
+    @property
+    def needs_current_swarm(self) -> bool:
+        return self.config.needs_current_swarm
+
+    @property
+    def rounds_count_own_steps(self) -> bool:
+        return self.config.rounds_count_own_steps
+
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round
         self.mixer.budget_s = context.inner_phase_s

@@ -147,6 +147,24 @@ class Mix2(Protocol):
 
 
 class OuterSync(Protocol):
+    """An outer-sync strategy. Its mode traits (what the round loop and the joiner ask of it) are defined once, on
+    `SyncConfig`, and read through the strategy."""
+
+    @property
+    def aligned_rounds(self) -> bool:
+        """Whether peers must be in the same round to sync (all-reduce) rather than gossip at any time."""
+        ...
+
+    @property
+    def needs_current_swarm(self) -> bool:
+        """Whether a round reads the swarm from the DHT (and publishes its phase) before it syncs."""
+        ...
+
+    @property
+    def rounds_count_own_steps(self) -> bool:
+        """Whether a peer's round counts its own outer steps (kept when it adopts a state of a lower round)."""
+        ...
+
     def start_round(self, context: RoundContext) -> None:
         """Called right after the anchor θ_r is fixed, before the inner phase (background work may start)."""
         ...
