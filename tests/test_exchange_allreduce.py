@@ -37,7 +37,7 @@ from p2ptrain.sync.allreduce_agreement import (
 )
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound, round_groups
-from p2ptrain.sync.round_retry import FORGET_RELAY_FAILURE_ROUNDS, RelayRetries
+from p2ptrain.sync.relay_retries import FORGET_RELAY_FAILURE_ROUNDS, RelayRetries
 from p2ptrain.tensor_layout import distance, norm
 
 RUN, FINGERPRINT = "exchange-allreduce-test", "fp-1"

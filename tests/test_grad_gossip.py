@@ -31,9 +31,9 @@ from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, s
 from p2ptrain.sync import grad_gossip
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
-from p2ptrain.sync.grad_gossip import ROUND_OVER, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import WRONG_ROUND
+from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import ROUND_RETRY_S
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
@@ -134,10 +134,10 @@ def test_mutual_offers_make_one_exchange_even_with_one_slot() -> None:
 
 def test_rounds_refuse_other_rounds_and_a_closed_round_refuses_late_commits() -> None:
     rnd = Mix2Round(3, "A", deltas(0), [], "none", 2)
-    assert rnd.accept_("B", 4, math.inf) == WRONG_ROUND and rnd.accept_("B", 2, math.inf) == ROUND_OVER
+    assert rnd.accept_("B", 4, math.inf) == Refusal.WRONG_ROUND and rnd.accept_("B", 2, math.inf) == Refusal.ROUND_OVER
     assert rnd.accept_("B", 3, math.inf) is None and not rnd.idle.is_set()
     assert rnd.begin_close_() == math.inf  # it waits for B's exchange in flight (bounded by B's deadline)
-    assert rnd.accept_("C", 3, math.inf) == ROUND_OVER  # closing: no new exchange
+    assert rnd.accept_("C", 3, math.inf) == Refusal.ROUND_OVER  # closing: no new exchange
     assert rnd.close_() is None
     with pytest.raises(RoundClosed):  # B's commit after the close: no ack, so B does not mix either
         rnd.apply_("B", deltas(1), outgoing=False)
@@ -258,7 +258,8 @@ def test_three_transports_mix_two_rounds_preserving_the_sum_and_committing_error
             await one_round(transports, 1)  # now with non-zero error-feedback buffers
             offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "codec": "topk", "weight": 1 / 3,
                      "sender": transports[0].own_id, "deadline_s": 5.0}
-            for round_, reason in ((1, ROUND_OVER), (2, WRONG_ROUND)):  # closed round; a round not reached yet
+            # a closed round; a round not reached yet
+            for round_, reason in ((1, Refusal.ROUND_OVER), (2, Refusal.WRONG_ROUND)):
                 with pytest.raises(ExchangeRefused, match=reason):
                     await push_pull(p2ps[0], p2ps[1].peer_id, f"{RUN}.mix2", dict(offer, round=round_),
                                     transports[0].current.payload, lambda h, p: lambda: None,  # type: ignore[union-attr]
@@ -324,7 +325,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
         if answer.get("status") == "ok":
             await read_payload(responses, first, int(answer["nbytes"]), chunk_timeout_s=5.0)
             return responses, commit
-        assert answer.get("reason") == WRONG_ROUND, answer
+        assert answer.get("reason") == Refusal.WRONG_ROUND, answer
         await asyncio.sleep(ROUND_RETRY_S)  # what a real initiator does: ask again when it may have reached our round
 
 

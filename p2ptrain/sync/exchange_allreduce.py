@@ -61,9 +61,11 @@ from p2ptrain.sync.allreduce_agreement import (
     outvoted,
 )
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round, RoundClosed
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.round_retry import RelayRetries, retry_delay_s
+from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
+from p2ptrain.sync.relay_retries import RelayRetries
+from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.sync.state_evidence import parse_sample, state_in_step
 from p2ptrain.tensor_layout import norm
 
@@ -122,7 +124,7 @@ class GatherRound(Mix2Round):
 
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
         if round_ == self.round and sender not in self.expected and not self.closing:
-            return "not in this peer's group"  # another group of the round, or a peer our records do not show yet
+            return Refusal.NOT_IN_GROUP  # another group of the round, or a peer our records do not show yet
         return super().accept_(sender, round_, gives_up_at)
 
     def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:

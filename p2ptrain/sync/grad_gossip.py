@@ -48,19 +48,14 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND
-from p2ptrain.sync.round_gate import LEAVING, RoundGate, offered_hold_s
+from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
+from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
 
 KIND = "mix2"
-ROUND_OVER = "round over"  # the responder's Mix2 of that round has closed (or it is already past that round)
-ALREADY_PARTNERS = "already partners"  # mixed, mixing, or the partner's own offer to us is the one that counts
-# refusals after which an offer is made again (`retry_delay_s`, up to the round's patience): the partner has not
-# reached our round, or its offer to us crossed ours and may itself have been refused as not in our round yet
-ASK_AGAIN = (WRONG_ROUND, ALREADY_PARTNERS)
 
 
 def outer_gradient_codec(config: SyncConfig) -> Codec:
@@ -126,16 +121,16 @@ class Mix2Round:
         to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
         whose first one we accepted (and it did not commit) is one too many."""
         if round_ > self.round:
-            return WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
+            return Refusal.WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
         if round_ < self.round or self.closing:
-            return ROUND_OVER
+            return Refusal.ROUND_OVER
         if sender == self.own_id or sender in self.done or sender in self.incoming or (
                 sender in self.outgoing and not sender < self.own_id):
-            return ALREADY_PARTNERS
+            return Refusal.ALREADY_PARTNERS
         if sender in self.opened:
-            return TOO_MANY_OFFERS
+            return Refusal.TOO_MANY_OFFERS
         if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
-            return "busy"
+            return Refusal.BUSY
         self.opened.add(sender)
         self.incoming[sender] = gives_up_at
         self.idle.clear()
@@ -337,20 +332,20 @@ class GradGossip:
         Offers name their sender (one exchange per pair and round) and their deadline (how long our close waits
         for them); both are the initiator's word, and the deadline is capped by `allreduce_timeout_s`."""
         if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
-            return "another run or model"
+            return Refusal.OTHER_RUN
         if header.get("kind") != self.kind or header.get("codec") not in GRAD_CODECS:
-            return "unsupported exchange"
+            return Refusal.UNSUPPORTED
         sender, round_, deadline_s = header.get("sender"), header.get("round"), header.get("deadline_s")
         if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
-            return "malformed offer"
+            return Refusal.MALFORMED
         rnd = self.current
         if rnd is None or round_ > rnd.round:  # our s for that round is not set yet: the initiator asks again
-            return LEAVING if self.gate.closed else WRONG_ROUND  # unless we shut down
+            return Refusal.LEAVING if self.gate.closed else Refusal.WRONG_ROUND  # unless we shut down
         if header.get("weight") != rnd.weight:
-            return "bad mixing weight"
+            return Refusal.BAD_WEIGHT
         gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
         refusal = rnd.accept_(sender, round_, gives_up_at)
-        if refusal == TOO_MANY_OFFERS:
+        if refusal == Refusal.TOO_MANY_OFFERS:
             self.reputation.penalise(sender, "too_many_opens", f"a second exchange opened in round {round_}")
         return refusal if refusal is not None else _Incoming(self, rnd, sender)
 
