@@ -28,10 +28,11 @@ from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.net import exchange
 from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, push_pull, read_payload, serve_exchanges
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
-from p2ptrain.sync import grad_gossip
+from p2ptrain.sync import exchange_driver
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.exchange_driver import RoundClosed
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
-from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import ROUND_RETRY_S
@@ -156,7 +157,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
                              _route: Any = None, _hold_s: float = 0.0,
                              keep_unconfirmed: bool = False) -> ExchangeOutcome:
         await asyncio.sleep(0)  # let the other peers run, as a real exchange would
-        opened = peers[peer_id.to_base58()].open(dict(header, nbytes=payload_bytes(payload)))
+        opened = peers[peer_id.to_base58()].driver.open(dict(header, nbytes=payload_bytes(payload)))
         if isinstance(opened, str):
             raise ExchangeRefused(opened)
         try:
@@ -168,7 +169,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
         return ExchangeOutcome(apply_ours, opened.header, payload_bytes(payload), payload_bytes(opened.payload),
                                0.01)
 
-    monkeypatch.setattr(grad_gossip, "push_pull", fake_push_pull)
+    monkeypatch.setattr(exchange_driver, "push_pull", fake_push_pull)
 
 
 def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,7 +254,7 @@ def test_three_transports_mix_two_rounds_preserving_the_sum_and_committing_error
             transports = [GradGossip(p, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=i)
                           for i, p in enumerate(p2ps)]
             for g in transports:
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             await one_round(transports, 0)
             await one_round(transports, 1)  # now with non-zero error-feedback buffers
             offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "codec": "topk", "weight": 1 / 3,
@@ -280,7 +281,7 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
             responder = GradGossip(b, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)
             stranger = GradGossip(a, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=1)  # never in a round
             for g in (responder, stranger):
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             delta = deltas(1)
             mixing = asyncio.create_task(responder.mix(delta, [stranger.own_id], 0, patience_s=2.0))
             # from a third peer: the responder knows who offers from libp2p, not from the offer's "sender"

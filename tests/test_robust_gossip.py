@@ -479,7 +479,7 @@ def test_a_mix2_attacker_moves_the_victims_outer_gradient_by_at_most_w_tau(robus
             attacker = GradAttacker(b, RUN, FINGERPRINT, reference(), grad_config, seed=1)
             attacker.victim_s = victim_delta  # codec none, no residual yet: s = Δ
             for g in (victim, attacker):
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             (mixed, stats), _ = await asyncio.gather(
                 victim.mix(victim_delta, [attacker.own_id], 0, patience_s=5.0),
                 attacker.mix(attacker_delta, [victim.own_id], 0, patience_s=5.0))

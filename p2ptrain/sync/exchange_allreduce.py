@@ -43,7 +43,7 @@ import torch
 from hivemind.p2p import P2P
 
 from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
-from p2ptrain.maths.codecs import compress_all, decode_all
+from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
@@ -60,12 +60,12 @@ from p2ptrain.sync.allreduce_agreement import (
     largest_group,
     outvoted,
 )
-from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed
+from p2ptrain.sync.grad_gossip import Mix2Round
 from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
-from p2ptrain.sync.relay_retries import RelayRetries
-from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.sync.state_evidence import parse_sample, state_in_step
 from p2ptrain.tensor_layout import norm
 
@@ -113,6 +113,7 @@ class GatherRound(Mix2Round):
                  expected: set[str], digest: str | None = None):
         super().__init__(stage_round, own_id, sent, payload, codec, degree_cap=MAX_MEMBERS - 1)
         self.weight, self.digest = GATHER_WEIGHT, digest  # digest: ours, in the confirmation stage
+        self.measures_link = digest is None  # a confirmation is a few bytes
         self.expected = expected - {own_id}
         self.received: dict[str, list[torch.Tensor]] = {}
         self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
@@ -143,6 +144,12 @@ class GatherRound(Mix2Round):
         if not outgoing and partner not in self.done:
             self.give_up_on_(partner)
 
+    def ended_(self, partner: str, outcome: str) -> None:
+        """An exchange we opened ended: a member that refused for good (not its group, round over) or failed is
+        no longer waited for."""
+        if outcome != Outcome.OK and outcome not in ASK_AGAIN and outcome != Outcome.RELAY_FAILED:
+            self.give_up_on_(partner)
+
     def give_up_on_(self, partner: str) -> None:
         """Stop waiting for `partner` (it refused or failed for good)."""
         self.expected.discard(partner)
@@ -157,24 +164,31 @@ class GatherRound(Mix2Round):
 
 
 StageT = TypeVar("StageT", bound=GatherRound)
-RELAY_FAILED = "relay failed"  # an exchange through the member's relay failed: asked again (`RelayRetries`)
 
 
-class ExchangeAllReduce(GradGossip):
-    """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's)."""
+class ExchangeAllReduce:
+    """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's): `gather` runs a
+    round; its `driver` answers offers (`serve_exchanges(p2p, exchange.driver)`) and makes ours. It is the driver's
+    policy for the all-reduce's values: what headers carry, how a member's value is decoded (never clipped:
+    CenteredClip over all inputs replaces per-partner clipping)."""
     STAGES, ALL_TO_ALL = 2, 0  # a round's stages are numbered STAGES × round + k; the all-to-all's start here
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
                  reputation: Reputation | None = None, routes: Routes | None = None):
-        super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
-                         kind=kind, routes=routes)
-        self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
+        self.p2p, self.run_id, self.config, self.kind = p2p, run_id, config, kind
+        self.own_id = p2p.peer_id.to_base58()
+        self.feedback = ErrorFeedback(outer_gradient_codec(config), like, config.error_feedback_decay)
+        self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
+        self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
+        self.driver = ExchangeDriver(p2p, run_id, fingerprint, kind, config, self, GRAD_CODECS,
+                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, self.routes)
+        self.links = self.driver.links  # the peer's one table of measured links
+        self.group_size = group_size
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
         self._token_payload = compress_all(self.feedback.codec, self._token)
-        self.relay_retries = RelayRetries()  # members whose relay route fails: asked again in the first round only
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
                      patience_s: float, state: list[float] | None = None) -> AveragingResult:
@@ -191,7 +205,8 @@ class ExchangeAllReduce(GradGossip):
         """(our payload, our s), or None for a non-finite Δ (nothing can be sent)."""
         self._residual_before = None  # a refusal from now on concerns this round's mean
         try:
-            payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
+            payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, prepare_payload, self.feedback,
+                                                                                own, self.outgoing)
         except ValueError as e:
             logger.warning(f"round {round_}: not averaging this outer gradient ({e})")
             return None
@@ -267,17 +282,13 @@ class ExchangeAllReduce(GradGossip):
 
     async def _stage(self, rnd: StageT, patience_s: float, stats: RoundSync) -> StageT:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
-        self.current = rnd
+        self.driver.current = rnd
         give_up_at = time.monotonic() + patience_s
         ours = [p for p in rnd.expected if self.routes.opener(self.own_id, p) == self.own_id]
-        await self._initiate_all(rnd, ours, patience_s, stats)
+        await self.driver.open_all(rnd, ours, patience_s, stats, rnd.round // self.STAGES)
         with contextlib.suppress(asyncio.TimeoutError):  # the others of the group open their exchanges with us
             await asyncio.wait_for(rnd.complete.wait(), max(0.0, give_up_at - time.monotonic()))
-        with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
-            await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
-        rnd.close_()
-        stats.bytes_sent += rnd.answered[0]
-        stats.bytes_received += rnd.answered[1]
+        await self.driver.close_round(rnd, stats)
         return rnd
 
     async def _confirm(self, reduction: Reduction, members: set[str], stage: int, patience_s: float,
@@ -310,12 +321,9 @@ class ExchangeAllReduce(GradGossip):
                                                           f"from the group's robust mean (τ {result.radius:.3g})")
         return result.mean, result.lengths, result.distances, reduction
 
-    def measures_link(self, rnd: Mix2Round) -> bool:
-        return not (isinstance(rnd, GatherRound) and rnd.digest is not None)  # a confirmation is a few bytes
-
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
     def header_extra(self) -> dict[str, Any]:
-        rnd = self.current
+        rnd = self.driver.current
         if isinstance(rnd, GatherRound) and rnd.digest is not None:
             return {"digest": rnd.digest}
         shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
@@ -351,42 +359,19 @@ class ExchangeAllReduce(GradGossip):
                            f"peer's {same} in round {self.previous.round}: out of step; keeping the anchor this round")
         return other > same, cheats
 
-    # ---- exchanges, and what they bring ----------------------------------------------------------------------------
-    async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
-                            stats: RoundSync) -> None:
-        """Open exchanges with all of `live_peers` at once (gossip opens one after another); a member a moment
-        from our round holds our offer until it gets there (round_gate.py), and one that refuses it as not in its
-        round yet is asked again (`retry_delay_s`), for up to `patience_s` in all."""
-        give_up_at, attempt = time.monotonic() + patience_s, 0
-        rnd.hold_until = give_up_at
-        candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
-        while candidates:
-            reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
-            outcomes = await asyncio.gather(*(self._exchange_with(rnd, p, stats) for p in reserved))
-            candidates = [p for p, outcome in zip(reserved, outcomes, strict=True)
-                          if outcome in ASK_AGAIN or outcome == RELAY_FAILED]
-            if not candidates or time.monotonic() >= give_up_at:
-                return
-            await asyncio.sleep(retry_delay_s(attempt))
-            attempt += 1
-
-    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
-        """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer
-        waited for."""
-        outcome = await super()._exchange_with(rnd, partner, stats)
-        round_ = rnd.round // self.STAGES if isinstance(rnd, GatherRound) else rnd.round
-        if outcome == "ok":
-            self.relay_retries.reached_(partner)
-        elif outcome == "failed" and self.routes.route_to(partner) is not None and \
-                self.relay_retries.ask_again_(partner, round_):
-            return RELAY_FAILED
-        if outcome != "ok" and outcome not in ASK_AGAIN and isinstance(rnd, GatherRound):
-            rnd.give_up_on_(partner)
-        return outcome
-
+    # ---- what a member's value must be ------------------------------------------------------------------------
     def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
         """The member's value: it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
+
+    def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A member's value as it came: CenteredClip over all inputs bounds it (`_reduce`)."""
+        return theirs
+
+    def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we send for our s: the single point where the s every member receives is formed (once a round).
+        The identity; a red-team test wraps it to play a hostile peer."""
+        return sent

@@ -50,7 +50,8 @@ from p2ptrain.maths.codecs import compress_all
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
-from p2ptrain.sync.exchange_allreduce import RELAY_FAILED, ExchangeAllReduce, GatherRound
+from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound
+from p2ptrain.sync.exchange_driver import Outcome
 from p2ptrain.sync.grad_gossip import Mix2Round
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.tensor_layout import norm
@@ -114,6 +115,11 @@ class ChunkRound(GatherRound):
 
     def payload_for(self, partner: str) -> Payload:
         return self.payloads.get(partner, self.payload)
+
+    def ended_(self, partner: str, outcome: str) -> None:
+        super().ended_(partner, outcome)
+        if outcome not in (Outcome.FAILED, Outcome.RELAY_FAILED):  # it answered, if only to refuse
+            self.answered_us.add(partner)
 
 
 class MeansRound(GatherRound):
@@ -191,7 +197,8 @@ class ScatterAllReduce(ExchangeAllReduce):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.gate.max_stages_ahead = self.STAGES  # a member in any stage of the round before still holds our offer
+        # a member in any stage of the round before still holds our offer
+        self.driver.gate.max_stages_ahead = self.STAGES
         self._audit: tuple[int, View, SketchRound] | None = None  # a failed round's view, until the fallback's inputs
         self._liars: set[str] = set()  # members found lying this round (penalised once)
 
@@ -333,12 +340,6 @@ class ScatterAllReduce(ExchangeAllReduce):
         return centered_clip_rows_(rows.clone(), [rows[0]], self.config.clip_multiplier, chunk_check.MAX_ITERATIONS,
                                    chunk_check.CONVERGED)
 
-    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
-        outcome = await super()._exchange_with(rnd, partner, stats)
-        if isinstance(rnd, ChunkRound) and outcome not in ("failed", RELAY_FAILED):
-            rnd.answered_us.add(partner)
-        return outcome
-
     # ---- after a fallback: who lied ------------------------------------------------------------------------------
     def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
                 round_: int) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
@@ -372,7 +373,7 @@ class ScatterAllReduce(ExchangeAllReduce):
 
     # ---- what headers carry ----------------------------------------------------------------------------------------
     def header_extra(self) -> dict[str, Any]:
-        rnd = self.current
+        rnd = self.driver.current
         if isinstance(rnd, SketchRound):
             return {"digest": rnd.digest} | ({"sketches": rnd.ours} if rnd.ours else {})
         if isinstance(rnd, MeansRound):
