@@ -93,7 +93,7 @@ def simulate_round(values: list[list[torch.Tensor]], degree_cap: int, seed: int)
     rounds = [Mix2Round(7, ids[i], values[i], [], "none", degree_cap) for i in range(n)]
     for _ in range(10 * n):
         i, j = rng.sample(range(n), 2)
-        if not rounds[i].reserve_outgoing_(ids[j]):
+        if not rounds[i].slots.reserve_outgoing_(ids[j]):
             continue
         if rounds[j].accept_(ids[i], 7, gives_up_at=math.inf) is None:
             rounds[j].apply_(ids[i], rounds[i].sent, outgoing=False)
@@ -128,7 +128,7 @@ def test_with_dyadic_values_and_pair_weights_the_sum_is_exact_in_float32() -> No
 
 def test_mutual_offers_make_one_exchange_even_with_one_slot() -> None:
     low, high = Mix2Round(0, "A", deltas(0), [], "none", 1), Mix2Round(0, "B", deltas(1), [], "none", 1)
-    assert low.reserve_outgoing_("B") and high.reserve_outgoing_("A")
+    assert low.slots.reserve_outgoing_("B") and high.slots.reserve_outgoing_("A")
     assert low.accept_("B", 0, math.inf) == "already partners"  # the higher id's offer loses
     assert high.accept_("A", 0, math.inf) is None  # the lower id's offer wins, although B's own offer holds a slot
 
@@ -136,8 +136,8 @@ def test_mutual_offers_make_one_exchange_even_with_one_slot() -> None:
 def test_rounds_refuse_other_rounds_and_a_closed_round_refuses_late_commits() -> None:
     rnd = Mix2Round(3, "A", deltas(0), [], "none", 2)
     assert rnd.accept_("B", 4, math.inf) == Refusal.WRONG_ROUND and rnd.accept_("B", 2, math.inf) == Refusal.ROUND_OVER
-    assert rnd.accept_("B", 3, math.inf) is None and not rnd.idle.is_set()
-    assert rnd.begin_close_() == math.inf  # it waits for B's exchange in flight (bounded by B's deadline)
+    assert rnd.accept_("B", 3, math.inf) is None and not rnd.slots.idle.is_set()
+    assert rnd.slots.begin_close_() == math.inf  # it waits for B's exchange in flight (bounded by B's deadline)
     assert rnd.accept_("C", 3, math.inf) == Refusal.ROUND_OVER  # closing: no new exchange
     assert rnd.close_() is None
     with pytest.raises(RoundClosed):  # B's commit after the close: no ack, so B does not mix either
@@ -194,7 +194,8 @@ def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pyt
     sent_by = {g.own_id: g.current.sent for g in swarm if g.current is not None}
     for g, delta, (m, stats) in zip(swarm, own[1:], mixed, strict=True):
         rnd = g.current
-        assert rnd is not None and rnd.closed and 1 <= len(rnd.done) <= 2 and stats.group_size == 1 + len(rnd.done)
+        assert rnd is not None and rnd.slots.closed and 1 <= len(rnd.done) <= 2
+        assert stats.group_size == 1 + len(rnd.done)
         assert same(m, expected_mix(rnd, sent_by))
         assert same(g.feedback.residual, [d - s for d, s in zip(delta, rnd.sent, strict=True)])  # e ← e + Δ − s
         assert all(r.codec == "topk" for r in stats.exchanges) and stats.partners == [r.partner for r in

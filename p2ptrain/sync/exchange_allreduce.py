@@ -49,6 +49,7 @@ from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
+from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.allreduce_agreement import (
     APPLY,
     DISCARD,
@@ -61,8 +62,7 @@ from p2ptrain.sync.allreduce_agreement import (
     outvoted,
 )
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed
-from p2ptrain.sync.grad_gossip import Mix2Round
+from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
@@ -102,7 +102,7 @@ def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round
     return centered_clip_rows_(stacked, inputs[0][1], multiplier), reduction
 
 
-class GatherRound(Mix2Round):
+class GatherRound:
     """One stage of one peer's all-to-all: it keeps what each expected member sent (its Δ, or its digest) and the
     report in its header; `inputs()` gives the values, ours included, sorted by peer id. A member's value whose ack
     was lost is kept: the members confirm what they reduced before anyone applies it (`ExchangeAllReduce._confirm`),
@@ -111,7 +111,8 @@ class GatherRound(Mix2Round):
 
     def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
                  expected: set[str], digest: str | None = None):
-        super().__init__(stage_round, own_id, sent, payload, codec, degree_cap=MAX_MEMBERS - 1)
+        self.round, self.own_id, self.sent, self.payload, self.codec = stage_round, own_id, sent, payload, codec
+        self.slots = RoundSlots(stage_round, own_id, MAX_MEMBERS - 1)
         self.weight, self.digest = GATHER_WEIGHT, digest  # digest: ours, in the confirmation stage
         self.measures_link = digest is None  # a confirmation is a few bytes
         self.expected = expected - {own_id}
@@ -123,26 +124,38 @@ class GatherRound(Mix2Round):
         self.complete = asyncio.Event()  # set once every expected member is done
         self._check_complete()
 
+    @property
+    def done(self) -> list[str]:  # members whose value we hold, in the order it came
+        return self.slots.done
+
+    def payload_for(self, partner: str) -> Payload:
+        """What we send `partner`: the same value to every member."""
+        return self.payload
+
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
-        if round_ == self.round and sender not in self.expected and not self.closing:
+        if round_ == self.round and sender not in self.expected and not self.slots.closing:
             return Refusal.NOT_IN_GROUP  # another group of the round, or a peer our records do not show yet
-        return super().accept_(sender, round_, gives_up_at)
+        return self.slots.accept_(sender, round_, gives_up_at)
 
     def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
-        if self.closed or partner in self.done:
+        if not self.slots.may_apply(partner):
             raise RoundClosed(f"stage {self.round} of the all-reduce closed (or has {partner}'s value) before this "
                               f"commit")
         self.received[partner] = list(theirs)
-        self.done.append(partner)
-        self.count_answered_(partner, outgoing)
+        self.slots.applied_(partner, outgoing, payload_bytes(self.payload_for(partner)))
         self.release_(partner, outgoing)
         self._check_complete()
 
     def release_(self, partner: str, outgoing: bool) -> None:
         """An exchange ended; a member whose offer to us ended unapplied is not waited for (one offer per round)."""
-        super().release_(partner, outgoing)
+        self.slots.release_(partner, outgoing)
         if not outgoing and partner not in self.done:
             self.give_up_on_(partner)
+
+    def close_(self) -> list[torch.Tensor] | None:
+        """Close for good; None: the stage mixes nothing (the all-reduce reduces `inputs()`)."""
+        self.slots.close_()
+        return None
 
     def ended_(self, partner: str, outcome: str) -> None:
         """An exchange we opened ended: a member that refused for good (not its group, round over) or failed is
@@ -329,9 +342,7 @@ class ExchangeAllReduce:
         shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
         return (self.previous.header() if self.previous is not None else {}) | shown
 
-    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
-        if not isinstance(rnd, GatherRound):
-            return
+    def note_partner(self, rnd: GatherRound, partner: str, header: dict[str, Any]) -> None:
         if rnd.digest is not None:
             if is_digest(header.get("digest")):
                 rnd.confirmed[partner] = header["digest"]
@@ -360,14 +371,14 @@ class ExchangeAllReduce:
         return other > same, cheats
 
     # ---- what a member's value must be ------------------------------------------------------------------------
-    def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
+    def decode_partner(self, rnd: GatherRound, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
         """The member's value: it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
 
-    def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def clip_partner(self, rnd: GatherRound, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
         """A member's value as it came: CenteredClip over all inputs bounds it (`_reduce`)."""
         return theirs
 

@@ -51,35 +51,116 @@ class RoundClosed(RuntimeError):
     """A commit after the round closed: raised in the servicer's apply, so no ack goes out and neither side mixes."""
 
 
+class RoundSlots:
+    """The driver's bookkeeping of one round's exchanges: who we mixed with, who is in flight, whether it closes.
+
+    Each partner holds at most one slot of `degree_cap` (ours or its offer) and mixes once per round."""
+
+    def __init__(self, round_: int, own_id: str, degree_cap: int):
+        self.round, self.own_id, self.degree_cap = round_, own_id, degree_cap
+        self.done: list[str] = []  # partners whose mix is applied, in the order it was
+        self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
+        self.outgoing: set[str] = set()  # our offers in flight
+        self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
+        self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
+        self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
+        self.closing = self.closed = False
+        self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
+        self.idle = asyncio.Event()  # set while no accepted offer is in flight
+        self.idle.set()
+
+    def free_slots(self) -> int:
+        return self.degree_cap - len(self.done) - len(self.outgoing) - len(self.incoming)
+
+    def reserve_outgoing_(self, partner: str) -> bool:
+        """Take a slot for an offer of ours; False when full, closing, or already mixing with `partner`."""
+        partnered = partner in self.done or partner in self.outgoing or partner in self.incoming
+        if self.closing or self.free_slots() <= 0 or partnered or partner == self.own_id:
+            return False
+        self.outgoing.add(partner)
+        return True
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
+        to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
+        whose first one we accepted (and it did not commit) is one too many."""
+        if round_ > self.round:
+            return Refusal.WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
+        if round_ < self.round or self.closing:
+            return Refusal.ROUND_OVER
+        if sender == self.own_id or sender in self.done or sender in self.incoming or (
+                sender in self.outgoing and not sender < self.own_id):
+            return Refusal.ALREADY_PARTNERS
+        if sender in self.opened:
+            return Refusal.TOO_MANY_OFFERS
+        if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
+            return Refusal.BUSY
+        self.opened.add(sender)
+        self.incoming[sender] = gives_up_at
+        self.idle.clear()
+        return None
+
+    def may_apply(self, partner: str) -> bool:
+        """Whether a commit from `partner` may still be applied (not after `close_`, not twice)."""
+        return not (self.closed or partner in self.done)
+
+    def applied_(self, partner: str, outgoing: bool, sent_bytes: int) -> None:
+        """`partner`'s value is applied; an exchange it opened counts its bytes (`sent_bytes`: what we sent it;
+        ours are counted where we open them)."""
+        self.done.append(partner)
+        if not outgoing:
+            self.answered[0] += sent_bytes
+            self.answered[1] += self.offered_bytes.pop(partner, 0)
+
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended (applied or not): free its slot in flight."""
+        if outgoing:
+            self.outgoing.discard(partner)
+        else:
+            self.incoming.pop(partner, None)
+            if not self.incoming:
+                self.idle.set()
+
+    def begin_close_(self) -> float:
+        """Refuse offers from now on; return the seconds until accepted ones in flight must have ended."""
+        self.closing = True
+        return max(self.incoming.values(), default=0.0) - time.monotonic()
+
+    def close_(self) -> None:
+        self.closing = self.closed = True
+
+
 class ExchangeRound(Protocol):
-    """One round's policy (a Mix2 round, an all-reduce stage): its slots, what it sends, accepts and applies."""
+    """One round's policy (a Mix2 round, an all-reduce stage): what it sends, accepts and applies, and what it ends
+    with; the driver keeps its `slots`."""
 
     round: int
     codec: str
     weight: float  # the mixing weight offers carry (and must match)
-    hold_until: float  # until when (monotonic) partners not yet in this round may hold our offers
     keeps_unconfirmed_mix: bool  # whether a partner's value whose ack was lost is applied
     measures_link: bool  # whether its exchanges measure the link (a payload, not a digest)
-    idle: asyncio.Event  # set while no accepted offer is in flight
-    offered_bytes: dict[str, int]  # partner → the bytes of its payload we read (exchanges it opened)
-    answered: list[int]  # bytes sent and received in the exchanges partners opened with us and committed
     sent: list[torch.Tensor]  # our value, the yardstick a partner's is decoded against
+    slots: RoundSlots
 
-    def payload_for(self, partner: str) -> Payload: ...
+    def payload_for(self, partner: str) -> Payload:
+        """What we send `partner`."""
+        ...
 
-    def free_slots(self) -> int: ...
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take a slot for `sender`'s offer (`slots.accept_`, after the round's own rules), or say why not."""
+        ...
 
-    def reserve_outgoing_(self, partner: str) -> bool: ...
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+        """A committed exchange: apply `theirs`; raises RoundClosed once `slots.may_apply` says no."""
+        ...
 
-    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None: ...
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended, applied or not (`slots.release_`)."""
+        ...
 
-    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None: ...
-
-    def release_(self, partner: str, outgoing: bool) -> None: ...
-
-    def begin_close_(self) -> float: ...
-
-    def close_(self) -> list[torch.Tensor] | None: ...
+    def close_(self) -> list[torch.Tensor] | None:
+        """Close for good; what the round mixed (None: nothing)."""
+        ...
 
 
 class GroupRound(ExchangeRound, Protocol):
@@ -129,7 +210,7 @@ class Incoming:
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
         theirs = policy.clip_partner(self.rnd, self.sender, theirs)
         policy.note_partner(self.rnd, self.sender, partner_header)
-        self.rnd.offered_bytes[self.sender] = payload_bytes(partner_payload)
+        self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
         return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
 
     def close(self) -> None:
@@ -205,11 +286,11 @@ class ExchangeDriver:
         theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`."""
         give_up_at, attempt = time.monotonic() + patience_s, 0
         candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
-        while candidates and rnd.free_slots() > 0:
+        while candidates and rnd.slots.free_slots() > 0:
             later = []
             for partner in [p for pool in self.routes.pools(candidates)
                             for p in draw_partners(pool, len(pool), rng, exclude=set())]:
-                if rnd.reserve_outgoing_(partner) and await self.exchange_with(rnd, partner, stats) in ASK_AGAIN:
+                if rnd.slots.reserve_outgoing_(partner) and await self.exchange_with(rnd, partner, stats) in ASK_AGAIN:
                     later.append(partner)
             if not later or time.monotonic() >= give_up_at:
                 return
@@ -223,10 +304,10 @@ class ExchangeDriver:
         our offer until it gets there (round_gate.py), and one that refuses it as not in its stage yet, or whose
         relay failed for the first round, is asked again (`retry_delay_s`), for up to `patience_s` in all."""
         give_up_at, attempt = time.monotonic() + patience_s, 0
-        rnd.hold_until = give_up_at
+        rnd.slots.hold_until = give_up_at
         candidates = sorted(p for p in members if not self.reputation.is_banned(p))
         while candidates:
-            reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
+            reserved = [p for p in candidates if rnd.slots.reserve_outgoing_(p)]
             outcomes = await asyncio.gather(*(self._exchange_in_group(rnd, p, stats, round_) for p in reserved))
             candidates = [p for p, outcome in zip(reserved, outcomes, strict=True)
                           if outcome in ASK_AGAIN or outcome == Outcome.RELAY_FAILED]
@@ -250,7 +331,7 @@ class ExchangeDriver:
     async def exchange_with(self, rnd: ExchangeRound, partner: str, stats: RoundSync) -> str:
         """One exchange we start (its slot is reserved); returns OK, FAILED or the partner's refusal."""
         ours = rnd.payload_for(partner)
-        nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.hold_until - time.monotonic())
+        nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.slots.hold_until - time.monotonic())
         link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
@@ -299,8 +380,8 @@ class ExchangeDriver:
         """Refuse offers from now on, give accepted exchanges in flight the time they have, then close the round:
         what it mixed (`rnd.close_()`); the bytes of the exchanges partners opened are added to `stats`."""
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
+            await asyncio.wait_for(rnd.slots.idle.wait(), max(0.0, rnd.slots.begin_close_()))
         mixed = rnd.close_()
-        stats.bytes_sent += rnd.answered[0]
-        stats.bytes_received += rnd.answered[1]
+        stats.bytes_sent += rnd.slots.answered[0]
+        stats.bytes_received += rnd.slots.answered[1]
         return mixed

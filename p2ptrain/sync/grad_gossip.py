@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,10 +45,9 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed
+from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlots
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
-from p2ptrain.sync.refusals import Refusal
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -58,95 +56,43 @@ KIND = "mix2"
 
 
 class Mix2Round:
-    """One peer's Mix2 of one round: its s and payload, the running mix m, and who it is mixing with."""
+    """One peer's Mix2 of one round: its s and payload, the running mix m; `slots`: who it is mixing with."""
     keeps_unconfirmed_mix = False  # a gossip mix whose ack was lost is not applied (the partner may not have)
     measures_link = True  # its exchanges carry a payload
 
     def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
                  degree_cap: int, own_scale: float | None = None):
         self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
-        self.degree_cap = degree_cap
+        self.slots = RoundSlots(round_, own_id, degree_cap)
         self.weight = uniform_weight(degree_cap)
         self.own_scale = own_scale if own_scale is not None else norm(sent)  # τ's yardstick: ‖s_i‖
         self.mixed = [s.clone() for s in sent]
-        self.done: list[str] = []  # partners whose mix is applied, in the order it was
-        self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
-        self.outgoing: set[str] = set()  # our offers in flight
-        self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
-        self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
-        self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
-        self.closing = self.closed = False
-        self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
-        self.idle = asyncio.Event()  # set while no accepted offer is in flight
-        self.idle.set()
+
+    @property
+    def done(self) -> list[str]:  # partners whose mix is applied, in the order it was
+        return self.slots.done
 
     def payload_for(self, partner: str) -> Payload:
-        """What we send `partner` (the same s to every partner here; a reduce-scatter sends each its chunk)."""
+        """What we send `partner`: the same s to every partner."""
         return self.payload
 
-    def free_slots(self) -> int:
-        return self.degree_cap - len(self.done) - len(self.outgoing) - len(self.incoming)
-
-    def reserve_outgoing_(self, partner: str) -> bool:
-        """Take a slot for an offer of ours; False when full, closing, or already mixing with `partner`."""
-        partnered = partner in self.done or partner in self.outgoing or partner in self.incoming
-        if self.closing or self.free_slots() <= 0 or partnered or partner == self.own_id:
-            return False
-        self.outgoing.add(partner)
-        return True
-
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
-        """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
-        to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
-        whose first one we accepted (and it did not commit) is one too many."""
-        if round_ > self.round:
-            return Refusal.WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
-        if round_ < self.round or self.closing:
-            return Refusal.ROUND_OVER
-        if sender == self.own_id or sender in self.done or sender in self.incoming or (
-                sender in self.outgoing and not sender < self.own_id):
-            return Refusal.ALREADY_PARTNERS
-        if sender in self.opened:
-            return Refusal.TOO_MANY_OFFERS
-        if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
-            return Refusal.BUSY
-        self.opened.add(sender)
-        self.incoming[sender] = gives_up_at
-        self.idle.clear()
-        return None
+        return self.slots.accept_(sender, round_, gives_up_at)
 
     def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
         """A completed exchange: m ← m + w(s_partner − s). Raises RoundClosed after `close_` (nothing changes)."""
-        if self.closed or partner in self.done:
+        if not self.slots.may_apply(partner):
             raise RoundClosed(f"round {self.round}'s Mix2 closed (or mixed with {partner}) before this commit")
         pull_toward_(self.mixed, theirs, self.sent, self.weight)
-        self.done.append(partner)
-        self.count_answered_(partner, outgoing)
+        self.slots.applied_(partner, outgoing, payload_bytes(self.payload_for(partner)))
         self.release_(partner, outgoing)
 
-    def count_answered_(self, partner: str, outgoing: bool) -> None:
-        """Count the bytes of a committed exchange `partner` opened (ours are counted where we open them)."""
-        if not outgoing:
-            self.answered[0] += payload_bytes(self.payload_for(partner))
-            self.answered[1] += self.offered_bytes.pop(partner, 0)
-
     def release_(self, partner: str, outgoing: bool) -> None:
-        """An exchange ended (applied or not): free its slot in flight."""
-        if outgoing:
-            self.outgoing.discard(partner)
-        else:
-            self.incoming.pop(partner, None)
-            if not self.incoming:
-                self.idle.set()
-
-    def begin_close_(self) -> float:
-        """Refuse offers from now on; return the seconds until accepted ones in flight must have ended."""
-        self.closing = True
-        return max(self.incoming.values(), default=0.0) - time.monotonic()
+        self.slots.release_(partner, outgoing)
 
     def close_(self) -> list[torch.Tensor] | None:
         """Close for good: m, or None when no exchange completed (the caller then applies its own Δ)."""
-        self.closing = self.closed = True
+        self.slots.close_()
         return self.mixed if self.done else None
 
 

@@ -52,7 +52,6 @@ from p2ptrain.net.exchange import Payload
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound
 from p2ptrain.sync.exchange_driver import Outcome
-from p2ptrain.sync.grad_gossip import Mix2Round
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.tensor_layout import norm
 
@@ -111,7 +110,7 @@ class ChunkRound(GatherRound):
     def alive(self) -> set[str]:
         """Members that took part in this stage in any way: the fallback's group. A member whose view of the group
         differs cuts other chunks (a peer that left, seen by some only): its chunks are refused, but it is there."""
-        return set(self.done) | self.opened | self.answered_us
+        return set(self.done) | self.slots.opened | self.answered_us
 
     def payload_for(self, partner: str) -> Payload:
         return self.payloads.get(partner, self.payload)
@@ -380,7 +379,7 @@ class ScatterAllReduce(ExchangeAllReduce):
             return {"chunk": rnd.summary.header()}
         return super().header_extra()
 
-    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
+    def note_partner(self, rnd: GatherRound, partner: str, header: dict[str, Any]) -> None:
         if isinstance(rnd, MeansRound):
             summary = ChunkMean.parse(header.get("chunk"))
             if summary is not None:
