@@ -37,7 +37,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import P2P
@@ -102,18 +102,34 @@ def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round
     return centered_clip_rows_(stacked, inputs[0][1], multiplier), reduction
 
 
+class StageClaims(Protocol):
+    """What a stage's headers carry in place of the all-to-all's fields (the reduce-scatter's means and sketches),
+    and what it keeps of the members' headers."""
+
+    def header(self) -> dict[str, Any]: ...
+
+    def note_(self, partner: str, header: dict[str, Any]) -> None: ...
+
+
 class GatherRound:
     """One stage of one peer's all-to-all: it keeps what each expected member sent (its Δ, or its digest) and the
     report in its header; `inputs()` gives the values, ours included, sorted by peer id. A member's value whose ack
     was lost is kept: the members confirm what they reduced before anyone applies it (`ExchangeAllReduce._confirm`),
-    and the member most likely holds ours (its ack was lost, not its commit)."""
+    and the member most likely holds ours (its ack was lost, not its commit).
+
+    A reduce-scatter's stages are gather rounds too: `payloads` sends each member its own chunk, `claims` says what
+    headers carry (sync/scatter_allreduce.py)."""
     keeps_unconfirmed_mix = True
 
     def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
-                 expected: set[str], digest: str | None = None):
+                 expected: set[str], digest: str | None = None, payloads: dict[str, Payload] | None = None,
+                 claims: StageClaims | None = None):
         self.round, self.own_id, self.sent, self.payload, self.codec = stage_round, own_id, sent, payload, codec
+        self.payloads = payloads or {}  # member → what we send it, if not `payload`
+        self.claims = claims
         self.slots = RoundSlots(stage_round, own_id, MAX_MEMBERS - 1)
         self.weight, self.digest = GATHER_WEIGHT, digest  # digest: ours, in the confirmation stage
+        self.answered_us: set[str] = set()  # members that answered an offer of ours, if only to refuse it
         self.measures_link = digest is None  # a confirmation is a few bytes
         self.expected = expected - {own_id}
         self.received: dict[str, list[torch.Tensor]] = {}
@@ -129,8 +145,13 @@ class GatherRound:
         return self.slots.done
 
     def payload_for(self, partner: str) -> Payload:
-        """What we send `partner`: the same value to every member."""
-        return self.payload
+        return self.payloads.get(partner, self.payload)
+
+    def alive(self) -> set[str]:
+        """Members that took part in this stage in any way: a reduce-scatter's fallback group. A member whose view of
+        the group differs cuts other chunks (a peer that left, seen by some only): its chunks are refused, but it is
+        there."""
+        return set(self.done) | self.slots.opened | self.answered_us
 
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
         if round_ == self.round and sender not in self.expected and not self.slots.closing:
@@ -162,6 +183,8 @@ class GatherRound:
         no longer waited for."""
         if outcome != Outcome.OK and outcome not in ASK_AGAIN and outcome != Outcome.RELAY_FAILED:
             self.give_up_on_(partner)
+        if outcome not in (Outcome.FAILED, Outcome.RELAY_FAILED):  # it answered, if only to refuse
+            self.answered_us.add(partner)
 
     def give_up_on_(self, partner: str) -> None:
         """Stop waiting for `partner` (it refused or failed for good)."""
@@ -174,9 +197,6 @@ class GatherRound:
 
     def inputs(self) -> list[tuple[str, list[torch.Tensor]]]:
         return sorted([(self.own_id, self.sent), *self.received.items()])
-
-
-StageT = TypeVar("StageT", bound=GatherRound)
 
 
 class ExchangeAllReduce:
@@ -293,7 +313,7 @@ class ExchangeAllReduce:
         if self._residual_before is not None:
             self.feedback.residual, self._residual_before = self._residual_before, None
 
-    async def _stage(self, rnd: StageT, patience_s: float, stats: RoundSync) -> StageT:
+    async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
         self.driver.current = rnd
         give_up_at = time.monotonic() + patience_s
@@ -337,15 +357,21 @@ class ExchangeAllReduce:
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
     def header_extra(self) -> dict[str, Any]:
         rnd = self.driver.current
+        if isinstance(rnd, GatherRound) and rnd.claims is not None:
+            return rnd.claims.header()
         if isinstance(rnd, GatherRound) and rnd.digest is not None:
             return {"digest": rnd.digest}
         shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
         return (self.previous.header() if self.previous is not None else {}) | shown
 
     def note_partner(self, rnd: GatherRound, partner: str, header: dict[str, Any]) -> None:
+        if rnd.claims is not None:
+            rnd.claims.note_(partner, header)
         if rnd.digest is not None:
             if is_digest(header.get("digest")):
                 rnd.confirmed[partner] = header["digest"]
+            return
+        if rnd.claims is not None:
             return
         report, sample = Reduction.parse(header), parse_sample(header.get("state"))
         if report is not None:
