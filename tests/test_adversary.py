@@ -83,7 +83,7 @@ def test_the_attacker_is_not_judged_as_an_honest_survivor() -> None:
 
 
 def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() -> None:
-    """DiLoCo's exchange all-reduce is a GradGossip: the attack wraps its `outgoing` (a lie on the wire only)."""
+    """The attack finds DiLoCo's exchange all-reduce and wraps its `outgoing` (a lie on the wire only)."""
     from hivemind.p2p import PeerID
 
     from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
@@ -100,4 +100,4 @@ def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() ->
     exchange = ExchangeAllReduce(fake_p2p, "run", "fp", params, SyncConfig(), "allreduce.diloco", None)
     sync = DilocoSync(OuterOptimizer(params, OuterConfig()), ExchangeAverager(exchange, None, 1.0),  # type: ignore[arg-type]
                       SyncConfig())
-    assert _transports(sync, (ParamGossip, GradGossip)) == [exchange]
+    assert _transports(sync, (ParamGossip, GradGossip, ExchangeAllReduce)) == [exchange]

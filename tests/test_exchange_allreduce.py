@@ -37,7 +37,8 @@ from p2ptrain.sync.allreduce_agreement import (
 )
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound, round_groups
-from p2ptrain.sync.round_retry import FORGET_RELAY_FAILURE_ROUNDS, RelayRetries
+from p2ptrain.sync.exchange_driver import ExchangeDriver
+from p2ptrain.sync.relay_retries import FORGET_RELAY_FAILURE_ROUNDS, RelayRetries
 from p2ptrain.tensor_layout import distance, norm
 
 RUN, FINGERPRINT = "exchange-allreduce-test", "fp-1"
@@ -186,7 +187,7 @@ def with_transports(count: int, scenario: Any) -> None:
             transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, deltas(0), config(), "allreduce.diloco", None)
                           for p in p2ps]
             for t in transports:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
             await scenario(transports)
         finally:
             await shutdown(p2ps)
@@ -220,11 +221,11 @@ def test_a_member_that_shuts_down_refuses_the_offer_it_holds_and_the_opener_goes
         started = asyncio.get_running_loop().time()
         pending = asyncio.ensure_future(a.gather(deltas(0), [b.own_id], 0, patience_s=3.0))
         await asyncio.sleep(0.5)
-        assert not pending.done() and b.gate.may_hold(0), "b should be holding a's offer"
-        await b.gate.close()
+        assert not pending.done() and b.driver.gate.may_hold(0), "b should be holding a's offer"
+        await b.driver.gate.close()
         result = await asyncio.wait_for(pending, 2.0)
         assert result.group_size == 1 and asyncio.get_running_loop().time() - started < 1.5
-        assert not b.gate.may_hold(1)
+        assert not b.driver.gate.may_hold(1)
 
     with_transports(2, scenario)
 
@@ -272,9 +273,9 @@ def equivocate(transport: ExchangeAllReduce) -> None:
         factor = factors.setdefault(partner, 2.0 + len(factors))
         return compress_all(transport.feedback.codec, [s * factor for s in rnd.sent])
 
-    plain_exchange, plain_open = transport._exchange_with, transport.open
+    plain_exchange, plain_open = transport.driver.exchange_with, transport.driver.open
 
-    async def exchange_with(self: ExchangeAllReduce, rnd: Any, partner: str, stats: Any) -> str:
+    async def exchange_with(self: ExchangeDriver, rnd: Any, partner: str, stats: Any) -> str:
         if isinstance(rnd, GatherRound) and rnd.digest is None:
             saved, rnd.payload = rnd.payload, payload_for(rnd, partner)
             try:
@@ -283,15 +284,15 @@ def equivocate(transport: ExchangeAllReduce) -> None:
                 rnd.payload = saved
         return await plain_exchange(rnd, partner, stats)
 
-    def open_(self: ExchangeAllReduce, header: dict[str, Any]) -> Any:
+    def open_(self: ExchangeDriver, header: dict[str, Any]) -> Any:
         opened = plain_open(header)
         rnd = self.current
         if not isinstance(opened, str) and isinstance(rnd, GatherRound) and rnd.digest is None:
             opened.payload = payload_for(rnd, str(header.get("sender")))
         return opened
 
-    transport._exchange_with = types.MethodType(exchange_with, transport)  # type: ignore[method-assign]
-    transport.open = types.MethodType(open_, transport)  # type: ignore[method-assign]
+    transport.driver.exchange_with = types.MethodType(exchange_with, transport.driver)  # type: ignore[method-assign]
+    transport.driver.open = types.MethodType(open_, transport.driver)  # type: ignore[method-assign]
 
 
 @pytest.mark.network
@@ -361,7 +362,7 @@ def test_a_member_whose_relay_is_dead_is_asked_again_so_both_ends_leave_the_roun
                                             routes=Routes(p.peer_id.to_base58())) for p in p2ps]
             a, b = (t.own_id for t in transports)
             for t in transports:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
                 t.routes.set_own_(Presence(RELAYED, relay_id, "10.0.0.1") if t.own_id == b else Presence(OUTBOUND))
                 t.routes.known = {b: Presence(RELAYED, relay_id, "10.0.0.1")} if t.own_id == a else \
                     {a: Presence(OUTBOUND, "", "10.0.0.2")}
@@ -411,10 +412,11 @@ def test_a_members_value_whose_ack_was_lost_is_kept_so_every_member_reduces_the_
             transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, deltas(0), config(), "allreduce.diloco", None)
                           for p in p2ps]
             for t in transports[:2]:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
             last = transports[2]
-            losing = GossipServicer(last, last.max_payload_bytes, last.chunk_timeout_s, reputation=last.reputation)
-            await losing.add_p2p_handlers(last.p2p, namespace=last.namespace)
+            losing = GossipServicer(last.driver, last.driver.max_payload_bytes, last.driver.chunk_timeout_s,
+                                    reputation=last.reputation)
+            await losing.add_p2p_handlers(last.p2p, namespace=last.driver.namespace)
             ids = [t.own_id for t in transports]
             for round_ in range(2):  # the second round's reports show nobody out of step after the first
                 results = await run_round(transports, [[p for p in ids if p != me] for me in ids], round_)
@@ -441,7 +443,7 @@ def test_only_the_data_stage_measures_links_so_a_silent_member_costs_one_short_d
         for t in transports:  # a data exchange and a confirmation with each: one measurement
             assert {p: link.num_measurements for p, link in t.links.by_partner.items()} == {
                 p: 1 for p in opened[t.own_id]}
-        assert not transports[0].measures_link(GatherRound(1, ids[0], deltas(0), [], "none", set(ids), "f" * 64))
+        assert not GatherRound(1, ids[0], deltas(0), [], "none", set(ids), "f" * 64).measures_link
 
     with_transports(3, scenario)
 
@@ -473,7 +475,7 @@ def test_a_sparse_codec_group_averages_what_it_sent_and_keeps_the_rest_for_later
             transports = [ExchangeAllReduce(p, RUN, FINGERPRINT, big_deltas(0), sparse, "allreduce.diloco", None)
                           for p in p2ps]
             for t in transports:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
             ids = [t.own_id for t in transports]
             views = [[p for p in ids if p != me] for me in ids]
             fp32_bytes = 4 * 256 * 64
@@ -526,14 +528,14 @@ def test_a_diloco_swarm_with_the_sparse_codec_trains_in_step():
 def count_opens(transport: ExchangeAllReduce) -> list[tuple[int, str]]:
     """Record every offer `transport` judges: (its stage, 'accepted' or the refusal)."""
     seen: list[tuple[int, str]] = []
-    plain_open = transport.open
+    plain_open = transport.driver.open
 
-    def open_(self: ExchangeAllReduce, header: dict[str, Any]) -> Any:
+    def open_(self: ExchangeDriver, header: dict[str, Any]) -> Any:
         verdict = plain_open(header)
         seen.append((header.get("round"), verdict if isinstance(verdict, str) else "accepted"))
         return verdict
 
-    transport.open = types.MethodType(open_, transport)  # type: ignore[method-assign]
+    transport.driver.open = types.MethodType(open_, transport.driver)  # type: ignore[method-assign]
     return seen
 
 

@@ -28,12 +28,13 @@ from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.net import exchange
 from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, push_pull, read_payload, serve_exchanges
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
-from p2ptrain.sync import grad_gossip
+from p2ptrain.sync import exchange_driver
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.exchange_driver import RoundClosed
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
-from p2ptrain.sync.grad_gossip import ROUND_OVER, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
-from p2ptrain.sync.param_gossip import WRONG_ROUND
+from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import ROUND_RETRY_S
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
@@ -92,7 +93,7 @@ def simulate_round(values: list[list[torch.Tensor]], degree_cap: int, seed: int)
     rounds = [Mix2Round(7, ids[i], values[i], [], "none", degree_cap) for i in range(n)]
     for _ in range(10 * n):
         i, j = rng.sample(range(n), 2)
-        if not rounds[i].reserve_outgoing_(ids[j]):
+        if not rounds[i].slots.reserve_outgoing_(ids[j]):
             continue
         if rounds[j].accept_(ids[i], 7, gives_up_at=math.inf) is None:
             rounds[j].apply_(ids[i], rounds[i].sent, outgoing=False)
@@ -127,17 +128,17 @@ def test_with_dyadic_values_and_pair_weights_the_sum_is_exact_in_float32() -> No
 
 def test_mutual_offers_make_one_exchange_even_with_one_slot() -> None:
     low, high = Mix2Round(0, "A", deltas(0), [], "none", 1), Mix2Round(0, "B", deltas(1), [], "none", 1)
-    assert low.reserve_outgoing_("B") and high.reserve_outgoing_("A")
+    assert low.slots.reserve_outgoing_("B") and high.slots.reserve_outgoing_("A")
     assert low.accept_("B", 0, math.inf) == "already partners"  # the higher id's offer loses
     assert high.accept_("A", 0, math.inf) is None  # the lower id's offer wins, although B's own offer holds a slot
 
 
 def test_rounds_refuse_other_rounds_and_a_closed_round_refuses_late_commits() -> None:
     rnd = Mix2Round(3, "A", deltas(0), [], "none", 2)
-    assert rnd.accept_("B", 4, math.inf) == WRONG_ROUND and rnd.accept_("B", 2, math.inf) == ROUND_OVER
-    assert rnd.accept_("B", 3, math.inf) is None and not rnd.idle.is_set()
-    assert rnd.begin_close_() == math.inf  # it waits for B's exchange in flight (bounded by B's deadline)
-    assert rnd.accept_("C", 3, math.inf) == ROUND_OVER  # closing: no new exchange
+    assert rnd.accept_("B", 4, math.inf) == Refusal.WRONG_ROUND and rnd.accept_("B", 2, math.inf) == Refusal.ROUND_OVER
+    assert rnd.accept_("B", 3, math.inf) is None and not rnd.slots.idle.is_set()
+    assert rnd.slots.begin_close_() == math.inf  # it waits for B's exchange in flight (bounded by B's deadline)
+    assert rnd.accept_("C", 3, math.inf) == Refusal.ROUND_OVER  # closing: no new exchange
     assert rnd.close_() is None
     with pytest.raises(RoundClosed):  # B's commit after the close: no ack, so B does not mix either
         rnd.apply_("B", deltas(1), outgoing=False)
@@ -156,7 +157,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
                              _route: Any = None, _hold_s: float = 0.0,
                              keep_unconfirmed: bool = False) -> ExchangeOutcome:
         await asyncio.sleep(0)  # let the other peers run, as a real exchange would
-        opened = peers[peer_id.to_base58()].open(dict(header, nbytes=payload_bytes(payload)))
+        opened = peers[peer_id.to_base58()].driver.open(dict(header, nbytes=payload_bytes(payload)))
         if isinstance(opened, str):
             raise ExchangeRefused(opened)
         try:
@@ -168,7 +169,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
         return ExchangeOutcome(apply_ours, opened.header, payload_bytes(payload), payload_bytes(opened.payload),
                                0.01)
 
-    monkeypatch.setattr(grad_gossip, "push_pull", fake_push_pull)
+    monkeypatch.setattr(exchange_driver, "push_pull", fake_push_pull)
 
 
 def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,7 +194,8 @@ def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pyt
     sent_by = {g.own_id: g.current.sent for g in swarm if g.current is not None}
     for g, delta, (m, stats) in zip(swarm, own[1:], mixed, strict=True):
         rnd = g.current
-        assert rnd is not None and rnd.closed and 1 <= len(rnd.done) <= 2 and stats.group_size == 1 + len(rnd.done)
+        assert rnd is not None and rnd.slots.closed and 1 <= len(rnd.done) <= 2
+        assert stats.group_size == 1 + len(rnd.done)
         assert same(m, expected_mix(rnd, sent_by))
         assert same(g.feedback.residual, [d - s for d, s in zip(delta, rnd.sent, strict=True)])  # e ← e + Δ − s
         assert all(r.codec == "topk" for r in stats.exchanges) and stats.partners == [r.partner for r in
@@ -253,12 +255,13 @@ def test_three_transports_mix_two_rounds_preserving_the_sum_and_committing_error
             transports = [GradGossip(p, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=i)
                           for i, p in enumerate(p2ps)]
             for g in transports:
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             await one_round(transports, 0)
             await one_round(transports, 1)  # now with non-zero error-feedback buffers
             offer = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "mix2", "codec": "topk", "weight": 1 / 3,
                      "sender": transports[0].own_id, "deadline_s": 5.0}
-            for round_, reason in ((1, ROUND_OVER), (2, WRONG_ROUND)):  # closed round; a round not reached yet
+            # a closed round; a round not reached yet
+            for round_, reason in ((1, Refusal.ROUND_OVER), (2, Refusal.WRONG_ROUND)):
                 with pytest.raises(ExchangeRefused, match=reason):
                     await push_pull(p2ps[0], p2ps[1].peer_id, f"{RUN}.mix2", dict(offer, round=round_),
                                     transports[0].current.payload, lambda h, p: lambda: None,  # type: ignore[union-attr]
@@ -279,7 +282,7 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
             responder = GradGossip(b, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)
             stranger = GradGossip(a, RUN, FINGERPRINT, deltas(0), gossip_config(), seed=1)  # never in a round
             for g in (responder, stranger):
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             delta = deltas(1)
             mixing = asyncio.create_task(responder.mix(delta, [stranger.own_id], 0, patience_s=2.0))
             # from a third peer: the responder knows who offers from libp2p, not from the offer's "sender"
@@ -324,7 +327,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
         if answer.get("status") == "ok":
             await read_payload(responses, first, int(answer["nbytes"]), chunk_timeout_s=5.0)
             return responses, commit
-        assert answer.get("reason") == WRONG_ROUND, answer
+        assert answer.get("reason") == Refusal.WRONG_ROUND, answer
         await asyncio.sleep(ROUND_RETRY_S)  # what a real initiator does: ask again when it may have reached our round
 
 

@@ -42,9 +42,9 @@ from p2ptrain.sync.param_gossip import (
     OFFER_BURST,
     OFFERS_PER_S,
     OPENS_PER_ROUND,
-    TOO_MANY_OFFERS,
     ParamGossip,
 )
+from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import FIRST_RETRY_S, ROUND_RETRY_S, retry_delay_s
 from p2ptrain.tensor_layout import distance, norm
 
@@ -314,7 +314,7 @@ def test_a_prober_gets_a_bounded_number_of_opens_per_round_and_is_penalised() ->
             for _ in range(OPENS_PER_ROUND):
                 with pytest.raises(ValueError, match="probe"):
                     await probe()
-            with pytest.raises(ExchangeRefused, match=TOO_MANY_OFFERS):
+            with pytest.raises(ExchangeRefused, match=Refusal.TOO_MANY_OFFERS):
                 await probe()
             # the prober pays for its uncommitted opens (the responder notices each stream's end on its own time);
             # the refusal itself is no offence (a partner faster than us opens more than its share of our round)
@@ -479,7 +479,7 @@ def test_a_mix2_attacker_moves_the_victims_outer_gradient_by_at_most_w_tau(robus
             attacker = GradAttacker(b, RUN, FINGERPRINT, reference(), grad_config, seed=1)
             attacker.victim_s = victim_delta  # codec none, no residual yet: s = Δ
             for g in (victim, attacker):
-                await serve_exchanges(g.p2p, g)
+                await serve_exchanges(g.p2p, g.driver)
             (mixed, stats), _ = await asyncio.gather(
                 victim.mix(victim_delta, [attacker.own_id], 0, patience_s=5.0),
                 attacker.mix(attacker_delta, [victim.own_id], 0, patience_s=5.0))

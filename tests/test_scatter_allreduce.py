@@ -144,7 +144,7 @@ def with_transports(count: int, scenario: Any, serving: int | None = None) -> No
             transports = [ScatterAllReduce(p, RUN, FINGERPRINT, deltas(0), config, "allreduce.diloco", None)
                           for p in p2ps]
             for t in transports[:serving]:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
             await scenario(transports)
         finally:
             await shutdown(p2ps)
@@ -262,7 +262,7 @@ def test_a_pair_swaps_whole_outer_gradients_and_each_computes_the_mean_itself():
         results = await run_round(transports, 0)
         assert_exact_mean(results, 0, [0, 1])
         assert all(r.bytes_sent >= 4 * sum(math.prod(s) for s in SHAPES) for r in results)  # S each, not S/2
-        assert all(t.current is not None and t.current.round % t.STAGES >= FALLBACK for t in transports)
+        assert all(t.driver.current is not None and t.driver.current.round % t.STAGES >= FALLBACK for t in transports)
 
     with_transports(2, scenario)
 

@@ -106,7 +106,7 @@ def test_members_of_an_all_reduce_judge_their_states_by_the_samples_shown():
             transports = [ExchangeAllReduce(p, "evidence", "fp", tensors(0), config, "allreduce.diloco", None)
                           for p in p2ps]
             for t in transports:
-                await serve_exchanges(t.p2p, t)
+                await serve_exchanges(t.p2p, t.driver)
             ids = [t.own_id for t in transports]
             held, other = state_sample(tensors(1), 0, "evidence"), state_sample(tensors(2), 0, "evidence")
             shown = transports[3].header_extra  # the fourth shows garbage in place of its sample

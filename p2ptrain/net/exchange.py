@@ -225,7 +225,7 @@ class GossipServicer(ServicerBase):
         if isinstance(opened, str):
             yield refusal(opened)
             return
-        inbound.opened = opened
+        inbound.close_opened = opened.close
         async for message in self._answer(inbound, first, header, nbytes, opened):
             yield message
 

@@ -6,16 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
 
 from hivemind.proto import averaging_pb2
 
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import Slots
-
-if TYPE_CHECKING:
-    from p2ptrain.net.exchange import OpenExchange
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +29,7 @@ class InboundExchange:
         self.peer, self.requests, self.slots, self.reputation = peer, requests, slots, reputation
         self.started = time.monotonic()  # when we were ready to read its payload (after a hold)
         self.held_s = 0.0  # how long the handler held the offer before judging it
-        self.opened: OpenExchange | None = None
+        self.close_opened: Callable[[], None] | None = None  # releases the handler's exchange, once it opened one
         self._task = asyncio.current_task()
         self._timer: asyncio.TimerHandle | None = None
         self._released = False
@@ -58,8 +54,8 @@ class InboundExchange:
             if self.payload_sent and not self.committed:  # it saw our value and walked away (or the stream broke)
                 self.penalise("uncommitted", "took our payload and ended without a commit")
             self.slots.give_back(self.peer)
-            if self.opened is not None:
-                self.opened.close()
+            if self.close_opened is not None:
+                self.close_opened()
 
     def penalise(self, offence: str, detail: str) -> None:
         """Record this exchange's one offence (a later one of the same exchange is not counted again)."""

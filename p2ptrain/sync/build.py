@@ -46,7 +46,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce
         exchange = transport(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
                              group_size=group_size, reputation=reputation, routes=routes)
-        loop.run(serve_exchanges(p2p, exchange, entry), timeout=REGISTER_TIMEOUT_S)
+        loop.run(serve_exchanges(p2p, exchange.driver, entry), timeout=REGISTER_TIMEOUT_S)
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
@@ -63,7 +63,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     if config.mix2_transport == "gossip":
         gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
                             routes=routes)
-        loop.run(serve_exchanges(p2p, gossip, entry), timeout=REGISTER_TIMEOUT_S)
+        loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=REGISTER_TIMEOUT_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)
     return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec, mean_check(config)), loop, config,

@@ -37,18 +37,19 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import P2P
 
 from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
-from p2ptrain.maths.codecs import compress_all, decode_all
+from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
+from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.allreduce_agreement import (
     APPLY,
     DISCARD,
@@ -60,10 +61,11 @@ from p2ptrain.sync.allreduce_agreement import (
     largest_group,
     outvoted,
 )
-from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
+from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots
 from p2ptrain.sync.interface import RoundSync
-from p2ptrain.sync.round_retry import RelayRetries, retry_delay_s
+from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
+from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
 from p2ptrain.sync.state_evidence import parse_sample, state_in_step
 from p2ptrain.tensor_layout import norm
 
@@ -100,17 +102,35 @@ def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round
     return centered_clip_rows_(stacked, inputs[0][1], multiplier), reduction
 
 
-class GatherRound(Mix2Round):
+class StageClaims(Protocol):
+    """What a stage's headers carry in place of the all-to-all's fields (the reduce-scatter's means and sketches),
+    and what it keeps of the members' headers."""
+
+    def header(self) -> dict[str, Any]: ...
+
+    def note_(self, partner: str, header: dict[str, Any]) -> None: ...
+
+
+class GatherRound:
     """One stage of one peer's all-to-all: it keeps what each expected member sent (its Δ, or its digest) and the
     report in its header; `inputs()` gives the values, ours included, sorted by peer id. A member's value whose ack
     was lost is kept: the members confirm what they reduced before anyone applies it (`ExchangeAllReduce._confirm`),
-    and the member most likely holds ours (its ack was lost, not its commit)."""
+    and the member most likely holds ours (its ack was lost, not its commit).
+
+    A reduce-scatter's stages are gather rounds too: `payloads` sends each member its own chunk, `claims` says what
+    headers carry (sync/scatter_allreduce.py)."""
     keeps_unconfirmed_mix = True
 
     def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
-                 expected: set[str], digest: str | None = None):
-        super().__init__(stage_round, own_id, sent, payload, codec, degree_cap=MAX_MEMBERS - 1)
+                 expected: set[str], digest: str | None = None, payloads: dict[str, Payload] | None = None,
+                 claims: StageClaims | None = None):
+        self.round, self.own_id, self.sent, self.payload, self.codec = stage_round, own_id, sent, payload, codec
+        self.payloads = payloads or {}  # member → what we send it, if not `payload`
+        self.claims = claims
+        self.slots = RoundSlots(stage_round, own_id, MAX_MEMBERS - 1)
         self.weight, self.digest = GATHER_WEIGHT, digest  # digest: ours, in the confirmation stage
+        self.answered_us: set[str] = set()  # members that answered an offer of ours, if only to refuse it
+        self.measures_link = digest is None  # a confirmation is a few bytes
         self.expected = expected - {own_id}
         self.received: dict[str, list[torch.Tensor]] = {}
         self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
@@ -120,26 +140,51 @@ class GatherRound(Mix2Round):
         self.complete = asyncio.Event()  # set once every expected member is done
         self._check_complete()
 
+    @property
+    def done(self) -> list[str]:  # members whose value we hold, in the order it came
+        return self.slots.done
+
+    def payload_for(self, partner: str) -> Payload:
+        return self.payloads.get(partner, self.payload)
+
+    def alive(self) -> set[str]:
+        """Members that took part in this stage in any way: a reduce-scatter's fallback group. A member whose view of
+        the group differs cuts other chunks (a peer that left, seen by some only): its chunks are refused, but it is
+        there."""
+        return set(self.done) | self.slots.opened | self.answered_us
+
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
-        if round_ == self.round and sender not in self.expected and not self.closing:
-            return "not in this peer's group"  # another group of the round, or a peer our records do not show yet
-        return super().accept_(sender, round_, gives_up_at)
+        if round_ == self.round and sender not in self.expected and not self.slots.closing:
+            return Refusal.NOT_IN_GROUP  # another group of the round, or a peer our records do not show yet
+        return self.slots.accept_(sender, round_, gives_up_at)
 
     def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
-        if self.closed or partner in self.done:
+        if not self.slots.may_apply(partner):
             raise RoundClosed(f"stage {self.round} of the all-reduce closed (or has {partner}'s value) before this "
                               f"commit")
         self.received[partner] = list(theirs)
-        self.done.append(partner)
-        self.count_answered_(partner, outgoing)
+        self.slots.applied_(partner, outgoing, payload_bytes(self.payload_for(partner)))
         self.release_(partner, outgoing)
         self._check_complete()
 
     def release_(self, partner: str, outgoing: bool) -> None:
         """An exchange ended; a member whose offer to us ended unapplied is not waited for (one offer per round)."""
-        super().release_(partner, outgoing)
+        self.slots.release_(partner, outgoing)
         if not outgoing and partner not in self.done:
             self.give_up_on_(partner)
+
+    def close_(self) -> list[torch.Tensor] | None:
+        """Close for good; None: the stage mixes nothing (the all-reduce reduces `inputs()`)."""
+        self.slots.close_()
+        return None
+
+    def ended_(self, partner: str, outcome: str) -> None:
+        """An exchange we opened ended: a member that refused for good (not its group, round over) or failed is
+        no longer waited for."""
+        if outcome != Outcome.OK and outcome not in ASK_AGAIN and outcome != Outcome.RELAY_FAILED:
+            self.give_up_on_(partner)
+        if outcome not in (Outcome.FAILED, Outcome.RELAY_FAILED):  # it answered, if only to refuse
+            self.answered_us.add(partner)
 
     def give_up_on_(self, partner: str) -> None:
         """Stop waiting for `partner` (it refused or failed for good)."""
@@ -154,25 +199,29 @@ class GatherRound(Mix2Round):
         return sorted([(self.own_id, self.sent), *self.received.items()])
 
 
-StageT = TypeVar("StageT", bound=GatherRound)
-RELAY_FAILED = "relay failed"  # an exchange through the member's relay failed: asked again (`RelayRetries`)
-
-
-class ExchangeAllReduce(GradGossip):
-    """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's)."""
+class ExchangeAllReduce:
+    """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's): `gather` runs a
+    round; its `driver` answers offers (`serve_exchanges(p2p, exchange.driver)`) and makes ours. It is the driver's
+    policy for the all-reduce's values: what headers carry, how a member's value is decoded (never clipped:
+    CenteredClip over all inputs replaces per-partner clipping)."""
     STAGES, ALL_TO_ALL = 2, 0  # a round's stages are numbered STAGES × round + k; the all-to-all's start here
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
                  reputation: Reputation | None = None, routes: Routes | None = None):
-        super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
-                         kind=kind, routes=routes)
-        self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
+        self.p2p, self.run_id, self.config, self.kind = p2p, run_id, config, kind
+        self.own_id = p2p.peer_id.to_base58()
+        self.feedback = ErrorFeedback(outer_gradient_codec(config), like, config.error_feedback_decay)
+        self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
+        self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
+        self.driver = ExchangeDriver(p2p, run_id, fingerprint, kind, config, self, GRAD_CODECS,
+                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, self.routes)
+        self.links = self.driver.links  # the peer's one table of measured links
+        self.group_size = group_size
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
         self._token_payload = compress_all(self.feedback.codec, self._token)
-        self.relay_retries = RelayRetries()  # members whose relay route fails: asked again in the first round only
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
                      patience_s: float, state: list[float] | None = None) -> AveragingResult:
@@ -189,7 +238,8 @@ class ExchangeAllReduce(GradGossip):
         """(our payload, our s), or None for a non-finite Δ (nothing can be sent)."""
         self._residual_before = None  # a refusal from now on concerns this round's mean
         try:
-            payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, self._prepare, own)
+            payload, sent, _ = await asyncio.get_running_loop().run_in_executor(None, prepare_payload, self.feedback,
+                                                                                own, self.outgoing)
         except ValueError as e:
             logger.warning(f"round {round_}: not averaging this outer gradient ({e})")
             return None
@@ -263,19 +313,15 @@ class ExchangeAllReduce(GradGossip):
         if self._residual_before is not None:
             self.feedback.residual, self._residual_before = self._residual_before, None
 
-    async def _stage(self, rnd: StageT, patience_s: float, stats: RoundSync) -> StageT:
+    async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
-        self.current = rnd
+        self.driver.current = rnd
         give_up_at = time.monotonic() + patience_s
         ours = [p for p in rnd.expected if self.routes.opener(self.own_id, p) == self.own_id]
-        await self._initiate_all(rnd, ours, patience_s, stats)
+        await self.driver.open_all(rnd, ours, patience_s, stats, rnd.round // self.STAGES)
         with contextlib.suppress(asyncio.TimeoutError):  # the others of the group open their exchanges with us
             await asyncio.wait_for(rnd.complete.wait(), max(0.0, give_up_at - time.monotonic()))
-        with contextlib.suppress(asyncio.TimeoutError):  # give accepted exchanges in flight the time they have
-            await asyncio.wait_for(rnd.idle.wait(), max(0.0, rnd.begin_close_()))
-        rnd.close_()
-        stats.bytes_sent += rnd.answered[0]
-        stats.bytes_received += rnd.answered[1]
+        await self.driver.close_round(rnd, stats)
         return rnd
 
     async def _confirm(self, reduction: Reduction, members: set[str], stage: int, patience_s: float,
@@ -308,23 +354,24 @@ class ExchangeAllReduce(GradGossip):
                                                           f"from the group's robust mean (τ {result.radius:.3g})")
         return result.mean, result.lengths, result.distances, reduction
 
-    def measures_link(self, rnd: Mix2Round) -> bool:
-        return not (isinstance(rnd, GatherRound) and rnd.digest is not None)  # a confirmation is a few bytes
-
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------
     def header_extra(self) -> dict[str, Any]:
-        rnd = self.current
+        rnd = self.driver.current
+        if isinstance(rnd, GatherRound) and rnd.claims is not None:
+            return rnd.claims.header()
         if isinstance(rnd, GatherRound) and rnd.digest is not None:
             return {"digest": rnd.digest}
         shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
         return (self.previous.header() if self.previous is not None else {}) | shown
 
-    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
-        if not isinstance(rnd, GatherRound):
-            return
+    def note_partner(self, rnd: GatherRound, partner: str, header: dict[str, Any]) -> None:
+        if rnd.claims is not None:
+            rnd.claims.note_(partner, header)
         if rnd.digest is not None:
             if is_digest(header.get("digest")):
                 rnd.confirmed[partner] = header["digest"]
+            return
+        if rnd.claims is not None:
             return
         report, sample = Reduction.parse(header), parse_sample(header.get("state"))
         if report is not None:
@@ -349,42 +396,19 @@ class ExchangeAllReduce(GradGossip):
                            f"peer's {same} in round {self.previous.round}: out of step; keeping the anchor this round")
         return other > same, cheats
 
-    # ---- exchanges, and what they bring ----------------------------------------------------------------------------
-    async def _initiate_all(self, rnd: Mix2Round, live_peers: list[str], patience_s: float,
-                            stats: RoundSync) -> None:
-        """Open exchanges with all of `live_peers` at once (gossip opens one after another); a member a moment
-        from our round holds our offer until it gets there (round_gate.py), and one that refuses it as not in its
-        round yet is asked again (`retry_delay_s`), for up to `patience_s` in all."""
-        give_up_at, attempt = time.monotonic() + patience_s, 0
-        rnd.hold_until = give_up_at
-        candidates = sorted(p for p in live_peers if not self.reputation.is_banned(p))
-        while candidates:
-            reserved = [p for p in candidates if rnd.reserve_outgoing_(p)]
-            outcomes = await asyncio.gather(*(self._exchange_with(rnd, p, stats) for p in reserved))
-            candidates = [p for p, outcome in zip(reserved, outcomes, strict=True)
-                          if outcome in ASK_AGAIN or outcome == RELAY_FAILED]
-            if not candidates or time.monotonic() >= give_up_at:
-                return
-            await asyncio.sleep(retry_delay_s(attempt))
-            attempt += 1
-
-    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
-        """One exchange we open; a member that refuses for good (not its group, round over, failed) is no longer
-        waited for."""
-        outcome = await super()._exchange_with(rnd, partner, stats)
-        round_ = rnd.round // self.STAGES if isinstance(rnd, GatherRound) else rnd.round
-        if outcome == "ok":
-            self.relay_retries.reached_(partner)
-        elif outcome == "failed" and self.routes.route_to(partner) is not None and \
-                self.relay_retries.ask_again_(partner, round_):
-            return RELAY_FAILED
-        if outcome != "ok" and outcome not in ASK_AGAIN and isinstance(rnd, GatherRound):
-            rnd.give_up_on_(partner)
-        return outcome
-
-    def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
+    # ---- what a member's value must be ------------------------------------------------------------------------
+    def decode_partner(self, rnd: GatherRound, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
         """The member's value: it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
+
+    def clip_partner(self, rnd: GatherRound, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A member's value as it came: CenteredClip over all inputs bounds it (`_reduce`)."""
+        return theirs
+
+    def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we send for our s: the single point where the s every member receives is formed (once a round).
+        The identity; a red-team test wraps it to play a hostile peer."""
+        return sent

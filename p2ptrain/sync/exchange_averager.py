@@ -58,4 +58,4 @@ class ExchangeAverager:
         self.exchange.undo_commit_()
 
     def shutdown(self) -> None:  # offers held for a round we will not reach are refused now (round_gate.py)
-        self.loop.run(self.exchange.gate.close(), timeout=5.0)
+        self.loop.run(self.exchange.driver.gate.close(), timeout=5.0)

@@ -40,6 +40,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import ROUND_RETRY_S
 from p2ptrain.tensor_layout import norm
 
@@ -50,8 +51,6 @@ PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k
 # compares with our own link: peers on equally fast links measure speeds 30 % apart from CPU load alone (netns
 # testnet, 50 Mbit/s each: 2.8 and 3.6 MB/s), and ranking them by that noise left fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
-WRONG_ROUND = "not in this round"
-TOO_MANY_OFFERS = "too many offers"
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks
 # again every ROUND_RETRY_S while we have not reached its round: it uses half of the rate)
@@ -175,36 +174,37 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
         """Accept an offer from a peer of this run and model, one at a time and within its share of offers; refuse
         anything else at once. We mix with the smaller of the offer's weight and our own, and answer which."""
         if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
-            return "another run or model"
+            return Refusal.OTHER_RUN
         if header.get("kind") != self.kind or header.get("codec") not in ("none", "fp16", "int8"):
-            return "unsupported exchange"
+            return Refusal.UNSUPPORTED
         offered = header.get("weight")
         if not isinstance(offered, float) or not 0 < offered <= 0.5:
-            return "bad mixing weight"
+            return Refusal.BAD_WEIGHT
         sender = str(header.get("sender", ""))
         if not self.offer_limit.offer(sender):
             return self._too_many(sender, "offers arrive faster than any partner needs")
         with self._lock:
             if self.same_round_only and header.get("round") != self.round:
-                return WRONG_ROUND
+                return Refusal.WRONG_ROUND
             if self._responding:
-                return "busy"
+                return Refusal.BUSY
             within_share = self.offer_limit.accept(sender, self.round)
             self._responding = within_share
             public = [b + c for b, c in zip(self._base, self._correction, strict=True)] if within_share else []
-        if not within_share:  # refused, not penalised: a partner faster than us opens more per our round (a slow or
-            return TOO_MANY_OFFERS  # joining peer's round is many of theirs); a prober pays for "uncommitted" opens
+        # refused, not penalised: a partner faster than us opens more per our round (a slow or joining peer's round
+        if not within_share:  # is many of theirs); a prober pays for "uncommitted" opens
+            return Refusal.TOO_MANY_OFFERS
         weight = min(offered, uniform_weight(self.config.gossip_peers))
         try:
             return _Exchange(self, sender, weight, public, header)
         except ValueError as e:  # our own value is not finite (or what `outgoing` formed does not encode)
             logger.warning(f"not answering {sender}: our value cannot be sent ({e})")
             self.release_responder()
-            return "no value to offer"
+            return Refusal.NO_VALUE
 
     def _too_many(self, sender: str, detail: str) -> str:
         self.reputation.penalise(sender, "too_many_opens", detail)
-        return TOO_MANY_OFFERS
+        return Refusal.TOO_MANY_OFFERS
 
     def release_responder(self) -> None:
         with self._lock:
@@ -367,7 +367,7 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
                                       deadline_s, self.routes.route_to(partner))
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused: {e}")
-            if str(e) == WRONG_ROUND:
+            if str(e) == Refusal.WRONG_ROUND:
                 self._waiting_for_round = True
             else:
                 stats.refused += 1

@@ -11,8 +11,8 @@ MAX_STAGES_AHEAD ahead of its current stage; anything else is judged at once, as
 responder is one of its exchange slots (net/responder_limits.py) for that long, as a slow sender's offer does.
 
 A peer that shuts down closes its gate (`close`): the offers it holds for a round it will not reach are refused
-(LEAVING) at once. Left held, they ended with its process and no answer, and each initiator waited its exchange's
-deadline (netns testnet, a peer leaving with SIGTERM: one member 9 s in a round the others ended in 2 s, out of step).
+(`Refusal.LEAVING`) at once. Left held, they ended with its process and no answer, and each initiator waited its
+exchange's deadline, out of step with the members that had ended the round.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 # a member computing with overlap (its all-reduce one round behind) up to two; the reduce-scatter, with 6 stages a
 # round (sync/scatter_allreduce.py), holds offers up to its round's stages ahead (`RoundGate.max_stages_ahead`)
 MAX_STAGES_AHEAD = 2
-LEAVING = "leaving the run"  # the refusal of a peer shutting down: not asked again this round
 
 
 def offered_hold_s(header: dict[str, Any], own_cap_s: float) -> float:

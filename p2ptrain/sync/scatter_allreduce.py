@@ -48,10 +48,8 @@ from p2ptrain.maths import chunk_check
 from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all
 from p2ptrain.net.allreduce import AveragingResult
-from p2ptrain.net.exchange import Payload
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
-from p2ptrain.sync.exchange_allreduce import RELAY_FAILED, ExchangeAllReduce, GatherRound
-from p2ptrain.sync.grad_gossip import Mix2Round
+from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound
 from p2ptrain.sync.interface import RoundSync
 from p2ptrain.tensor_layout import norm
 
@@ -98,41 +96,36 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-class ChunkRound(GatherRound):
-    """Stage 1: each member gets our chunk of its own; we keep each member's chunk of ours."""
+class MeansClaims:
+    """Stage 2's headers: our chunk's `ChunkMean` with its mean, and what each member says of its own."""
 
-    def __init__(self, stage_round: int, own_id: str, chunks: dict[str, torch.Tensor], codec: str,
-                 payloads: dict[str, Payload], expected: set[str]):
-        super().__init__(stage_round, own_id, [chunks[own_id]], payloads[own_id], codec, expected)
-        self.chunks, self.payloads = chunks, payloads  # owner → our chunk of its span, and its encoding
-        self.answered_us: set[str] = set()  # members that answered an offer of ours, if only to refuse it
-
-    def alive(self) -> set[str]:
-        """Members that took part in this stage in any way: the fallback's group. A member whose view of the group
-        differs cuts other chunks (a peer that left, seen by some only): its chunks are refused, but it is there."""
-        return set(self.done) | self.opened | self.answered_us
-
-    def payload_for(self, partner: str) -> Payload:
-        return self.payloads.get(partner, self.payload)
-
-
-class MeansRound(GatherRound):
-    """Stage 2: our chunk's mean to every member, theirs to us, each with its `ChunkMean`."""
-
-    def __init__(self, stage_round: int, own_id: str, mean: torch.Tensor, summary: ChunkMean, codec: str,
-                 payload: Payload, expected: set[str]):
-        super().__init__(stage_round, own_id, [mean], payload, codec, expected)
+    def __init__(self, own_id: str, summary: ChunkMean):
         self.summary, self.summaries = summary, {own_id: summary}
 
+    def header(self) -> dict[str, Any]:
+        return {"chunk": self.summary.header()}
 
-class SketchRound(GatherRound):
-    """Stages 3 and 4: the digest of the means a member holds (stage 3: with its residuals' sketches)."""
+    def note_(self, partner: str, header: dict[str, Any]) -> None:
+        summary = ChunkMean.parse(header.get("chunk"))
+        if summary is not None:
+            self.summaries[partner] = summary
 
-    def __init__(self, stage_round: int, own_id: str, token: list[torch.Tensor], payload: Payload, codec: str,
-                 expected: set[str], digest: str, ours: dict[str, list[float]] | None = None):
-        super().__init__(stage_round, own_id, token, payload, codec, expected, digest=digest)
+
+class SketchClaims:
+    """Stages 3 and 4's headers: the digest of the means a member holds (stage 3: with its residuals' sketches)."""
+
+    def __init__(self, digest: str, ours: dict[str, list[float]] | None = None):
+        self.digest = digest
         self.ours = ours or {}  # owner → our sketch
         self.theirs: dict[str, dict[str, list[float]]] = {}  # member → owner → its sketch
+
+    def header(self) -> dict[str, Any]:
+        return {"digest": self.digest} | ({"sketches": self.ours} if self.ours else {})
+
+    def note_(self, partner: str, header: dict[str, Any]) -> None:
+        if isinstance(sketches := header.get("sketches"), dict) and len(sketches) <= MAX_MEMBERS:
+            self.theirs[partner] = {owner: [float(v) for v in values] for owner, values in sketches.items()
+                                    if isinstance(owner, str) and chunk_check.is_sketch(values)}
 
 
 @dataclasses.dataclass
@@ -191,8 +184,10 @@ class ScatterAllReduce(ExchangeAllReduce):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.gate.max_stages_ahead = self.STAGES  # a member in any stage of the round before still holds our offer
-        self._audit: tuple[int, View, SketchRound] | None = None  # a failed round's view, until the fallback's inputs
+        # a member in any stage of the round before still holds our offer
+        self.driver.gate.max_stages_ahead = self.STAGES
+        # a failed round's view, the digests and sketches its members sent, until the fallback's inputs
+        self._audit: tuple[int, View, dict[str, str], SketchClaims] | None = None
         self._liars: set[str] = set()  # members found lying this round (penalised once)
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
@@ -206,8 +201,8 @@ class ScatterAllReduce(ExchangeAllReduce):
             return await self._all_to_all(own, payload, sent, group, round_, patience_s, state, started, stats)
         chunks = chunks_of(sent, group)
         payloads = {o: compress_all(self.feedback.codec, [c]) for o, c in chunks.items()}
-        rnd = ChunkRound(self.STAGES * round_ + CHUNKS, self.own_id, chunks, self.feedback.codec.name, payloads,
-                         set(group))
+        rnd = GatherRound(self.STAGES * round_ + CHUNKS, self.own_id, [chunks[self.own_id]], payloads[self.own_id],
+                          self.feedback.codec.name, set(group), payloads=payloads)
         rnd.state = state
         rnd = await self._stage(rnd, patience_s, stats)
         out_of_step, cheats = self._judged(rnd)
@@ -217,8 +212,8 @@ class ScatterAllReduce(ExchangeAllReduce):
             self.previous = None
             return result([torch.zeros_like(o) for o in own], len(group), discarded=True)
         heard = set(rnd.done) - set(cheats)
-        view, problem = await self._means(rnd, group, heard, patience_s, stats)
-        problem = await self._checked(view, problem, rnd, heard, patience_s, stats)
+        view, problem = await self._means(rnd, chunks, group, heard, patience_s, stats)
+        problem = await self._checked(view, problem, rnd, chunks, heard, patience_s, stats)
         if view is not None and problem is None:
             self.previous = Reduction.of(round_, [(o, [view.means[o]]) for o in group])
             self._residual_before = self.feedback.residual
@@ -230,28 +225,30 @@ class ScatterAllReduce(ExchangeAllReduce):
         return await self._all_to_all(own, payload, sent, members, round_, patience_s, state, started, stats,
                                       judge=False)
 
-    async def _means(self, rnd: ChunkRound, group: list[str], heard: set[str], patience_s: float,
-                     stats: RoundSync) -> tuple[View | None, str | None]:
-        """Reduce our chunk, swap the means with the members we heard from: (our view, or None; what is wrong)."""
+    async def _means(self, rnd: GatherRound, chunks: dict[str, torch.Tensor], group: list[str], heard: set[str],
+                     patience_s: float, stats: RoundSync) -> tuple[View | None, str | None]:
+        """Reduce our chunk, swap the means with the members we heard from: (our view, or None; what is wrong).
+        `rnd`: the chunks stage; `chunks`: owner → our chunk of its span."""
         mean, summary = await asyncio.get_running_loop().run_in_executor(None, self._reduce_chunk, rnd.inputs())
-        means_rnd = MeansRound(rnd.round + MEANS, self.own_id, mean, summary, rnd.codec,
-                               compress_all(self.feedback.codec, [mean]), heard)
-        means_rnd = await self._stage(means_rnd, patience_s, stats)
+        claims = MeansClaims(self.own_id, summary)
+        means_rnd = await self._stage(GatherRound(rnd.round + MEANS, self.own_id, [mean],
+                                                  compress_all(self.feedback.codec, [mean]), rnd.codec, heard,
+                                                  claims=claims), patience_s, stats)
         means = {self.own_id: mean} | {o: x[0] for o, x in means_rnd.received.items()}
-        missing = sorted(set(group) - (set(means) & set(means_rnd.summaries)))
+        missing = sorted(set(group) - (set(means) & set(claims.summaries)))
         if missing:
             return None, f"no mean from {', '.join(missing[:3])}{' and others' if len(missing) > 3 else ''}"
-        view = View.of(group, means, means_rnd.summaries)
-        return view, self._view_problem(view, rnd)
+        view = View.of(group, means, claims.summaries)
+        return view, self._view_problem(view, rnd, chunks)
 
-    def _view_problem(self, view: View, rnd: ChunkRound) -> str | None:
+    def _view_problem(self, view: View, rnd: GatherRound, chunks: dict[str, torch.Tensor]) -> str | None:
         """What in the owners' claims contradicts what we know: our own input, and whether τ can be CenteredClip's."""
         for owner in view.owners:
             summary = view.summaries[owner]
             why = chunk_check.radius_problem(summary.radius, summary.lengths, self.config.clip_multiplier)
             if why is not None or not set(summary.members) <= set(view.owners):
                 return f"{owner}: {why or 'names inputs from outside the group'}"
-            entry, chunk = view.entry(owner, self.own_id), rnd.chunks[owner]
+            entry, chunk = view.entry(owner, self.own_id), chunks[owner]
             if entry is None and (owner in rnd.done or owner == self.own_id):
                 return f"{owner} left this peer's input out"
             if entry is not None and (entry[1] != value_hash([chunk]) or not math.isclose(
@@ -259,35 +256,37 @@ class ScatterAllReduce(ExchangeAllReduce):
                 return f"{owner} misreports this peer's input"
         return None
 
-    async def _checked(self, view: View | None, problem: str | None, rnd: ChunkRound, heard: set[str],
-                       patience_s: float, stats: RoundSync) -> str | None:
+    async def _checked(self, view: View | None, problem: str | None, rnd: GatherRound, chunks: dict[str, torch.Tensor],
+                       heard: set[str], patience_s: float, stats: RoundSync) -> str | None:
         """Stages 3 and 4: swap sketches, check every chunk, confirm; None when a majority holds our view checked."""
         loop, codec = asyncio.get_running_loop(), self.feedback.codec.name
         ours: dict[str, list[float]] = {}
         if view is not None and problem is None:
             ours = await loop.run_in_executor(None, lambda: {
-                o: view.sketch(o, rnd.chunks[o]) for o in view.owners if view.entry(o, self.own_id) is not None})
+                o: view.sketch(o, chunks[o]) for o in view.owners if view.entry(o, self.own_id) is not None})
         digest = view.digest if view is not None and problem is None else FAILED
-        sketches = await self._stage(SketchRound(rnd.round + SKETCHES, self.own_id, self._token, self._token_payload,
-                                                 codec, heard, digest, ours), patience_s, stats)
+        claims = SketchClaims(digest, ours)
+        sketches = await self._stage(GatherRound(rnd.round + SKETCHES, self.own_id, self._token, self._token_payload,
+                                                 codec, heard, digest, claims=claims), patience_s, stats)
         if view is not None and problem is None:
-            problem = await loop.run_in_executor(None, self._judge_sketches, view, sketches)
-        confirmed = await self._stage(SketchRound(rnd.round + CONFIRMATIONS, self.own_id, self._token,
-                                                  self._token_payload, codec, heard,
-                                                  FAILED if problem is not None or view is None else view.digest),
-                                      patience_s, stats)
+            problem = await loop.run_in_executor(None, self._judge_sketches, view, sketches.confirmed, claims)
+        verdict = FAILED if problem is not None or view is None else view.digest
+        confirmed = await self._stage(GatherRound(rnd.round + CONFIRMATIONS, self.own_id, self._token,
+                                                  self._token_payload, codec, heard, verdict,
+                                                  claims=SketchClaims(verdict)), patience_s, stats)
         if view is None:
             return problem
         votes = (problem is None) + sum(d == view.digest for d in confirmed.confirmed.values())
         if 2 * votes > len(view.owners):
             return None
-        self._audit = (rnd.round // self.STAGES, view, sketches)
+        self._audit = (rnd.round // self.STAGES, view, sketches.confirmed, claims)
         return problem or f"{votes} of {len(view.owners)} members confirmed these means"
 
-    def _judge_sketches(self, view: View, sketches: SketchRound) -> str | None:
-        """Every chunk's sketches must sum to zero. (An owner could tell a lying sketch of its chunk at once, but
-        penalises it only in the audit, with every other member: a ban by one member alone splits the group.)"""
-        agreeing = {m for m, d in sketches.confirmed.items() if d == view.digest}
+    def _judge_sketches(self, view: View, confirmed: dict[str, str], sketches: SketchClaims) -> str | None:
+        """Every chunk's sketches must sum to zero (`confirmed`: the digest each member sent with its sketches). (An
+        owner could tell a lying sketch of its chunk at once, but penalises it only in the audit, with every other
+        member: a ban by one member alone splits the group.)"""
+        agreeing = {m for m, d in confirmed.items() if d == view.digest}
         for owner in view.owners:
             summary, claims = view.summaries[owner], {}
             for member in summary.members:
@@ -333,25 +332,20 @@ class ScatterAllReduce(ExchangeAllReduce):
         return centered_clip_rows_(rows.clone(), [rows[0]], self.config.clip_multiplier, chunk_check.MAX_ITERATIONS,
                                    chunk_check.CONVERGED)
 
-    async def _exchange_with(self, rnd: Mix2Round, partner: str, stats: RoundSync) -> str:
-        outcome = await super()._exchange_with(rnd, partner, stats)
-        if isinstance(rnd, ChunkRound) and outcome not in ("failed", RELAY_FAILED):
-            rnd.answered_us.add(partner)
-        return outcome
-
     # ---- after a fallback: who lied ------------------------------------------------------------------------------
     def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
                 round_: int) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
         reduced = super()._reduce(inputs, round_)
         audit, self._audit = self._audit, None
         if audit is not None and audit[0] == round_:
-            self._audit_round(audit[1], audit[2], {peer: chunks_of(x, audit[1].owners) for peer, x in inputs})
+            self._audit_round(audit[1], audit[2], audit[3], {peer: chunks_of(x, audit[1].owners) for peer, x in inputs})
         return reduced
 
-    def _audit_round(self, view: View, sketches: SketchRound, chunks: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _audit_round(self, view: View, confirmed: dict[str, str], sketches: SketchClaims,
+                     chunks: dict[str, dict[str, torch.Tensor]]) -> None:
         """With every input in hand (the fallback's, as the owners hashed them), recompute each owner's mean and each
         member's sketch we were sent: a mean or a sketch that differs is a lie its author pays for."""
-        agreeing = {m for m, d in sketches.confirmed.items() if d == view.digest}
+        agreeing = {m for m, d in confirmed.items() if d == view.digest}
         for owner in view.owners:
             summary = view.summaries[owner]
             held = [m for m in summary.members
@@ -369,24 +363,3 @@ class ScatterAllReduce(ExchangeAllReduce):
                 self._liars.add(owner)
                 self.reputation.penalise(owner, "false_mean", f"its chunk's mean is {gap:.3g} from the "
                                                               f"CenteredClip of the inputs it reduced")
-
-    # ---- what headers carry ----------------------------------------------------------------------------------------
-    def header_extra(self) -> dict[str, Any]:
-        rnd = self.current
-        if isinstance(rnd, SketchRound):
-            return {"digest": rnd.digest} | ({"sketches": rnd.ours} if rnd.ours else {})
-        if isinstance(rnd, MeansRound):
-            return {"chunk": rnd.summary.header()}
-        return super().header_extra()
-
-    def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
-        if isinstance(rnd, MeansRound):
-            summary = ChunkMean.parse(header.get("chunk"))
-            if summary is not None:
-                rnd.summaries[partner] = summary
-            return
-        if isinstance(rnd, SketchRound) and isinstance(sketches := header.get("sketches"), dict) and \
-                len(sketches) <= MAX_MEMBERS:
-            rnd.theirs[partner] = {owner: [float(v) for v in values] for owner, values in sketches.items()
-                                   if isinstance(owner, str) and chunk_check.is_sketch(values)}
-        super().note_partner(rnd, partner, header)

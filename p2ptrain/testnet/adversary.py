@@ -72,6 +72,7 @@ def tampered(kind: str, value: Tensors, stale: Tensors) -> Tensors:
 
 def install_attack(peer: TrainingPeer, attack: Attack) -> None:
     """Turn `peer` hostile from `attack.from_round` on (its honest behaviour before that)."""
+    from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
     from p2ptrain.sync.grad_gossip import GradGossip
     from p2ptrain.sync.param_gossip import ParamGossip
 
@@ -80,7 +81,7 @@ def install_attack(peer: TrainingPeer, attack: Attack) -> None:
     if attack.kind == "state_liar":
         _lie_about_state(peer, active)
         return
-    transports = _transports(peer.sync, (ParamGossip, GradGossip))  # the exchange all-reduce is a GradGossip too
+    transports = _transports(peer.sync, (ParamGossip, GradGossip, ExchangeAllReduce))  # each has an `outgoing`
     for transport in transports:
         stale = [r.clone() for r in transport.reference] if isinstance(transport, ParamGossip) else None
         _wrap(transport, "outgoing", attack.kind, active, stale)

@@ -1,0 +1,387 @@
+"""The driver of sync/'s round exchanges of outer gradients (Mix2 gossip, the all-reduces' stages): one loop of
+offers, retries, slots, the round gate, deadlines and link measurement, over net/exchange.py's push-pull.
+
+Two kinds of policy plug into it:
+- the round (`ExchangeRound`: a Mix2 round, a stage of an all-reduce) says what we send each partner, whether an
+  offer is accepted, how a partner's value is applied, and when the round closes (its slots, its `idle` event);
+- the transport (`ExchangePolicy`: the Mix2 gossip, an all-reduce) says how a partner's payload is decoded and
+  clipped, what headers carry besides the protocol's fields, and what it keeps of a partner's header.
+The driver answers offers as the peer's `ExchangeHandler` for the transport's namespace (`serve_exchanges`).
+Everything here runs on the peer's event loop; the rounds' methods never await, so each of them is atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Collection, Sequence
+from typing import Any, Protocol
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from p2ptrain.maths.pacing import LinkSpeeds
+from p2ptrain.maths.topology import draw_partners
+from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
+from p2ptrain.net.wire import payload_bytes
+from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
+from p2ptrain.sync.relay_retries import RelayRetries
+from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
+from p2ptrain.sync.round_retry import retry_delay_s
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome:
+    """What an exchange we open ended with, besides the partner's refusal."""
+
+    OK = "ok"
+    FAILED = "failed"
+    RELAY_FAILED = "relay failed"  # an exchange through a group member's relay failed: asked again (`RelayRetries`)
+
+
+class RoundClosed(RuntimeError):
+    """A commit after the round closed: raised in the servicer's apply, so no ack goes out and neither side mixes."""
+
+
+class RoundSlots:
+    """The driver's bookkeeping of one round's exchanges: who we mixed with, who is in flight, whether it closes.
+
+    Each partner holds at most one slot of `degree_cap` (ours or its offer) and mixes once per round."""
+
+    def __init__(self, round_: int, own_id: str, degree_cap: int):
+        self.round, self.own_id, self.degree_cap = round_, own_id, degree_cap
+        self.done: list[str] = []  # partners whose mix is applied, in the order it was
+        self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
+        self.outgoing: set[str] = set()  # our offers in flight
+        self.incoming: dict[str, float] = {}  # accepted offers in flight → when their initiator gives up (monotonic)
+        self.offered_bytes: dict[str, int] = {}  # partner → the bytes of its payload we read (exchanges it opened)
+        self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
+        self.closing = self.closed = False
+        self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
+        self.idle = asyncio.Event()  # set while no accepted offer is in flight
+        self.idle.set()
+
+    def free_slots(self) -> int:
+        return self.degree_cap - len(self.done) - len(self.outgoing) - len(self.incoming)
+
+    def reserve_outgoing_(self, partner: str) -> bool:
+        """Take a slot for an offer of ours; False when full, closing, or already mixing with `partner`."""
+        partnered = partner in self.done or partner in self.outgoing or partner in self.incoming
+        if self.closing or self.free_slots() <= 0 or partnered or partner == self.own_id:
+            return False
+        self.outgoing.add(partner)
+        return True
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
+        to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
+        whose first one we accepted (and it did not commit) is one too many."""
+        if round_ > self.round:
+            return Refusal.WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
+        if round_ < self.round or self.closing:
+            return Refusal.ROUND_OVER
+        if sender == self.own_id or sender in self.done or sender in self.incoming or (
+                sender in self.outgoing and not sender < self.own_id):
+            return Refusal.ALREADY_PARTNERS
+        if sender in self.opened:
+            return Refusal.TOO_MANY_OFFERS
+        if self.free_slots() + (sender in self.outgoing) <= 0:  # our offer to `sender` is about to be refused
+            return Refusal.BUSY
+        self.opened.add(sender)
+        self.incoming[sender] = gives_up_at
+        self.idle.clear()
+        return None
+
+    def may_apply(self, partner: str) -> bool:
+        """Whether a commit from `partner` may still be applied (not after `close_`, not twice)."""
+        return not (self.closed or partner in self.done)
+
+    def applied_(self, partner: str, outgoing: bool, sent_bytes: int) -> None:
+        """`partner`'s value is applied; an exchange it opened counts its bytes (`sent_bytes`: what we sent it;
+        ours are counted where we open them)."""
+        self.done.append(partner)
+        if not outgoing:
+            self.answered[0] += sent_bytes
+            self.answered[1] += self.offered_bytes.pop(partner, 0)
+
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended (applied or not): free its slot in flight."""
+        if outgoing:
+            self.outgoing.discard(partner)
+        else:
+            self.incoming.pop(partner, None)
+            if not self.incoming:
+                self.idle.set()
+
+    def begin_close_(self) -> float:
+        """Refuse offers from now on; return the seconds until accepted ones in flight must have ended."""
+        self.closing = True
+        return max(self.incoming.values(), default=0.0) - time.monotonic()
+
+    def close_(self) -> None:
+        self.closing = self.closed = True
+
+
+class ExchangeRound(Protocol):
+    """One round's policy (a Mix2 round, an all-reduce stage): what it sends, accepts and applies, and what it ends
+    with; the driver keeps its `slots`."""
+
+    round: int
+    codec: str
+    weight: float  # the mixing weight offers carry (and must match)
+    keeps_unconfirmed_mix: bool  # whether a partner's value whose ack was lost is applied
+    measures_link: bool  # whether its exchanges measure the link (a payload, not a digest)
+    sent: list[torch.Tensor]  # our value, the yardstick a partner's is decoded against
+    slots: RoundSlots
+
+    def payload_for(self, partner: str) -> Payload:
+        """What we send `partner`."""
+        ...
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take a slot for `sender`'s offer (`slots.accept_`, after the round's own rules), or say why not."""
+        ...
+
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+        """A committed exchange: apply `theirs`; raises RoundClosed once `slots.may_apply` says no."""
+        ...
+
+    def release_(self, partner: str, outgoing: bool) -> None:
+        """An exchange ended, applied or not (`slots.release_`)."""
+        ...
+
+    def close_(self) -> list[torch.Tensor] | None:
+        """Close for good; what the round mixed (None: nothing)."""
+        ...
+
+
+class GroupRound(ExchangeRound, Protocol):
+    """A stage of an all-reduce: it learns how each exchange it opened ended."""
+
+    def ended_(self, partner: str, outcome: str) -> None: ...
+
+
+class ExchangePolicy(Protocol):
+    """What a transport says about the values its rounds exchange."""
+
+    def decode_partner(self, rnd: Any, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
+        """The partner's value, or ValueError if it is unfit (the initiator then penalises the partner)."""
+        ...
+
+    def clip_partner(self, rnd: Any, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we apply in place of the partner's decoded value."""
+        ...
+
+    def note_partner(self, rnd: Any, partner: str, header: dict[str, Any]) -> None:
+        """A partner's header, once its payload passed the checks (unverified claims)."""
+        ...
+
+    def header_extra(self) -> dict[str, Any]:
+        """Fields added to every header we send, offers and answers."""
+        ...
+
+
+def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
+    """An exchange's transfer time: its `seconds` less what the responder says it held our offer (its word: it may
+    halve the time at most, or the exchange measures nothing; so a lie fakes a link twice as fast at most)."""
+    if type(held_s := answer.get("held_s", 0.0)) is not float or not 0.0 <= held_s <= seconds / 2:
+        return None
+    return seconds - held_s
+
+
+class Incoming:
+    """The responder's side of one accepted exchange: answers with our payload, applies on commit."""
+
+    def __init__(self, driver: ExchangeDriver, rnd: ExchangeRound, sender: str):
+        self.driver, self.rnd, self.sender = driver, rnd, sender
+        self.header = {"codec": rnd.codec, "round": rnd.round, **driver.policy.header_extra()}
+        self.payload = rnd.payload_for(sender)
+
+    def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
+        policy = self.driver.policy
+        theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
+        theirs = policy.clip_partner(self.rnd, self.sender, theirs)
+        policy.note_partner(self.rnd, self.sender, partner_header)
+        self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
+        return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
+
+    def close(self) -> None:
+        self.rnd.release_(self.sender, outgoing=False)
+
+
+class ExchangeDriver:
+    """One kind of round exchange for one peer (`kind`: "mix2", "allreduce.diloco", ...): `open` and `hold` answer
+    offers for the current round, `open_in_turn` and `open_all` make ours, `close_round` ends a round.
+
+    `links` is the peer's one table of measured links, `reputation` its one record of offences, `routes` who it can
+    open streams to and how; `codecs` the codecs offers may name."""
+
+    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, config: SyncConfig,
+                 policy: ExchangePolicy, codecs: Collection[str], max_payload_bytes: int,
+                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None):
+        self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
+        self.policy, self.codecs, self.max_payload_bytes = policy, codecs, max_payload_bytes
+        self.own_id = p2p.peer_id.to_base58()
+        self.namespace, self.chunk_timeout_s = f"{run_id}.{kind}", config.state_download_timeout_s
+        self.links = links if links is not None else LinkSpeeds()
+        self.reputation = reputation if reputation is not None else Reputation()
+        self.routes = routes if routes is not None else Routes("")
+        self.gate = RoundGate()  # the round we are in, and offers held for the next one
+        self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
+        self._current: Any = None
+
+    @property
+    def current(self) -> Any:  # the latest round (closed once its exchange returned)
+        return self._current
+
+    @current.setter
+    def current(self, rnd: ExchangeRound) -> None:
+        self._current = rnd
+        self.gate.advance_(rnd.round)
+
+    # ---- responder ------------------------------------------------------------------------------------------------
+    def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
+        """Hold an offer for a round we are a moment from reaching (round_gate.py), at most our patience."""
+        round_, hold_s = header.get("round"), offered_hold_s(header, self.config.matchmaking_s)
+        if type(round_) is not int or hold_s <= 0 or not self.gate.may_hold(round_):
+            return None
+        return self.gate.wait_for(round_, hold_s)
+
+    def open(self, header: dict[str, Any]) -> OpenExchange | str:
+        """Accept an offer for our current round once its value is set, as the round allows; refuse anything else.
+
+        Offers name their sender (one exchange per pair and round) and their deadline (how long our close waits
+        for them); both are the initiator's word, and the deadline is capped by `allreduce_timeout_s`."""
+        if header.get("run_id") != self.run_id or header.get("fingerprint") != self.fingerprint:
+            return Refusal.OTHER_RUN
+        if header.get("kind") != self.kind or header.get("codec") not in self.codecs:
+            return Refusal.UNSUPPORTED
+        sender, round_, deadline_s = header.get("sender"), header.get("round"), header.get("deadline_s")
+        if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
+            return Refusal.MALFORMED
+        rnd = self.current
+        if rnd is None or round_ > rnd.round:  # our value for that round is not set yet: the initiator asks again
+            return Refusal.LEAVING if self.gate.closed else Refusal.WRONG_ROUND  # unless we shut down
+        if header.get("weight") != rnd.weight:
+            return Refusal.BAD_WEIGHT
+        gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
+        refusal = rnd.accept_(sender, round_, gives_up_at)
+        if refusal == Refusal.TOO_MANY_OFFERS:
+            self.reputation.penalise(sender, "too_many_opens", f"a second exchange opened in round {round_}")
+        return refusal if refusal is not None else Incoming(self, rnd, sender)
+
+    # ---- initiator ------------------------------------------------------------------------------------------------
+    async def open_in_turn(self, rnd: ExchangeRound, live_peers: list[str], patience_s: float, stats: RoundSync,
+                           rng: random.Random) -> None:
+        """Offer our payload to random live peers, one after another, until the round's slots are taken or nobody
+        is left to ask: those we reach directly first, then those behind relays; peers nobody can reach offer
+        theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`."""
+        give_up_at, attempt = time.monotonic() + patience_s, 0
+        candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
+        while candidates and rnd.slots.free_slots() > 0:
+            later = []
+            for partner in [p for pool in self.routes.pools(candidates)
+                            for p in draw_partners(pool, len(pool), rng, exclude=set())]:
+                if rnd.slots.reserve_outgoing_(partner) and await self.exchange_with(rnd, partner, stats) in ASK_AGAIN:
+                    later.append(partner)
+            if not later or time.monotonic() >= give_up_at:
+                return
+            candidates = later
+            await asyncio.sleep(retry_delay_s(attempt))
+            attempt += 1
+
+    async def open_all(self, rnd: GroupRound, members: list[str], patience_s: float, stats: RoundSync,
+                       round_: int) -> None:
+        """Open exchanges with all of `members` at once (of round `round_`); a member a moment from our stage holds
+        our offer until it gets there (round_gate.py), and one that refuses it as not in its stage yet, or whose
+        relay failed for the first round, is asked again (`retry_delay_s`), for up to `patience_s` in all."""
+        give_up_at, attempt = time.monotonic() + patience_s, 0
+        rnd.slots.hold_until = give_up_at
+        candidates = sorted(p for p in members if not self.reputation.is_banned(p))
+        while candidates:
+            reserved = [p for p in candidates if rnd.slots.reserve_outgoing_(p)]
+            outcomes = await asyncio.gather(*(self._exchange_in_group(rnd, p, stats, round_) for p in reserved))
+            candidates = [p for p, outcome in zip(reserved, outcomes, strict=True)
+                          if outcome in ASK_AGAIN or outcome == Outcome.RELAY_FAILED]
+            if not candidates or time.monotonic() >= give_up_at:
+                return
+            await asyncio.sleep(retry_delay_s(attempt))
+            attempt += 1
+
+    async def _exchange_in_group(self, rnd: GroupRound, partner: str, stats: RoundSync, round_: int) -> str:
+        """One exchange we open with a group member; a failure through its relay is RELAY_FAILED in the first round it
+        fails (`RelayRetries`). The round learns how it ended."""
+        outcome = await self.exchange_with(rnd, partner, stats)
+        if outcome == Outcome.OK:
+            self.relay_retries.reached_(partner)
+        elif outcome == Outcome.FAILED and self.routes.route_to(partner) is not None and \
+                self.relay_retries.ask_again_(partner, round_):
+            outcome = Outcome.RELAY_FAILED
+        rnd.ended_(partner, outcome)
+        return outcome
+
+    async def exchange_with(self, rnd: ExchangeRound, partner: str, stats: RoundSync) -> str:
+        """One exchange we start (its slot is reserved); returns OK, FAILED or the partner's refusal."""
+        ours = rnd.payload_for(partner)
+        nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.slots.hold_until - time.monotonic())
+        link = self.links.to(partner)
+        deadline_s = min(self.config.allreduce_timeout_s,
+                         self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
+        header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": rnd.round,
+                  "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s,
+                  **self.policy.header_extra()}
+
+        def validate(answer: dict[str, Any], payload: Payload) -> Apply:
+            try:
+                if answer.get("round") != rnd.round:
+                    raise ValueError(f"partner answered for round {answer.get('round')}, not {rnd.round}")
+                theirs = self.policy.decode_partner(rnd, answer, payload)
+            except ValueError as e:
+                self.reputation.penalise(partner, "invalid_payload", str(e))
+                raise
+            theirs = self.policy.clip_partner(rnd, partner, theirs)
+            self.policy.note_partner(rnd, partner, answer)
+            return lambda: rnd.apply_(partner, theirs, outgoing=True)
+
+        try:
+            outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, ours,
+                                      validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
+                                      hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix)
+            outcome.apply()
+        except ExchangeRefused as e:
+            logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
+            stats.refused += int(str(e) not in ASK_AGAIN)
+            return str(e)
+        except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
+            logger.info(f"{self.kind} exchange with {partner} failed: {e!r}")
+            stats.failed += 1
+            if getattr(e, "timed_out", isinstance(e, (asyncio.TimeoutError, TimeoutError))) and rnd.measures_link:
+                link.update_timeout_(2 * nbytes, deadline_s)
+            return Outcome.FAILED
+        finally:
+            rnd.release_(partner, outgoing=True)
+        measured_s = transfer_s(outcome.partner_header, outcome.seconds)
+        if rnd.measures_link and measured_s is not None and outcome.confirmed:
+            link.update_(outcome.bytes_sent + outcome.bytes_received, measured_s)
+        stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
+                                           outcome.seconds))
+        return Outcome.OK
+
+    # ---- the round's end ------------------------------------------------------------------------------------------
+    async def close_round(self, rnd: ExchangeRound, stats: RoundSync) -> list[torch.Tensor] | None:
+        """Refuse offers from now on, give accepted exchanges in flight the time they have, then close the round:
+        what it mixed (`rnd.close_()`); the bytes of the exchanges partners opened are added to `stats`."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(rnd.slots.idle.wait(), max(0.0, rnd.slots.begin_close_()))
+        mixed = rnd.close_()
+        stats.bytes_sent += rnd.slots.answered[0]
+        stats.bytes_received += rnd.slots.answered[1]
+        return mixed
