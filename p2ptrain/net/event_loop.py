@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import uvloop
 
 from p2ptrain.net import loop_gc
+from p2ptrain.timing import SETUP_FLOOR_S
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class BackgroundLoop:
         loop_gc.unregister(self)
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=SETUP_FLOOR_S)
 
 
 def log_loop_error(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
