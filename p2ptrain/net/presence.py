@@ -23,7 +23,6 @@ from p2ptrain.timing import DIAL_S, POLL_S
 logger = logging.getLogger(__name__)
 
 
-
 class PresenceAgent:
     """Finds and keeps this peer's reachability. `helpers()` lists peers to ask for a dial-back and relays to try,
     best first (initial peers, then the swarm's); `publish(**fields)` puts the answer into our record."""

@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 Service = Callable[[AsyncIterator[DownloadData], P2PContext], AsyncIterator[DownloadData]]
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,64}")
 SERVICE = re.compile(r"[a-z]{1,16}:[A-Za-z0-9_.:-]{1,200}")
-# a refusal's stream stays open SETUP_FLOOR_S for what the initiator still sends: closed at once, p2pd resets the
-# stream and the refusal is lost (wire.drain)
 
 
 NAMESPACE = "p2ptrain.relay"  # one for every run: a bootstrap relays for any run's peers (within its limits)
@@ -133,6 +131,8 @@ class RelayServer(ServicerBase):
         if why_not is not None:
             self.refused += 1
             yield refusal(why_not)
+            # a refusal's stream stays open for what the initiator still sends (here and below): closed at once,
+            # p2pd resets it and the refusal is lost (wire.drain)
             await drain(requests, SETUP_FLOOR_S)
             return
         self.circuits[source] += 1

@@ -24,7 +24,6 @@ from p2ptrain.timing import PATIENCE_S, SETUP_FLOOR_S, reachability_retry_s
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass
 class NodeServices:
     """What `start_services` started, and the node's `routes` (its view of who reaches whom)."""
