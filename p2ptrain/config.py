@@ -24,6 +24,7 @@ from p2ptrain.models import ModelConfig
 from p2ptrain.net.dht import NetworkConfig
 from p2ptrain.net.reputation import ReputationConfig
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.timing import HUNG_AFTER_S, LAUNCH_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,7 +41,7 @@ class RunConfig:
     # a fresh peer waits before its first round until it sees this many peers of the run (itself included), at most
     # min_peers_wait_s, so that peers launched together begin together (swarm_start.py); 1 = start at once
     min_peers: int = 1
-    min_peers_wait_s: float = 120.0
+    min_peers_wait_s: float = LAUNCH_S
     seed: int = 0  # model initialisation seed: the same for every peer of a run
     shard_index: int = -1  # training-data shard; -1 = derived from the peer id
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -54,7 +55,7 @@ class RunConfig:
     progress: bool = True  # show a progress bar
     # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
     # rounds (rank 0's sync, joins and checkpoints included) before the node stops; a dead worker is seen at once
-    node_timeout_s: float = 600.0
+    node_timeout_s: float = HUNG_AFTER_S
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " ./:"):

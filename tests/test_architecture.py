@@ -1,7 +1,8 @@
 """The package's wings and the one-way direction of their imports, read from the source (ast), not described.
 
 The floors, from the bottom: ground → maths and net (side by side) → sync → top → testnet → cli.
-- ground floor (`errors`, `tensor_layout`, `dict_to_dataclass`): imports nothing of the package but `errors`;
+- ground floor (`errors`, `tensor_layout`, `dict_to_dataclass`, `timing`): imports nothing of the package but
+  `errors`;
 - `maths/` (training maths): the ground floor only, and no networking (hivemind's p2p, DHT or averaging);
 - `net/` (libp2p, DHT, wire, exchanges): the ground floor only, and no optimizers;
 - `sync/` (the strategies): where maths and net meet; never the top level or the testnet;
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "p2ptrain"
-GROUND_FLOOR = {"p2ptrain.errors", "p2ptrain.tensor_layout", "p2ptrain.dict_to_dataclass"}
+GROUND_FLOOR = {"p2ptrain.errors", "p2ptrain.tensor_layout", "p2ptrain.dict_to_dataclass", "p2ptrain.timing"}
 
 
 def module_name(path: Path) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from p2ptrain.net import loop_gc
 from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.timing import TICK_S
 
 
 class _Cyclic:
@@ -93,7 +94,7 @@ def test_a_leaked_stream_writer_is_closed_on_its_own_loop_thread() -> None:
         loop.run(leak(), timeout=10)
         kept = [[] for _ in range(10_000)]  # container allocations that trigger automatic collections here
         del kept
-        assert _wait_for(lambda: closed_on, timeout_s=5 * loop_gc.INTERVAL_S), "the leaked writer was never closed"
+        assert _wait_for(lambda: closed_on, timeout_s=5 * TICK_S), "the leaked writer was never closed"
         assert set(closed_on) == {"p2ptrain-loop-a"}, closed_on  # (the server's own close is there too)
     finally:
         asyncio.StreamWriter.close = original_close  # type: ignore[method-assign]

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from p2ptrain.maths.pacing import DEADLINE_FLOOR_S
 from p2ptrain.metrics import read_metrics
 from p2ptrain.testnet import netns
 from p2ptrain.testnet.netns import HostSpec
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
+from p2ptrain.timing import SETUP_FLOOR_S
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -201,7 +201,7 @@ def test_a_diloco_peer_that_vanishes_silently_holds_the_others_up_one_exchange_d
         rows = every[:-2]  # (at the end, one survivor waits for the other's exit)
         before = [row["round_s"] for row in rows if row["time"] < vanished_at]
         after = [row for row in rows if row["time"] > vanished_at]
-        bound = DEADLINE_FLOOR_S + MATCHMAKING_S + 4 * statistics.median(before)
+        bound = SETUP_FLOOR_S + MATCHMAKING_S + 4 * statistics.median(before)
         assert max(row["round_s"] for row in after) <= bound, [round(row["round_s"], 1) for row in after]
         # The survivors go on together. Not every round: the opener of a pair with the vanished member waits out the
         # exchange's deadline while the other survivor's confirmations end after the patience, so the vanish round

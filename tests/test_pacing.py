@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.maths.pacing import PRIOR_BYTES_PER_S, ThroughputEMA, exchange_deadline_s, inner_steps_for_link
+from p2ptrain.maths.pacing import ThroughputEMA, inner_steps_for_link
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.param_gossip import ParamGossip
+from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
 
 
 def test_inner_steps_hand_computed() -> None:

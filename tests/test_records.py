@@ -22,7 +22,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
 from p2ptrain.net.discovery import (
-    MAX_CLOCK_SKEW_S,
     Announcer,
     PeerRecord,
     PeerRecordValidator,
@@ -33,6 +32,7 @@ from p2ptrain.net.discovery import (
     peers_key,
 )
 from p2ptrain.net.identity import peer_id_of_signer
+from p2ptrain.timing import MAX_CLOCK_SKEW_S
 
 RUN, TTL_S = "records-test", 8.0
 FAR = 1e9  # the measured attack: a heartbeat or expiry 10^9 s (~30 years) ahead

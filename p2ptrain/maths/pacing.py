@@ -1,6 +1,6 @@
-"""Heterogeneous bandwidth: measured link throughput, inner steps per round, and exchange deadlines.
+"""Heterogeneous bandwidth: measured link throughput, inner steps per round, and each link's exchange deadline.
 
-Timeouts are derived from the payload size and the measured link speed rather than fixed constants:
+Deadlines follow from the payload size and the measured link speed (timing.exchange_deadline_s):
 a slow peer takes fewer inner steps so its round (compute + its own transfers) ends with the others'.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-PRIOR_BYTES_PER_S = 2.5e6  # a home uplink (20 Mbit/s) until the first exchange with a partner is measured
+from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
+
 OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
-DEADLINE_FLOOR_S = 5.0  # connection set-up, round trips and a busy CPU: what does not scale with the payload
 
 
 class ThroughputEMA:
@@ -76,8 +76,7 @@ class LinkSpeeds:
 
     def deadline_s(self, partner: str, exchange_bytes: int, safety_factor: float) -> float:
         """How long an exchange moving `exchange_bytes` (both directions) with `partner` may take."""
-        return exchange_deadline_s(exchange_bytes, self.estimate_bytes_per_s(partner), safety_factor,
-                                   DEADLINE_FLOOR_S)
+        return exchange_deadline_s(exchange_bytes, self.estimate_bytes_per_s(partner), safety_factor)
 
     def measured(self) -> dict[str, float]:
         """Partner → bytes/s for the links measured at least once."""
@@ -121,13 +120,3 @@ def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: f
     steps = math.ceil(round_time_s / step_time_s) - math.ceil(comm_time_s / step_time_s)
     return max(h_min, min(h_max, steps))
 
-
-def exchange_deadline_s(
-    payload_bytes: int, throughput_bytes_per_s: float, safety_factor: float, floor_s: float
-) -> float:
-    """Deadline for one exchange: ``max(floor_s, safety_factor × payload_bytes / throughput)``."""
-    if not throughput_bytes_per_s > 0.0:
-        raise ValueError(f"throughput must be > 0 bytes/s, got {throughput_bytes_per_s}")
-    if safety_factor < 1.0 or floor_s < 0.0:
-        raise ValueError(f"need safety_factor >= 1 and floor_s >= 0, got {safety_factor} and {floor_s}")
-    return max(floor_s, safety_factor * payload_bytes / throughput_bytes_per_s)

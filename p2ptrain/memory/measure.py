@@ -32,10 +32,10 @@ from p2ptrain.maths.inner import InnerConfig, InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.memory.plan import Settings
 from p2ptrain.models import ModelConfig, build_model
+from p2ptrain.timing import HUNG_AFTER_S
 
 VOCAB_SIZE = 257  # the byte tokenizer's, which presets get by default
 LIVE_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-MEASURE_TIMEOUT_S = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ def measure(model_name: str, settings: Settings, steps: int = 2, live_rss: bool 
     if not live_rss:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=HUNG_AFTER_S)
     if done.returncode != 0:
         raise RuntimeError(f"measuring {model_name} {settings} failed: {done.stderr.strip()[-2000:]}")
     return Measurement.from_dict(dict(json.loads(done.stdout.strip().splitlines()[-1]), live_rss=live_rss))

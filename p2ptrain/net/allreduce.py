@@ -41,6 +41,7 @@ from hivemind.utils import MPFuture
 
 from p2ptrain.net.lifetime import DiesWithStarter
 from p2ptrain.tensor_layout import norm
+from p2ptrain.timing import TICK_S, allreduce_bound_s, matchmaking_bound_s
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,6 @@ def allreduce_traffic_bytes(vector_bytes: int, group_size: int) -> int:
     return int(2 * vector_bytes * (group_size - 1) / max(1, group_size))
 
 
-STEP_MARGIN_S = 5.0  # beyond its own timeouts, how long a step may take before the peer stops waiting for it
-
-
 class PendingAverage:
     """An all-reduce running in the background (one-step-delay overlap); `result()` waits for it."""
 
@@ -145,9 +143,8 @@ class AllReduceAverager:
                  allreduce_timeout_s: float, codec: str = "none", target_group_size: int | None = None,
                  robust: bool = True, refuses: Callable[[str], bool] = lambda _peer: False):
         self.matchmaking_s, self.robust, self.target_group_size = matchmaking_s, robust, target_group_size
-        self.matchmaking_timeout_s = 2 * matchmaking_s + 1.0  # a step's matchmaking, and each question to hivemind
-        # the longest a step may take: its matchmaking, the all-reduce, and a margin
-        self.step_bound_s = self.matchmaking_timeout_s + allreduce_timeout_s + STEP_MARGIN_S
+        self.matchmaking_timeout_s = matchmaking_bound_s(matchmaking_s)  # a step's, and each question to hivemind
+        self.step_bound_s = allreduce_bound_s(matchmaking_s, allreduce_timeout_s)  # the longest a step may take
         self.refuses = refuses  # the peer's reputation and admission: a group holding such a peer is not used
         self._averager = SwarmAverager(
             averaged_tensors=[torch.zeros(t.shape, dtype=torch.float32) for t in template],
@@ -158,7 +155,7 @@ class AllReduceAverager:
             target_group_size=target_group_size,
             min_group_size=2,
             min_matchmaking_time=matchmaking_s,
-            request_timeout=max(1.0, matchmaking_s / 2),
+            request_timeout=max(TICK_S, matchmaking_s / 2),
             allreduce_timeout=allreduce_timeout_s,
             next_chunk_timeout=allreduce_timeout_s / 2,
             compression=CODECS[codec](),

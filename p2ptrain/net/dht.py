@@ -19,6 +19,7 @@ from p2ptrain.errors import ConfigError, UserError, one_line
 from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.identity import fresh_identity_path, load_identity_key
 from p2ptrain.net.lifetime import DiesWithStarter, kill_children
+from p2ptrain.timing import PATIENCE_S, TICK_S
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,9 @@ class NetworkConfig:
     relay_mbit: float = 100.0  # every byte this relay passes, both directions, Mbit/s at most (circuits then wait)
     relay_max_circuits: int = 16  # relayed streams at once; beyond, refused as busy
     relay_max_clients: int = 64  # peers holding a slot on this relay
-    heartbeat_s: float = 1.0  # how often the peer record is refreshed
-    record_ttl_s: float = 8.0  # a peer whose record is older than this is gone
-    startup_timeout_s: float = 30.0  # time to start the daemon (seconds), and for its processes to answer
+    heartbeat_s: float = TICK_S  # how often the peer record is refreshed
+    record_ttl_s: float = 8 * TICK_S  # a peer whose record is older than this (8 default heartbeats) is gone
+    startup_timeout_s: float = PATIENCE_S  # time to start the daemon (seconds), and for its processes to answer
     # seconds to reach the initial peers (at most startup_timeout_s). p2pd dials them one after another and gives each
     # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers took
     # 20 s to fail. 12 leaves room for two of them ahead of a live one (and hivemind's 3 s ping); a healthy join takes

@@ -30,19 +30,16 @@ from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat,
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
 from p2ptrain.net.identity import peer_id_of_signer
+from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
 
-# how far two honest nodes' clocks may disagree (hivemind's DHT time is each machine's own clock): a record's
-# heartbeat may be this far in the future, and a node whose clock is behind may keep a record this long past its TTL
-MAX_CLOCK_SKEW_S = 30.0
 # a publish the round waits for (DiLoCo's phase changes) waits at most this many heartbeats: a store that takes longer
 # is waiting on a silent DHT node (hivemind gives each 3 s, per node: 6.7 s measured on the netns testnet), and the
 # heartbeat stores the record again anyway
 BLOCKING_PUBLISH_HEARTBEATS = 2
 BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
 LEFT = "left"  # the phase of a departed peer's last record
-LEAVE_PUBLISH_TIMEOUT_S = 2.0  # a leaving peer waits this long at most for the DHT to store its last record
 
 
 class PeerRecord(BaseModel):
@@ -82,7 +79,9 @@ def record_problem(record: PeerRecord, now: float, ttl_s: float, policy: Admissi
                    expiration_time: float | None = None) -> str | None:
     """Why a parsed record is refused, or None: the one check of the DHT validator and of `parse_records`.
 
-    `signer`: the peer id whose identity key signed it, where known; `expiration_time`: the DHT's, where known."""
+    `signer`: the peer id whose identity key signed it, where known; `expiration_time`: the DHT's, where known.
+    Clocks differ by up to MAX_CLOCK_SKEW_S: a heartbeat may be that far in the future, a record kept that long
+    past its TTL."""
     if signer is not None and record.peer_id != signer:
         return f"it names peer {record.peer_id} but was signed by {signer}"
     if record.updated > now + MAX_CLOCK_SKEW_S:
@@ -192,13 +191,12 @@ def keep_freshest_(known: dict[str, PeerRecord], records: list[PeerRecord]) -> N
             known[record.peer_id] = record
 
 
-DHT_READ_TIMEOUT_S = 30.0
 # hivemind's DHT hands each call to its process through one pipe, written without a lock; the heartbeat, the swarm
 # watcher and the round loop call it from three threads, so each hand-over is serialised (waiting is not)
 DHT_CALL_LOCK = threading.Lock()
 
 
-def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float, timeout_s: float = DHT_READ_TIMEOUT_S,
+def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float, timeout_s: float = PATIENCE_S,
                 admission: Admission | None = None) -> list[PeerRecord]:
     """The run's live peers, as of now (`parse_records`); none (with a warning) when the DHT does not answer within
     `timeout_s` (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
@@ -257,7 +255,7 @@ class Announcer:
         if publish:
             self._publish_now.set()
 
-    def publish(self, timeout_s: float = DHT_READ_TIMEOUT_S) -> bool:
+    def publish(self, timeout_s: float = PATIENCE_S) -> bool:
         """Store our record now; whether the DHT confirmed it within `timeout_s` (else it goes on in the background)."""
         now = get_dht_time()
         with self._lock:
@@ -272,8 +270,9 @@ class Announcer:
             logger.debug("peer record not stored", exc_info=True)
             return False
 
-    def leave(self, timeout_s: float = LEAVE_PUBLISH_TIMEOUT_S) -> None:
-        """Stop the heartbeat and store a last record saying we left (the others drop us at their next read)."""
+    def leave(self, timeout_s: float = BRIEF_S) -> None:
+        """Stop the heartbeat and store a last record saying we left (the others drop us at their next read),
+        waiting at most `timeout_s` for the DHT to store it."""
         self.stop()
         self.update(phase=LEFT)
         if not self.publish(timeout_s):
@@ -290,7 +289,7 @@ class Announcer:
         self._stop.set()
         self._publish_now.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.heartbeat_s + 5)
+            self._thread.join(timeout=self.heartbeat_s + SETUP_FLOOR_S)
 
 
 class SwarmWatcher:
@@ -320,12 +319,12 @@ class SwarmWatcher:
     def start(self) -> None:
         self._thread.start()
 
-    def records(self, current: bool = False, timeout_s: float = DHT_READ_TIMEOUT_S) -> list[PeerRecord]:
+    def records(self, current: bool = False, timeout_s: float = PATIENCE_S) -> list[PeerRecord]:
         """The freshest record of every peer whose record has not expired and that did not leave, sorted by peer
-        id. A `current` read waits at most `timeout_s` (the first read, DHT_READ_TIMEOUT_S): a DHT slowed by a
+        id. A `current` read waits at most `timeout_s` (the first read, PATIENCE_S): a DHT slowed by a
         silent node then leaves the records of the last read."""
         if current or not self._read_once:
-            timeout_s = timeout_s if self._read_once else DHT_READ_TIMEOUT_S
+            timeout_s = timeout_s if self._read_once else PATIENCE_S
             self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, timeout_s, admission=self.admission))
         now = get_dht_time()
         with self._lock:
@@ -351,7 +350,8 @@ class SwarmWatcher:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.refresh_s + 2.0)  # a daemon thread: a hung read must not hold up shutdown
+            # a daemon thread: a hung read must not hold up shutdown
+            self._thread.join(timeout=self.refresh_s + BRIEF_S)
 
 
 @dataclasses.dataclass

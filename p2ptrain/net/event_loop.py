@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import uvloop
 
 from p2ptrain.net import loop_gc
+from p2ptrain.timing import SETUP_FLOOR_S
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class BackgroundLoop:
         (a loop that did not stop within the join's bound stays registered, its garbage still collected safely)."""
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=SETUP_FLOOR_S)
         if not self._thread.is_alive():
             loop_gc.unregister(self)
 

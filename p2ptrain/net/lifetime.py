@@ -17,8 +17,9 @@ import signal
 import threading
 import time
 
+from p2ptrain.timing import TICK_S
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PARENT_POLL_S = 1.0  # where no pidfd can tell at once that our parent is gone (not Linux >= 5.3), we look this often
 
 
 class DiesWithStarter:
@@ -61,8 +62,8 @@ def _exit_with(parent_pid: int) -> None:
         pidfd = -1
     if pidfd >= 0 and os.getppid() == parent_pid:  # the pidfd is our parent's, not a recycled pid's
         select.select([pidfd], [], [])  # readable once it has exited
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
+    while os.getppid() == parent_pid:  # no pidfd (not Linux >= 5.3): we look once a tick
+        time.sleep(TICK_S)
     _exit_now()
 
 

@@ -8,7 +8,7 @@ instant, libuv calls the callback the other thread just cleared. Seen as a peer 
 thread (a core dump showed `uv__read` calling `alloc_cb == NULL` on a p2pd `UnixTransport`), about one netns run
 in seven, while the main thread wrote a checkpoint (the allocations that triggered the collection).
 
-So while any `BackgroundLoop` runs, automatic GC is off, and a collector thread collects every `INTERVAL_S` on a
+So while any `BackgroundLoop` runs, automatic GC is off, and a collector thread collects every tick (`TICK_S`) on a
 loop's own thread (a callback: libuv is idle there) with every other registered loop parked in a callback too.
 Finalizers then touch uvloop handles only when no loop is inside libuv.
 """
@@ -21,11 +21,11 @@ import logging
 import threading
 from typing import Protocol
 
+from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S, TICK_S
+
 logger = logging.getLogger(__name__)
 
-INTERVAL_S = 1.0  # young generations: cyclic garbage lives at most about this long
 FULL_EVERY = 30  # a full collection every this many ticks (~200 ms with torch loaded, ~0 after the freeze)
-PARK_TIMEOUT_S = 2.0  # a loop busier than this is not waited for: the collection is skipped, tried next tick
 
 
 class LoopThread(Protocol):
@@ -73,7 +73,8 @@ def collect_at_safe_point(generation: int) -> bool:
     release = threading.Event()
     try:
         parked = [(entry.loop, _park(entry.loop, release)) for entry in others]
-        if not all(_wait(event, loop, PARK_TIMEOUT_S) for loop, event in parked):
+        # a loop busier than BRIEF_S is not waited for: the collection is skipped, tried next tick
+        if not all(_wait(event, loop, BRIEF_S) for loop, event in parked):
             logger.debug("a loop did not reach a safe point in time: collection skipped")
             return False
         started, done = threading.Event(), threading.Event()
@@ -86,7 +87,7 @@ def collect_at_safe_point(generation: int) -> bool:
                 done.set()
 
         host.loop.call_soon_threadsafe(collect)
-        if not _wait(started, host.loop, PARK_TIMEOUT_S):
+        if not _wait(started, host.loop, BRIEF_S):
             return False
         done.wait()  # the others stay parked until the collection is over, however long it takes
         return True
@@ -129,11 +130,11 @@ class _Collector:
     def stop(self) -> None:
         self._stopped.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=PARK_TIMEOUT_S + 5.0)
+            self._thread.join(timeout=BRIEF_S + SETUP_FLOOR_S)
 
     def _run(self) -> None:
         tick = 0
-        while not self._stopped.wait(INTERVAL_S):
+        while not self._stopped.wait(TICK_S):  # young generations: cyclic garbage lives at most about a tick
             tick += 1
             full = tick % FULL_EVERY == 0
             try:

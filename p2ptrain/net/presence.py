@@ -15,14 +15,12 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P
 
-from p2ptrain.net.reachability import Reachability, ask_dial_back
+from p2ptrain.net.reachability import MAX_PORTS, Reachability, ask_dial_back
 from p2ptrain.net.relay import RelayEntry, take_slot
 from p2ptrain.net.routes import DIRECT, OUTBOUND, RELAYED, UNKNOWN, Presence, Routes
+from p2ptrain.timing import DIAL_S, POLL_S
 
 logger = logging.getLogger(__name__)
-
-ASK_TIMEOUT_S = 15.0  # one helper's dial-back (its own dial takes up to 3 s a port) or one relay's answer
-CONNECTION_CHECK_S = 0.25  # how often a relayed peer checks that its connection to its relay is still open
 
 
 class PresenceAgent:
@@ -35,6 +33,8 @@ class PresenceAgent:
         self.p2p, self.routes, self.entry, self.namespace = p2p, routes, entry, dial_back_namespace
         self.helpers, self.relays, self.publish, self.use_relays = helpers, relays, publish, use_relays
         self.retry_s = retry_s  # how often an unknown answer is asked again, and an outbound peer looks for a relay
+        # one helper's dial-back (its dials of our ports, one after another, and our question) or one relay's answer
+        self.ask_timeout_s = (MAX_PORTS + 1) * DIAL_S
         self.state = Reachability(Presence())
         self.told = ""  # the last line logged
         self.looks = 0  # how often it has looked for a relay (or would have, without `use_relays`)
@@ -67,7 +67,7 @@ class PresenceAgent:
         while not self.stopped.is_set():
             for helper in self.helpers():
                 try:
-                    return await ask_dial_back(self.p2p, helper, self.namespace, ports, ASK_TIMEOUT_S)
+                    return await ask_dial_back(self.p2p, helper, self.namespace, ports, self.ask_timeout_s)
                 except Exception as e:  # refused, malformed, P2P errors, timeouts: the next helper
                     logger.debug(f"dial-back by {helper} failed: {e!r}")
             self._settle(Reachability(Presence(UNKNOWN), "", tuple(ports)))
@@ -77,7 +77,7 @@ class PresenceAgent:
     async def _take_any_slot(self) -> tuple[str, float]:
         for relay in self.relays():
             try:
-                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, ASK_TIMEOUT_S)
+                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, self.ask_timeout_s)
             except Exception as e:  # refused, P2P errors, timeouts: the next relay
                 logger.debug(f"relay {relay} gave no slot: {e!r}")
                 continue
@@ -88,7 +88,7 @@ class PresenceAgent:
 
     async def _hold(self, relay: str, lease_s: float) -> None:
         """Renew the slot every third of its lease while the relay answers; without a relay, wait `retry_s`. Between
-        renewals it watches the connection to the relay (every CONNECTION_CHECK_S): streams reach us through that
+        renewals it watches the connection to the relay (every POLL_S): streams reach us through that
         connection only, so once it is gone (the relay died, or the link dropped) it renews at once, which dials
         the relay again or finds it gone, rather than staying unreachable for the rest of a third of the lease."""
         if not relay:
@@ -96,11 +96,12 @@ class PresenceAgent:
             return
         renew_at = time.monotonic() + lease_s / 3
         while not self.stopped.is_set():
-            await self._pause(max(0.0, min(CONNECTION_CHECK_S, renew_at - time.monotonic())))
+            await self._pause(max(0.0, min(POLL_S, renew_at - time.monotonic())))
             if self.stopped.is_set() or (time.monotonic() < renew_at and await self._connected(relay)):
                 continue
             try:
-                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, min(ASK_TIMEOUT_S, lease_s))
+                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace,
+                                          min(self.ask_timeout_s, lease_s))
             except Exception as e:
                 if not self.stopped.is_set():  # (a renewal cut short by our own shutdown is no news)
                     logger.info(f"relay {relay} is gone ({type(e).__name__}); looking for another")

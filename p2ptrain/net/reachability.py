@@ -28,14 +28,12 @@ from p2ptrain.net.dht import NetworkConfig, parse_maddr
 from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.routes import DIRECT, OUTBOUND, RELAYED, Presence
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata
+from p2ptrain.timing import DIAL_S
 
 logger = logging.getLogger(__name__)
 
 MULTISTREAM_HEADER = b"\x13/multistream/1.0.0\n"  # what a libp2p TCP listener sends as soon as it accepts
-# one dial-back: a TCP connect and the header over the internet take a round trip or two; 3 s also covers one lost
-# SYN (retransmitted after 1 s). Behind a NAT that drops unsolicited packets the dial takes all of it
-DIAL_BACK_TIMEOUT_S = 3.0
-MAX_PORTS = 4  # ports one request may have dialed back
+MAX_PORTS = 4  # ports one request may have dialed back, one after another (each a dial: DIAL_S)
 DIAL_BACKS_PER_S, DIAL_BACK_BURST = 0.2, 3  # requests one peer may make (a peer asks once, and on relay loss)
 
 
@@ -70,7 +68,7 @@ class Reachability:
                 f"/ip4/0.0.0.0/tcp/{port}), or join through a bootstrap or peer that serves as a relay (--relay)")
 
 
-async def libp2p_answers(ip: str, port: int, timeout_s: float = DIAL_BACK_TIMEOUT_S) -> bool:
+async def libp2p_answers(ip: str, port: int, timeout_s: float = DIAL_S) -> bool:
     """Whether a libp2p TCP listener answers at ip:port within `timeout_s` (a fresh connection, never reused)."""
     writer = None
     try:
@@ -99,7 +97,7 @@ def observed_ip(addrs: Sequence[object]) -> str | None:
 class DialBackServer(ServicerBase):
     """Answers dial-back requests: {"ports": [int, ...]} → {"seen_as": ip or "", "reached": multiaddr or ""}."""
 
-    def __init__(self, p2p: P2P, timeout_s: float = DIAL_BACK_TIMEOUT_S):
+    def __init__(self, p2p: P2P, timeout_s: float = DIAL_S):
         self.p2p, self.timeout_s = p2p, timeout_s
         self.limit = RateLimit(DIAL_BACKS_PER_S, DIAL_BACK_BURST)
 
@@ -157,7 +155,7 @@ async def _ask_as_a_stranger(config: NetworkConfig, initial_peers: Sequence[str]
 
 
 async def ask_dial_back(p2p: P2P, helper: str, namespace: str, ports: Sequence[int],
-                        timeout_s: float = 4 * DIAL_BACK_TIMEOUT_S) -> tuple[str, str]:
+                        timeout_s: float = MAX_PORTS * DIAL_S) -> tuple[str, str]:
     """(the IP the helper sees us at, the multiaddr it reached us at or ""); raises WireError when it refuses or
     answers nonsense, and P2P errors or TimeoutError when it does not answer."""
     stub = DialBackServer.get_stub(p2p, PeerID.from_base58(helper), namespace=namespace)

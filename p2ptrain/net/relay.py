@@ -34,15 +34,13 @@ from hivemind.proto.averaging_pb2 import DownloadData
 from p2ptrain.net.dht import NetworkConfig
 from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import WireError, decode_metadata, drain, encode_metadata, refusal
+from p2ptrain.timing import PATIENCE_S, SETUP_FLOOR_S, TICK_S, relay_lease_s
 
 logger = logging.getLogger(__name__)
 
 Service = Callable[[AsyncIterator[DownloadData], P2PContext], AsyncIterator[DownloadData]]
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,64}")
 SERVICE = re.compile(r"[a-z]{1,16}:[A-Za-z0-9_.:-]{1,200}")
-# a refusal's stream stays open this long for what the initiator still sends: closed at once, p2pd resets the stream
-# and the refusal is lost (wire.drain)
-REFUSAL_DRAIN_S = 5.0
 
 
 NAMESPACE = "p2ptrain.relay"  # one for every run: a bootstrap relays for any run's peers (within its limits)
@@ -55,15 +53,15 @@ class RelayLimits:
     max_clients: int = 64  # peers holding a slot at once
     max_circuits: int = 16  # relayed streams open at once, in all; beyond, refused as busy
     per_peer: int = 4  # relayed streams one peer opens at once
-    bytes_per_s: float = 12.5e6  # every relayed byte, both directions together (100 Mbit/s)
-    lease_s: float = 10.0  # a slot lapses this long after its last renewal (peers renew every third of it)
-    idle_s: float = 30.0  # a circuit in which nobody sent a message for this long is closed
+    bytes_per_s: float = NetworkConfig.relay_mbit * 1e6 / 8  # every relayed byte, both directions together
+    lease_s: float = relay_lease_s(TICK_S)  # a slot lapses this long after its last renewal
+    idle_s: float = PATIENCE_S  # a circuit in which nobody sent a message for this long is closed
 
     @classmethod
     def of(cls, config: NetworkConfig) -> "RelayLimits":
-        """The limits a relay with this network config grants (a slot lasts 10 heartbeats, at least 5 s)."""
+        """The limits a relay with this network config grants."""
         return cls(config.relay_max_clients, config.relay_max_circuits, bytes_per_s=config.relay_mbit * 1e6 / 8,
-                   lease_s=max(5.0, 10 * config.heartbeat_s))
+                   lease_s=relay_lease_s(config.heartbeat_s))
 
     def __post_init__(self) -> None:
         if min(self.max_clients, self.max_circuits, self.per_peer) < 1 or min(
@@ -133,7 +131,9 @@ class RelayServer(ServicerBase):
         if why_not is not None:
             self.refused += 1
             yield refusal(why_not)
-            await drain(requests, REFUSAL_DRAIN_S)
+            # a refusal's stream stays open for what the initiator still sends (here and below): closed at once,
+            # p2pd resets it and the refusal is lost (wire.drain)
+            await drain(requests, SETUP_FLOOR_S)
             return
         self.circuits[source] += 1
         self.served += 1
@@ -173,7 +173,7 @@ class RelayServer(ServicerBase):
         except Exception as e:  # the target's slot outlived its connection: P2P errors, timeouts
             logger.debug(f"relay: cannot reach {target}: {e!r}")
             yield refusal(f"the relay cannot reach {target}")
-            await drain(requests, REFUSAL_DRAIN_S)
+            await drain(requests, SETUP_FLOOR_S)
             return
         async with contextlib.aclosing(responses):
             async for message in _paced(responses, self.limits.idle_s, self.budget, self._count):
@@ -195,7 +195,7 @@ class RelayEntry(ServicerBase):
                           context: P2PContext) -> AsyncIterator[DownloadData]:
         if context.remote_id.to_base58() not in self.relays:
             yield refusal("this peer holds no slot on that relay")
-            await drain(requests, REFUSAL_DRAIN_S)
+            await drain(requests, SETUP_FLOOR_S)
             return
         try:
             routing = decode_metadata((await asyncio.wait_for(requests.__anext__(), RelayLimits.idle_s)).metadata)
@@ -205,7 +205,7 @@ class RelayEntry(ServicerBase):
         handler = self.services.get(service) if isinstance(service, str) else None
         if handler is None or not isinstance(source, str) or not PEER_ID.fullmatch(source):
             yield refusal("unknown service or malformed sender")
-            await drain(requests, REFUSAL_DRAIN_S)
+            await drain(requests, SETUP_FLOOR_S)
             return
         inner = P2PContext(handle_name=str(service), local_id=context.local_id, remote_id=PeerID.from_base58(source))
         async for message in handler(requests, inner):
@@ -213,7 +213,7 @@ class RelayEntry(ServicerBase):
         # a service that answers without reading its request's end (the state download, a sketch): returning at
         # once reset the stream while the relay's last message was on its way, and the answer in flight was lost
         # (test_relay: the joiner read no message at all, about 1 run in 13)
-        await drain(requests, REFUSAL_DRAIN_S)
+        await drain(requests, SETUP_FLOOR_S)
 
 
 async def open_relayed(p2p: P2P, route: Route, target: PeerID, service: str,

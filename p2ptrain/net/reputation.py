@@ -51,13 +51,21 @@ class ReputationConfig:
     """The `reputation` section: when a misbehaving peer is banned, and for how long."""
 
     ban_score: float = 4.0  # a peer whose score reaches this is banned (see OFFENCES for the weights)
-    half_life_s: float = 120.0  # scores halve in this time
-    ban_s: float = 60.0  # first ban; each later ban of the same peer doubles it
-    max_ban_s: float = 3600.0
+    ban_s: float = 60.0  # first ban; each later ban of the same peer doubles it, up to `max_ban_s`
 
     def __post_init__(self) -> None:
-        if min(self.ban_score, self.half_life_s, self.ban_s) <= 0 or self.max_ban_s < self.ban_s:
-            raise ConfigError("reputation.ban_score, half_life_s and ban_s must be > 0 and max_ban_s >= ban_s")
+        if min(self.ban_score, self.ban_s) <= 0:
+            raise ConfigError("reputation.ban_score and reputation.ban_s must be > 0")
+
+    @property
+    def half_life_s(self) -> float:
+        """Scores halve every two first bans: how long an offence is remembered scales with how long it is punished."""
+        return 2 * self.ban_s
+
+    @property
+    def max_ban_s(self) -> float:
+        """The longest ban: sixty first bans (an hour at the default), reached at the seventh ban."""
+        return 60 * self.ban_s
 
 
 @dataclasses.dataclass

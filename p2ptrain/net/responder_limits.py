@@ -9,13 +9,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from p2ptrain.timing import SETUP_FLOOR_S, SLOWEST_LINK_BYTES_PER_S, transfer_s
+
 
 @dataclasses.dataclass(frozen=True)
 class ResponderLimits:
-    """What a responder grants initiators: every deadline follows from the bytes at stake and these two knobs."""
+    """What a responder grants initiators: every deadline follows from the bytes at stake (timing.transfer_s)."""
 
-    min_bytes_per_s: float = 64 * 1024  # the slowest initiator we serve (0.5 Mbit/s): slower ones are dropped
-    floor_s: float = 5.0  # added to every deadline: connection set-up, scheduling and GC pauses
+    min_bytes_per_s: float = SLOWEST_LINK_BYTES_PER_S  # the slowest initiator we serve: slower ones are dropped
+    floor_s: float = SETUP_FLOOR_S  # added to every deadline (and a refusal's drain)
     per_peer: int = 2  # exchanges open at once with one peer id; a third is refused and is an offence
     total: int = 32  # exchanges open at once in all; beyond, offers are refused as "busy"
 
@@ -25,7 +27,7 @@ class ResponderLimits:
 
     def transfer_s(self, nbytes: int) -> float:
         """The time `nbytes` may take to reach us, or to be taken from us."""
-        return self.floor_s + nbytes / self.min_bytes_per_s
+        return transfer_s(nbytes, self.min_bytes_per_s, self.floor_s)
 
 
 class Slots:

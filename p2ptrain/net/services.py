@@ -19,10 +19,9 @@ from p2ptrain.net.presence import PresenceAgent
 from p2ptrain.net.reachability import DialBackServer
 from p2ptrain.net.relay import RelayEntry, RelayLimits, RelayServer
 from p2ptrain.net.routes import Routes
+from p2ptrain.timing import PATIENCE_S, SETUP_FLOOR_S, reachability_retry_s
 
 logger = logging.getLogger(__name__)
-
-REGISTER_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -50,8 +49,8 @@ class NodeServices:
         def relays() -> list[str]:
             return [p for p in dict.fromkeys(first + self.routes.relays()) if p != own]
 
-        self.presence = PresenceAgent(p2p, self.routes, self.entry, reachability.NAMESPACE, helpers,
-                                      relays, publish, config.use_relays, retry_s=max(5.0, 5 * config.heartbeat_s))
+        self.presence = PresenceAgent(p2p, self.routes, self.entry, reachability.NAMESPACE, helpers, relays, publish,
+                                      config.use_relays, retry_s=reachability_retry_s(config.heartbeat_s))
         self.presence_task = loop.submit(self.presence.run())
 
     def stop(self, loop: BackgroundLoop) -> None:
@@ -59,7 +58,7 @@ class NodeServices:
             loop.loop.call_soon_threadsafe(self.presence.stop)
         if self.presence_task is not None:
             try:
-                self.presence_task.result(timeout=5)
+                self.presence_task.result(timeout=SETUP_FLOOR_S)
             except Exception:  # a failed test or a cancelled task: nothing left to stop
                 logger.debug("presence agent ended with an error", exc_info=True)
 
@@ -73,9 +72,9 @@ def start_services(p2p: P2P, loop: BackgroundLoop, config: NetworkConfig) -> Nod
     relay_namespace = relay.NAMESPACE
     services = NodeServices(Routes(p2p.peer_id.to_base58(), relay_namespace), RelayEntry())
     loop.run(DialBackServer(p2p).add_p2p_handlers(p2p, namespace=reachability.NAMESPACE),
-             timeout=REGISTER_TIMEOUT_S)
-    loop.run(services.entry.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=REGISTER_TIMEOUT_S)
+             timeout=PATIENCE_S)
+    loop.run(services.entry.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=PATIENCE_S)
     if config.relay:
         services.relay = RelayServer(p2p, relay_namespace, RelayLimits.of(config))
-        loop.run(services.relay.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=REGISTER_TIMEOUT_S)
+        loop.run(services.relay.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=PATIENCE_S)
     return services

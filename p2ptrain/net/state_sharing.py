@@ -34,6 +34,7 @@ from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata, read_tensors, refusal, stream_parts
 from p2ptrain.tensor_layout import TensorLayout, check_tensors, layout_of
+from p2ptrain.timing import SLOWEST_LINK_BYTES_PER_S, TRANSFER_PATIENCE_S, transfer_s
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +61,13 @@ SKETCHES_QUEUED = 4
 DOWNLOADS_AT_ONCE = 2
 DOWNLOADS_PER_S = 0.5
 DOWNLOAD_BURST = 8
-# a donor must deliver its state at this rate at least (half a megabit per second, below any home upload a peer can
-# train with): a donor that trickled a chunk just inside each chunk's deadline held a joiner's training for
-# 4 × sync.state_download_timeout_s, and ranked first again at its next catch-up (it announces its own speed)
-MIN_DONOR_BYTES_PER_S = 64 * 1024
 
 
 def download_deadline_s(nbytes: int, chunk_timeout_s: float) -> float:
     """How long a state download of `nbytes` may take, for the joiner and the donor alike: a chunk's deadline, then
-    MIN_DONOR_BYTES_PER_S; at most 4 chunk deadlines."""
-    return min(4 * chunk_timeout_s, chunk_timeout_s + nbytes / MIN_DONOR_BYTES_PER_S)
+    the bytes at the slowest link we serve; at most 4 chunk deadlines. The rate keeps a donor from trickling each
+    chunk just inside its own deadline (it would hold a joiner's training for 4 of them, and rank first again)."""
+    return min(4 * chunk_timeout_s, transfer_s(nbytes, SLOWEST_LINK_BYTES_PER_S, chunk_timeout_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +210,7 @@ class StateServer(ServicerBase):
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
                  refuses: Callable[[str], bool] = lambda _peer: False,
                  penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None,
-                 chunk_timeout_s: float = 60.0):
+                 chunk_timeout_s: float = TRANSFER_PATIENCE_S):
         self.get_snapshot = get_snapshot
         self.refuses, self.penalise, self.chunk_timeout_s = refuses, penalise, chunk_timeout_s
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
