@@ -79,28 +79,23 @@ from p2ptrain.net.wire import WireTimeout
 from p2ptrain.peer_state import PeerState
 from p2ptrain.sync.interface import OuterSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
+from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S, TICK_S, matchmaking_bound_s
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WITNESSES = 3  # peers asked to corroborate a downloaded state
-# a joiner's record must reach its round's peers before they read who is in the round: the time to publish it and
-# for them to read it, beyond the join itself (download and checks)
-RECORD_MARGIN_S = 1.0
-FIRST_JOIN_ESTIMATE_S = 2.0  # how long a join takes, before one was measured (tiny model on loopback: ~0.5 s)
 # a fresh gossip peer whose every donor failed (refused, or the download failed) tries again, at most JOIN_RETRIES
 # times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
 JOIN_RETRIES = 4
 JOIN_RETRY_ROUNDS = 1
-# a witness's sketch may come LATE_WITNESS_FACTOR × as late as the first witness's (at least LATE_WITNESS_MIN_S later:
+# a witness's sketch may come LATE_WITNESS_FACTOR × as late as the first witness's (at least timing.BRIEF_S later:
 # every witness sketches the same layout, so an honest one is not much slower than the first)
 LATE_WITNESS_FACTOR = 4.0
-LATE_WITNESS_MIN_S = 2.0
 RAN_AHEAD_ROUNDS = 3  # a peer takes the majority's state once it found it far behind this many rounds in a row
-# after a try longer than this, the next donor comes from a fresh read: a slow link's download outlasts rounds (a
-# 2 Mbit/s joiner on the netns testnet refused 4 donors in a row from one list, "of round 4 .. 15, expected 0..1")
-DONOR_LIST_STALE_S = 5.0
+# a donor list read longer ago than timing.SETUP_FLOOR_S is read again before the next donor: a slow link's
+# download outlasts rounds, and the rounds a snapshot may be of move on meanwhile
 
 
 @contextlib.contextmanager
@@ -175,7 +170,7 @@ class Joiner:
         self.config = peer.config.sync
         self.rng = random.Random(secrets.randbits(64))
         self._suspects_logged: set[str] = set()
-        self.join_s = FIRST_JOIN_ESTIMATE_S  # how long our latest successful join took (download and checks)
+        self.join_s = BRIEF_S  # how long our latest successful join took (download and checks); a guess before one
         self.failed_joins = 0  # fresh joins (first or retried) whose every donor failed
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
         self.ran_ahead_rounds = 0  # rounds in a row we found most of the swarm far behind us (join_rules.ran_ahead)
@@ -211,7 +206,7 @@ class Joiner:
     def _last_round_syncing_s(self) -> float:
         """How long a peer of the last round may have been syncing to count as a moment from ours (DiLoCo without
         overlap): its all-reduce's two stages, each waiting at most `sync.matchmaking_s`, and a margin."""
-        return 2 * self.config.matchmaking_s + RECORD_MARGIN_S if self.config.overlap == "none" else 0.0
+        return matchmaking_bound_s(self.config.matchmaking_s) if self.config.overlap == "none" else 0.0
 
     def catch_up_(self, view: SwarmView) -> JoinDecision:
         """Whose state to adopt: the first donor's that passes the checks, or none (stay with ours)."""
@@ -250,7 +245,7 @@ class Joiner:
         return JoinDecision(member=bool(view.others))
 
     def _donors(self, choice: DonorChoice) -> Iterator[tuple[PeerRecord, DonorChoice]]:
-        """Each donor once, best first, with its choice: after a try over DONOR_LIST_STALE_S, from a fresh read."""
+        """Each donor once, best first, with its choice: after a try over SETUP_FLOOR_S, from a fresh read."""
         tried: set[str] = set()
         read_at = time.monotonic()
         while True:
@@ -259,7 +254,7 @@ class Joiner:
                 return
             tried.add(donor.peer_id)
             yield donor, choice
-            if time.monotonic() - read_at > DONOR_LIST_STALE_S:
+            if time.monotonic() - read_at > SETUP_FLOOR_S:
                 choice, read_at = self._unless_too_soon(self.choose(self.peer.swarm())), time.monotonic()
 
     def _retry_later(self) -> str:
@@ -329,7 +324,8 @@ class Joiner:
         if any(r.phase == "sync" for r in peers):
             return True
         etas = [r.round_eta for r in peers if r.round_eta > 0]
-        return bool(etas) and min(etas) - get_dht_time() < self.join_s + RECORD_MARGIN_S
+        # beyond the join itself, a tick for our record to reach their read of who is in the round
+        return bool(etas) and min(etas) - get_dht_time() < self.join_s + TICK_S
 
     def _download(self, donor: PeerRecord, choice: DonorChoice) -> StateSnapshot | None:
         peer, timeout_s = self.peer, self.config.state_download_timeout_s
@@ -423,7 +419,7 @@ class Joiner:
 
 async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: float) -> list[T | BaseException]:
     """Each request's answer or exception, in order. Once the first answer is in (not a refusal: that comes at
-    once), the others get LATE_WITNESS_FACTOR times as long again (at least LATE_WITNESS_MIN_S); those still out
+    once), the others get LATE_WITNESS_FACTOR times as long again (at least BRIEF_S); those still out
     then, or at `timeout_s`, are TimeoutErrors. A joiner waited for every witness, so one that never answered held
     each corroboration for the whole `timeout_s`."""
     started, tasks = time.monotonic(), [asyncio.ensure_future(r) for r in requests]
@@ -436,7 +432,7 @@ async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: flo
         if any(task.exception() is None for task in done):
             answered_s = time.monotonic() - started
     if pending and answered_s is not None:
-        patience_s = max(LATE_WITNESS_MIN_S, LATE_WITNESS_FACTOR * answered_s)
+        patience_s = max(BRIEF_S, LATE_WITNESS_FACTOR * answered_s)
         await asyncio.wait(pending, timeout=min(patience_s, max(0.0, deadline - time.monotonic())))
     answers: list[T | BaseException] = []
     for task in tasks:

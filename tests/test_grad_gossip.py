@@ -35,7 +35,7 @@ from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import Refusal
-from p2ptrain.sync.round_retry import ROUND_RETRY_S
+from p2ptrain.timing import POLL_S
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
 SHAPES = [(64, 32), (32,), (5, 7)]
@@ -328,7 +328,7 @@ async def offer_until_accepted(p2p: P2P, peer_id: PeerID, sender: str) -> tuple[
             await read_payload(responses, first, int(answer["nbytes"]), chunk_timeout_s=5.0)
             return responses, commit
         assert answer.get("reason") == Refusal.WRONG_ROUND, answer
-        await asyncio.sleep(ROUND_RETRY_S)  # what a real initiator does: ask again when it may have reached our round
+        await asyncio.sleep(POLL_S)  # what a real initiator does: ask again when it may have reached our round
 
 
 class GossipServicer(exchange.GossipServicer):  # same class name: hivemind routes calls by it

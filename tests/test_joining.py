@@ -39,9 +39,7 @@ from p2ptrain.join_rules import (
     snapshot_rounds,
 )
 from p2ptrain.joining import (
-    DONOR_LIST_STALE_S,
     JOIN_RETRIES,
-    LATE_WITNESS_MIN_S,
     RAN_AHEAD_ROUNDS,
     Joiner,
     answers_with_patience,
@@ -78,6 +76,7 @@ from p2ptrain.peer_state import PeerState
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
+from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S
 
 LIAR_ROUND = 100_000
 
@@ -576,7 +575,7 @@ def test_a_state_only_its_donor_holds_but_as_good_as_ours_costs_over_half_a_ban(
 def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(monkeypatch, stall):
     """A donor that trickles its state just inside each chunk's deadline held a joiner's training for
     4 × sync.state_download_timeout_s and ranked first again at the next catch-up (it announces its own speed): the
-    download has a deadline from the state's size and MIN_DONOR_BYTES_PER_S, and a donor that misses it (or stalls
+    download has a deadline from the state's size and SLOWEST_LINK_BYTES_PER_S, and a donor that misses it (or stalls
     a chunk) is penalised like a stalled stream."""
     assert download_deadline_s(1_400_000, 60.0) == pytest.approx(60 + 1_400_000 / 65536)  # the tiny model's state
     assert download_deadline_s(10**10, 60.0) == 240.0
@@ -606,7 +605,7 @@ def test_a_donor_too_slow_with_its_state_is_left_within_the_deadline_and_pays(mo
 def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_does_not(monkeypatch):
     """A joiner waited for every witness's sketch (sync.state_download_timeout_s, 60 s): one that never answered
     held every corroboration that long, unpunished. Now the others get LATE_WITNESS_FACTOR × the first answer's time
-    (at least LATE_WITNESS_MIN_S); a garbled answer is an offence, a late one a timeout, a refusal (a rate limit, or
+    (at least BRIEF_S); a garbled answer is an offence, a late one a timeout, a refusal (a rate limit, or
     we are banned there) none."""
     honest = Sketch(7, [0.0] * SKETCH_SIZE, 1.0)
 
@@ -630,7 +629,7 @@ def test_a_witness_that_garbles_or_stalls_its_sketch_pays_and_one_that_refuses_d
         witnesses = [record(f"w-{kind}", 7) for kind in ("honest", "garbled", "stalled", "refused")]
         started = time.monotonic()
         answers = Joiner(peer)._ask(witnesses, seed=1)  # type: ignore[arg-type]
-        assert time.monotonic() - started < LATE_WITNESS_MIN_S + 2.0
+        assert time.monotonic() - started < BRIEF_S + 2.0
     finally:
         loop.stop()
     assert [(a.peer_id, a.sketch) for a in answers] == [("w-honest", honest)]
@@ -1139,7 +1138,7 @@ def test_a_gasloc_peer_that_takes_a_slower_peers_state_keeps_its_own_round_count
 
 
 def test_a_slow_download_reads_the_swarm_again_before_the_next_donor(monkeypatch):
-    """A download over a slow link outlasts rounds: after a try older than DONOR_LIST_STALE_S, the next donor and
+    """A download over a slow link outlasts rounds: after a try older than SETUP_FLOOR_S, the next donor and
     the rounds its snapshot may be of come from a fresh read of the swarm, not from the list read before the first
     try (whose donors have moved on); a donor tried once is not tried again."""
     joiner, peer, _tries = gossip_joiner_refusing(refusals=10_000)
@@ -1151,7 +1150,7 @@ def test_a_slow_download_reads_the_swarm_again_before_the_next_donor(monkeypatch
 
     def download(donor: PeerRecord, choice: DonorChoice) -> object:
         asked.append((donor.peer_id, donor.round))
-        clock[0] += DONOR_LIST_STALE_S + 1  # the download took longer than a donor list stays fresh
+        clock[0] += SETUP_FLOOR_S + 1  # the download took longer than a donor list stays fresh
         return object()
 
     joiner._download = download  # type: ignore[method-assign]

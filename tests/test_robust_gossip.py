@@ -45,8 +45,9 @@ from p2ptrain.sync.param_gossip import (
     ParamGossip,
 )
 from p2ptrain.sync.refusals import Refusal
-from p2ptrain.sync.round_retry import FIRST_RETRY_S, ROUND_RETRY_S, retry_delay_s
+from p2ptrain.sync.round_retry import FIRST_RETRY_S, retry_delay_s
 from p2ptrain.tensor_layout import distance, norm
+from p2ptrain.timing import POLL_S
 
 Tensors = list[torch.Tensor]
 RUN, FINGERPRINT = "robust", "fp-1"
@@ -369,7 +370,7 @@ def test_an_honest_partner_asking_again_on_the_retry_schedule_never_runs_out_of_
     """The quick first retries (a partner whose round opens a moment after our offer) stay within the token bucket
     of an honest responder, even for a partner that asks without answer, stage after stage, for minutes."""
     delays = [retry_delay_s(a) for a in range(8)]
-    assert delays[0] == FIRST_RETRY_S and delays == sorted(delays) and delays[-1] == ROUND_RETRY_S
+    assert delays[0] == FIRST_RETRY_S and delays == sorted(delays) and delays[-1] == POLL_S
     now = [0.0]
     limit = OfferLimit(per_round=OPENS_PER_ROUND, rate_per_s=OFFERS_PER_S, burst=OFFER_BURST, clock=lambda: now[0])
     refused = 0

@@ -27,8 +27,7 @@ from p2ptrain.sync.interface import Averager, OuterSync
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.sync.scatter_allreduce import ScatterAllReduce
 from p2ptrain.sync.state_evidence import state_sample
-
-REGISTER_TIMEOUT_S = 30.0
+from p2ptrain.timing import PATIENCE_S
 
 
 def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
@@ -46,7 +45,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce
         exchange = transport(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
                              group_size=group_size, reputation=reputation, routes=routes)
-        loop.run(serve_exchanges(p2p, exchange.driver, entry), timeout=REGISTER_TIMEOUT_S)
+        loop.run(serve_exchanges(p2p, exchange.driver, entry), timeout=PATIENCE_S)
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
@@ -57,13 +56,13 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
                         same_round_only=factored, overlapped=factored or config.overlap == "delayed", links=links,
                         reputation=reputation, routes=routes)
-    loop.run(serve_exchanges(p2p, mixer, entry), timeout=REGISTER_TIMEOUT_S)
+    loop.run(serve_exchanges(p2p, mixer, entry), timeout=PATIENCE_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)
     if config.mix2_transport == "gossip":
         gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
                             routes=routes)
-        loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=REGISTER_TIMEOUT_S)
+        loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=PATIENCE_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)
     return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec, mean_check(config)), loop, config,

@@ -7,6 +7,7 @@ import dataclasses
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import MAX_CHUNK_SIZE
 from p2ptrain.maths.sparse_codec import MAX_BITS as MAX_SPARSE_BITS
+from p2ptrain.timing import TRANSFER_PATIENCE_S
 
 SYNC_MODES = ("diloco", "gasloc", "factored")
 OVERLAP_MODES = ("none", "delayed", "eager", "local")
@@ -38,7 +39,8 @@ class SyncConfig:
     # (2·S·(n−1)/n bytes; a failed check falls back to exchange in the same round); hivemind: its butterfly
     # averager (2·S·(n−1)/n bytes, but any member sets the mean)
     allreduce_transport: str = "exchange"
-    allreduce_timeout_s: float = 60.0  # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
+    # an all-reduce (or one gossip Mix2 exchange) that takes longer is abandoned
+    allreduce_timeout_s: float = TRANSFER_PATIENCE_S
     # diloco's all-reduce, factored's Mix2: none | delayed (DiLoCoX one-step delay) | eager (own Δ/M now, others
     # late) | local (all of own Δ now, swapped for the group's mean a round late: local SGD whose average lands a
     # round late; γ 0); gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull
@@ -78,7 +80,7 @@ class SyncConfig:
     error_feedback_decay: float = 1.0  # β in e ← β·e + Δ for outer gradients (1: what was not sent is sent later)
     # all modes
     adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
-    state_download_timeout_s: float = 60.0  # per-chunk deadline when a joiner downloads state
+    state_download_timeout_s: float = TRANSFER_PATIENCE_S  # per-chunk deadline when a joiner downloads state
     # joining (joining.py): whose state a newcomer, or a peer that fell behind, may adopt (peers are untrusted)
     join_max_round_lead: int = 2  # rounds a donor may be ahead of the swarm's median round; further: suspect
     join_loss_tolerance: float = 0.1  # refuse a state whose val loss exceeds the swarm's by this fraction (+0.05)

@@ -41,8 +41,8 @@ from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import Refusal
-from p2ptrain.sync.round_retry import ROUND_RETRY_S
 from p2ptrain.tensor_layout import norm
+from p2ptrain.timing import POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks
-# again every ROUND_RETRY_S while we have not reached its round: it uses half of the rate)
+# again every POLL_S while we have not reached its round: it uses half of the rate)
 OPENS_PER_ROUND = 2
-OFFERS_PER_S, OFFER_BURST = 2 / ROUND_RETRY_S, 32
+OFFERS_PER_S, OFFER_BURST = 2 / POLL_S, 32
 # rounds after a jump of our round (`round`) in which partners we clip hard (still clipped) are not penalised: our first
 JUMP_GRACE_ROUNDS = 2  # steps from an adopted or resumed state are no yardstick yet (tests/test_joining.py)
 # The floor of τ's yardstick, × our value's norm: before our first step (a joiner, a GASLoC responder in its first
@@ -287,7 +287,7 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
             links: dict[str, float] | None = None) -> Coroutine[Any, Any, tuple[list[torch.Tensor], RoundSync]]:
         """Exchange `value` with up to `gossip_peers` random live peers; return value + Σ w (partner − value), each
         partner's value clipped (`clip_partner`) and w the weight both ends agreed on. Busy or refusing peers are
-        skipped, banned ones never asked; those not yet in our round (Mix1) are asked again every ROUND_RETRY_S for
+        skipped, banned ones never asked; those not yet in our round (Mix1) are asked again every POLL_S for
         up to `patience_s` seconds. Peers too slow to wait for (`links`: announced speeds) and peers nobody can reach
         start exchanges with us instead; peers behind relays are drawn once direct ones are used up (`Routes.pools`).
         A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning. τ's yardstick
@@ -314,7 +314,7 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
                 if time.monotonic() >= self.give_up_at or not self._waiting_for_round:
                     break
                 tried, self._waiting_for_round = set(), False
-                await asyncio.sleep(ROUND_RETRY_S)  # gossip peers do not end their rounds together: no quick asks
+                await asyncio.sleep(POLL_S)  # gossip peers do not end their rounds together: no quick asks
                 continue
             tried.add(candidates[0])
             result = await self._exchange_with(candidates[0], value, uniform_weight(k), round_, stats)
