@@ -46,7 +46,7 @@ from p2ptrain.node.worker import NodeStart, node_batches, node_data
 from p2ptrain.peer_checkpoint import apply_sync_state, load_peer_checkpoint, save_peer_checkpoint
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
-from p2ptrain.sync.interface import OuterSync, RoundContext, round_peers
+from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, round_peers
 from p2ptrain.tensor_layout import layout_of
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ class TrainingPeer:
     processes (`node`), this is rank 0: the others train beside it (node/worker.py)."""
 
     def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False,
-                 node: NodeGroup | None = None):
+                 node: NodeGroup | None = None, conduct: Conduct | None = None):
         self.config = config
+        self.conduct = conduct or HONEST  # forms what we send and announce (testnet/red_team.py plays a liar)
         self.stop_event = threading.Event()
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
@@ -85,6 +86,7 @@ class TrainingPeer:
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
         self._sync_view: tuple[float, SwarmView | None] = (-math.inf, None)  # (when read, the view) at the last sync
+        self.conduct.follow(lambda: self.round)
         checkpoint = load_peer_checkpoint(self) if resume else None
         self._start_network(initial_peers)
         if checkpoint is not None:
@@ -126,7 +128,7 @@ class TrainingPeer:
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,
-                                                entry=self.services.entry)
+                                                entry=self.services.entry, conduct=self.conduct)
         record = PeerRecord(peer_id=self.peer_id, round=self.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint, relay=cfg.network.relay)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
@@ -309,9 +311,10 @@ class TrainingPeer:
     def _publish_round_start(self) -> None:
         """Snapshot the anchor for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        self._snapshot = StateSnapshot.capture(dict(round=self.round, fingerprint=self.fingerprint,
+        round_ = self.conduct.announced_round(self.round)
+        self._snapshot = StateSnapshot.capture(dict(round=round_, fingerprint=self.fingerprint,
                                                     run_id=self.config.run.run_id), self._named_state())
-        self._announce(round=self.round, inner_step=0, phase="inner", round_eta=eta)
+        self._announce(round=round_, inner_step=0, phase="inner", round_eta=eta)
 
     def _inner_deadline(self, view: SwarmView) -> float:
         """End the inner phase when the latest peer already in this round expects to end it (monotonic time);
@@ -334,7 +337,7 @@ class TrainingPeer:
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
         """What a joiner downloads and a checkpoint keeps: the anchor and the outer-sync state, by name."""
         named = [(f"param:{n}", a) for (n, _), a in zip(self.named_params, self.outer.anchor, strict=True)]
-        return named + [(f"{OUTER_PREFIX}{n}", t) for n, t in self.sync.state_tensors()]
+        return self.conduct.served_state(named + [(f"{OUTER_PREFIX}{n}", t) for n, t in self.sync.state_tensors()])
 
     def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
         named = self._named_state()

@@ -62,7 +62,7 @@ from p2ptrain.sync.allreduce_agreement import (
 )
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.grad_gossip import ASK_AGAIN, GradGossip, Mix2Round, RoundClosed
-from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.round_retry import RelayRetries, retry_delay_s
 from p2ptrain.sync.state_evidence import parse_sample, state_in_step
 from p2ptrain.tensor_layout import norm
@@ -164,9 +164,9 @@ class ExchangeAllReduce(GradGossip):
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
-                 reputation: Reputation | None = None, routes: Routes | None = None):
+                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST):
         super().__init__(p2p, run_id, fingerprint, like, config, seed=0, links=links, reputation=reputation,
-                         kind=kind, routes=routes)
+                         kind=kind, routes=routes, conduct=conduct)
         self.group_size, self.clip = group_size, None  # CenteredClip over all inputs replaces per-partner clipping
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit

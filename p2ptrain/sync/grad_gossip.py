@@ -47,7 +47,7 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SPARSE_GRAD_CODECS, SyncConfig
-from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import TOO_MANY_OFFERS, WRONG_ROUND
 from p2ptrain.sync.round_gate import LEAVING, RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
@@ -200,10 +200,11 @@ class GradGossip:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None,
-                 kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None):
+                 kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None,
+                 conduct: Conduct = HONEST):
         self.p2p, self.run_id, self.fingerprint, self.config, self.kind = p2p, run_id, fingerprint, config, kind
         self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
-        self.own_id = p2p.peer_id.to_base58()
+        self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
         self.degree_cap = config.mix2_group_size - 1
         decay = config.error_feedback_decay if error_feedback_decay is None else error_feedback_decay
         self.feedback = ErrorFeedback(outer_gradient_codec(config), like, decay)
@@ -378,9 +379,8 @@ class GradGossip:
 
     # ---- robust mixing ---------------------------------------------------------------------------------------------
     def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we send for our s: the single point where the s every partner receives is formed (once a round).
-        The identity; a red-team test subclasses it to play a hostile peer."""
-        return sent
+        """What we send for our s, as the peer's conduct forms it: the s every partner receives (once a round)."""
+        return self.conduct.sent_outer_gradient(sent)
 
     def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised."""
