@@ -11,14 +11,16 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from p2ptrain.config import PeerConfig, load_config
 from p2ptrain.net.dht import ADMISSION_MODES, parse_maddr
 from p2ptrain.sync.config import SYNC_MODES
-from p2ptrain.sync.interface import Conduct
+
+if TYPE_CHECKING:  # the config pulls in the models: imported when a command runs, not for --help
+    from p2ptrain.config import PeerConfig
+    from p2ptrain.sync.interface import Conduct
 
 
 def network_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,6 +173,8 @@ class PeerRequest:
 
 def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     """The peer's config from its options (`peer_options`); a malformed multiaddr fails here, before start-up."""
+    from p2ptrain.config import load_config
+
     peers = split_peers(kwargs.pop("initial_peers"))
     for maddr in peers:
         parse_maddr(maddr)  # before the slow start-up: a typo is reported at once
