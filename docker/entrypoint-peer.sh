@@ -1,6 +1,7 @@
 #!/bin/sh
 # Entrypoint of the p2ptrain peer image: optionally shape this container's upload, find the bootstrap, then
-# `exec p2ptrain peer` with flags built from P2PTRAIN_* variables, followed by the container's own arguments.
+# `exec p2ptrain peer` (or the testnet's red team) with flags built from P2PTRAIN_* variables, followed by the
+# container's own arguments.
 # Every variable read here is described in docker/README.md.
 set -eu
 set -f  # multiaddr lists are split on spaces and commas below; never glob them
@@ -75,4 +76,7 @@ while [ "$i" -lt "$num_user_args" ]; do
     shift
     i=$((i + 1))
 done
+if [ "${P2PTRAIN_RED_TEAM:-0}" = 1 ]; then  # testnets only: a hostile peer (its --attack is among the arguments)
+    exec python -m p2ptrain.testnet.red_team "$@"
+fi
 exec p2ptrain peer "$@"

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import os
-import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import click
@@ -16,83 +12,33 @@ import click
 from p2ptrain.errors import UserError
 from p2ptrain.maths.inner import PRECISIONS
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES
-from p2ptrain.net.dht import ADMISSION_MODES
 from p2ptrain.net.log_noise import quiet_connection_errors
+from p2ptrain.peer_command import (
+    PEER_SECTIONS,
+    SectionedCommand,
+    install_stop_handlers,
+    network_options,
+    network_overrides,
+    peer_options,
+    peer_request,
+    run_peer,
+    split_peers,
+)
 from p2ptrain.sync.config import SYNC_MODES
 from p2ptrain.testnet.loopback import LOG_LEVELS
 
 EXIT_USER_ERROR = 2
 
 
-def network_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Flags shared by every command that joins the network."""
-    options = [
-        click.option("--host-maddrs", multiple=True, help="Multiaddr(s) to listen on (default from config: all "
-                                                          "interfaces, a free TCP port)."),
-        click.option("--announce-maddrs", multiple=True, help="Public multiaddr(s) to announce."),
-        click.option("--identity", "identity_path", type=click.Path(dir_okay=False), default=None,
-                     help="libp2p key file for a stable peer id (created if missing)."),
-        click.option("--no-nat-port-map", is_flag=True, help="Do not ask the router for a port mapping (UPnP)."),
-        click.option("--no-auto-nat", is_flag=True, help="Do not probe reachability through other peers."),
-        click.option("--no-relay", is_flag=True, help="Do not use p2pd's libp2p circuit relays (network.use_relay; "
-                                                      "p2ptrain's own relays for peers behind NAT are "
-                                                      "network.use_relays)."),
-        click.option("--loopback", is_flag=True, help="Listen on 127.0.0.1 only and probe nothing (local tests)."),
-        click.option("--admission", type=click.Choice(ADMISSION_MODES), default=None,
-                     help="Who may take part: anyone (open, the default) or peers with an organiser's ticket."),
-        click.option("--organiser-key", type=click.Path(dir_okay=False), default=None,
-                     help="Signed runs: the organiser's public key file (.pub from `p2ptrain keygen`)."),
-        click.option("--admission-ticket", type=click.Path(dir_okay=False), default=None,
-                     help="Signed runs: this peer's ticket file (from `p2ptrain admit`)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def network_overrides(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Dotted config overrides from the network flags (popped from kwargs)."""
-    overrides: dict[str, Any] = {}
-    if kwargs.pop("loopback"):
-        overrides.update({"network.host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "network.nat_port_map": False,
-                          "network.auto_nat": False, "network.use_relay": False})
-    for flag, key in (("host_maddrs", "network.host_maddrs"), ("announce_maddrs", "network.announce_maddrs")):
-        values = kwargs.pop(flag)
-        if values:
-            overrides[key] = list(values)
-    for flag, key in (("identity_path", "identity_path"), ("admission", "admission"),
-                      ("organiser_key", "organiser_key"), ("admission_ticket", "admission_ticket")):
-        value = kwargs.pop(flag)
-        if value:
-            overrides[f"network.{key}"] = value
-    for flag, key in (("no_nat_port_map", "nat_port_map"), ("no_auto_nat", "auto_nat"), ("no_relay", "use_relay")):
-        if kwargs.pop(flag):
-            overrides[f"network.{key}"] = False
-    return overrides
-
-
-def split_peers(values: tuple[str, ...]) -> list[str]:
-    return [p.strip() for value in values for p in value.replace(",", " ").split() if p.strip()]
-
-
-def install_stop_handlers(stop: Callable[[], None]) -> None:
-    """First SIGINT/SIGTERM: stop cleanly (checkpoint, leave the swarm). Second: exit at once."""
-    def handler(signum: int, _frame: object) -> None:
-        if getattr(handler, "fired", False):
-            raise SystemExit(130)
-        handler.fired = True  # type: ignore[attr-defined]
-        click.echo(f"\n{signal.Signals(signum).name}: stopping (again to exit at once)", err=True)
-        stop()
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is a stuck peer?
-    faulthandler.enable(all_threads=True)  # a crash in native code (torch, a driver) still says where it was
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
 def cli(log_level: str) -> None:
     """p2ptrain: train a language model together over the internet (DiLoCo and gossip over hivemind)."""
+    configure_logging(log_level)
+
+
+def configure_logging(log_level: str) -> None:
+    """Log lines on stderr at `log_level`; the libraries' chatter only from warnings up."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("hivemind", "transformers", "datasets", "httpx", "urllib3", "filelock"):
@@ -128,110 +74,12 @@ def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bo
         node.shutdown()
 
 
-@cli.command()
-@click.option("--initial-peers", multiple=True, help="Multiaddr(s) of live peers or a bootstrap node; none starts "
-                                                     "a new swarm.")
-@click.option("--run-id", help="Run id: peers with the same id train together.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML or TOML file with the knobs.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), help="Where to train (default auto).")
-@click.option("--model", help="Model preset (tiny, small, base), local path or hub id.")
-@click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync: diloco (all-reduce), gasloc or factored "
-                                                            "(gossip).")
-@click.option("--rounds", type=click.IntRange(min=0), help="Outer rounds to run (0: until stopped).")
-@click.option("--min-peers", type=click.IntRange(min=1, max=10_000), help="A fresh peer waits for this many peers "
-              "(itself included) before its first round, so that peers launched together begin together (default 1).")
-@click.option("--eval-every", type=click.IntRange(min=1), help="Rounds between validations (default 1).")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
-@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), help="Append per-round JSON lines here.")
-@click.option("--shard-index", type=click.IntRange(min=0), help="Training-data shard (default: from the peer id).")
-@click.option("--torch-threads", type=click.IntRange(min=0), help="CPU threads for this peer (0: torch default).")
-@click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
-@click.option("--plan", "show_plan", is_flag=True, help="Print this peer's memory plan and exit (p2ptrain plan).")
-@click.option("--workers", type=click.IntRange(min=1), help="Processes of this node, one per GPU, training as one peer "
-                                                           "(starts itself under torchrun; default 1).")
-@click.option("--relay", "serve_relay", is_flag=True, help="Serve as a relay for peers behind NAT (a public peer).")
-@click.option("--red-team", "red_team", hidden=True, help="Testnets only: play an attack, KIND[@ROUND] "
-                                                          "(p2ptrain/testnet/adversary.py).")
-@network_options
-def peer(initial_peers: tuple[str, ...], config_path: str | None, resume: bool, no_progress: bool,
-         red_team: str | None, show_plan: bool, workers: int | None, serve_relay: bool, **kwargs: Any) -> None:
-    """Run a training peer."""
-    from p2ptrain.config import load_config
-    from p2ptrain.device import resolve_device
-    from p2ptrain.maths.data_parallel import NodeGroup
-    from p2ptrain.net.dht import parse_maddr
-    from p2ptrain.peer import TrainingPeer
-
-    attack = None
-    if red_team is not None:
-        from p2ptrain.testnet.adversary import Attack, install_attack
-
-        attack = Attack.parse(red_team)
-    peers = split_peers(initial_peers)
-    for maddr in peers:
-        parse_maddr(maddr)  # before the slow start-up: a typo is reported at once
-    overrides = network_overrides(kwargs)
-    for flag, key in (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
-                      ("sync", "sync.mode"),
-                      ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
-                      ("metrics_path", "run.metrics_path"), ("shard_index", "run.shard_index"),
-                      ("torch_threads", "run.torch_threads"), ("eval_every", "run.eval_every"),
-                      ("min_peers", "run.min_peers")):
-        if kwargs.get(flag) is not None:
-            overrides[key] = kwargs[flag]
-    if no_progress:
-        overrides["run.progress"] = False
-    if serve_relay:
-        overrides["network.relay"] = True
-    config = load_config(config_path, overrides)
-    if show_plan:
-        from p2ptrain.memory.plan import settings_of
-        from p2ptrain.memory.report import PlanRequest, plan_text
-
-        click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
-        return
-    device = resolve_device(config.run.device)  # before the node starts: a bad device fails once, in one line
-    start_node_processes(workers)
-    node = NodeGroup.from_environment(device, config.run.node_timeout_s)
-    if not node.is_leader:
-        from p2ptrain.node.worker import NodeWorker
-
-        try:
-            NodeWorker(config, node).run()
-        finally:
-            node.close()
-        return
-    logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
-    training_peer = TrainingPeer(config, peers, resume=resume, node=node)
-    if attack is not None:
-        install_attack(training_peer, attack)
-    install_stop_handlers(training_peer.stop)
-    try:
-        click.echo(f"Peer {training_peer.peer_id} in run {config.run.run_id!r}. Others can join with:")
-        for maddr in training_peer.maddrs:
-            click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
-        sys.stdout.flush()
-        history = training_peer.run()
-        if history:
-            click.echo(f"done: {len(history)} rounds, round {history[-1].round}, val loss "
-                       f"{history[0].val_loss:.3f} -> {history[-1].val_loss:.3f}")
-    finally:
-        training_peer.shutdown()
-
-
-def start_node_processes(workers: int | None) -> None:
-    """`--workers N`: run this same command as the N processes of a node (it returns only inside them)."""
-    from p2ptrain.maths.data_parallel import node_size_from_environment
-
-    if "WORLD_SIZE" in os.environ:  # started by torchrun (by us, or by the user)
-        if workers is not None and workers != node_size_from_environment():
-            raise click.UsageError(f"--workers {workers} under torchrun with {os.environ['WORLD_SIZE']} processes")
-        return
-    if workers is not None and workers > 1:
-        from p2ptrain.node.launcher import run_node
-
-        sys.exit(run_node(workers, sys.argv[1:]))
+@cli.command(cls=SectionedCommand, sections=PEER_SECTIONS)
+@peer_options
+def peer(**kwargs: Any) -> None:
+    """Run a training peer. A volunteer usually passes --initial-peers, --run-id, --config and --device; the other
+    knobs live in the config file."""
+    run_peer(peer_request(kwargs))
 
 
 @cli.command()
@@ -361,10 +209,15 @@ def testnet(backend: str, bandwidth: str | None, scenario_path: str | None, dura
 
 def main() -> None:
     """Entry point: one line and exit 2 for user mistakes (bad flags, config, files, unreachable peers)."""
+    run_command(cli)
+
+
+def run_command(command: click.Command) -> None:
+    """Run `command` on sys.argv: user mistakes are one `error:` line and exit 2, never a traceback."""
     if not sys.argv[1:]:
         sys.argv.append("--help")
     try:
-        cli.main(standalone_mode=False)
+        command.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -48,7 +48,7 @@ from p2ptrain.peer_checkpoint import load_peer_checkpoint, load_sync_state_, sav
 from p2ptrain.peer_state import PeerState
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
-from p2ptrain.sync.interface import OuterSync, RoundContext, RoundSync, round_peers
+from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,9 @@ class TrainingPeer:
     processes (`node`), this is rank 0: the others train beside it (node/worker.py)."""
 
     def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False,
-                 node: NodeGroup | None = None):
+                 node: NodeGroup | None = None, conduct: Conduct | None = None):
         self.config = config
+        self.conduct = conduct or HONEST  # forms what we send and announce (testnet/red_team.py plays a liar)
         self.stop_event = threading.Event()
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
@@ -140,7 +141,8 @@ class TrainingPeer:
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,
-                                                entry=self.services.entry)
+                                                entry=self.services.entry, conduct=self.conduct)
+        self.conduct.follow(lambda: self.state.round)
         self.state = PeerState([n for n, _ in self.named_params], self.outer, self.sync, start_round)
         self.joiner = Joiner(self)
         record = PeerRecord(peer_id=self.peer_id, round=self.state.round, inner_step=0, phase="joining", round_eta=0.0,
@@ -159,10 +161,6 @@ class TrainingPeer:
     def round(self) -> int:
         """The round this peer is in (its state's)."""
         return self.state.round
-
-    @round.setter
-    def round(self, value: int) -> None:  # the red team's state liar announces another round (testnet/adversary.py)
-        self.state.round = value
 
     @property
     def maddrs(self) -> list[str]:
@@ -366,14 +364,11 @@ class TrainingPeer:
     def _publish_round_start(self) -> None:
         """Snapshot our state for joiners and announce this round with the time we expect to finish it."""
         eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
-        self._snapshot = StateSnapshot.capture(dict(round=self.state.round, fingerprint=self.fingerprint,
-                                                    run_id=self.config.run.run_id), self._named_state())
-        self.announce(round=self.state.round, inner_step=0, phase="inner", round_eta=eta)
-
-    def _named_state(self) -> list[tuple[str, torch.Tensor]]:
-        """The state we serve to joiners: our state's tensors (the red team's state liar replaces this method and
-        `_publish_round_start`: testnet/adversary.py)."""
-        return self.state.named_tensors()
+        round_ = self.conduct.announced_round(self.state.round)
+        self._snapshot = StateSnapshot.capture(dict(round=round_, fingerprint=self.fingerprint,
+                                                    run_id=self.config.run.run_id),
+                                               self.conduct.served_state(self.state.named_tensors()))
+        self.announce(round=round_, inner_step=0, phase="inner", round_eta=eta)
 
     def _inner_deadline(self, view: SwarmView) -> float:
         """End the inner phase when the latest peer already in this round expects to end it (monotonic time);

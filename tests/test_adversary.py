@@ -1,25 +1,31 @@
-"""The red team's parts that need no network: parsing `--red-team` and `adversary:`, the lies told, and the
+"""The red team's parts that need no network: parsing `--attack` and `adversary:`, the lies told, and the
 report's `attackers_banned` check."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.testnet.adversary import ATTACKS, Attack, tampered
+from p2ptrain.testnet.adversary import ATTACKS, Attack, HostileConduct, tampered
 from p2ptrain.testnet.plan import plan_run
 from p2ptrain.testnet.report import Life, RunRecord, check_attackers_banned, run_checks
 from p2ptrain.testnet.scenario import parse_scenario
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_red_team_flag_parses_kind_and_round_and_refuses_the_rest() -> None:
     assert Attack.parse("aimed@2") == Attack("aimed", 2)
     assert Attack.parse("state_liar") == Attack("state_liar", 0)
     for bad in ("", "aimed@", "aimed@-1", "aimed@x", "bogus", "nan@1.5"):
-        with pytest.raises(UserError, match="--red-team"):
+        with pytest.raises(UserError, match="--attack"):
             Attack.parse(bad)
 
 
@@ -83,7 +89,7 @@ def test_the_attacker_is_not_judged_as_an_honest_survivor() -> None:
 
 
 def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() -> None:
-    """The attack finds DiLoCo's exchange all-reduce and wraps its `outgoing` (a lie on the wire only)."""
+    """The conduct forms what DiLoCo's exchange all-reduce sends, its `outgoing` (a lie on the wire only)."""
     from hivemind.p2p import PeerID
 
     from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
@@ -91,13 +97,50 @@ def test_the_red_team_lies_through_the_exchange_all_reduce_of_a_diloco_peer() ->
     from p2ptrain.sync.diloco import DilocoSync
     from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
     from p2ptrain.sync.exchange_averager import ExchangeAverager
-    from p2ptrain.sync.grad_gossip import GradGossip
-    from p2ptrain.sync.param_gossip import ParamGossip
-    from p2ptrain.testnet.adversary import _transports
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     fake_p2p = type("FakeP2P", (), {"peer_id": PeerID(b"attacker")})()
-    exchange = ExchangeAllReduce(fake_p2p, "run", "fp", params, SyncConfig(), "allreduce.diloco", None)
+    conduct = HostileConduct(Attack("aimed", 0))
+    exchange = ExchangeAllReduce(fake_p2p, "run", "fp", params, SyncConfig(), "allreduce.diloco", None,
+                                 conduct=conduct)
     sync = DilocoSync(OuterOptimizer(params, OuterConfig()), ExchangeAverager(exchange, None, 1.0),  # type: ignore[arg-type]
                       SyncConfig())
-    assert _transports(sync, (ParamGossip, GradGossip, ExchangeAllReduce)) == [exchange]
+    assert sync.averager.exchange is exchange
+    sent = [torch.tensor([1.0, -2.0, 0.5])]
+    assert torch.equal(exchange.outgoing(sent)[0], torch.tensor([-7.0, 14.0, -3.5]))
+
+
+def test_the_conduct_lies_from_its_round_on_and_only_about_its_kind() -> None:
+    """Honest before `from_round`; a value attack leaves the published state alone, the state liar the values."""
+    round_ = [0]
+    aimed, liar = HostileConduct(Attack("aimed", 2)), HostileConduct(Attack("state_liar", 2))
+    for conduct in (aimed, liar):
+        conduct.follow(lambda: round_[0])
+    value, theta0 = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 0.5])]
+    named = [("param:w", torch.tensor([1.0])), ("outer:m", torch.tensor([2.0]))]
+    assert aimed.sent_params(value, theta0) is value and aimed.sent_outer_gradient(value) is value
+    assert liar.announced_round(1) == 1 and liar.served_state(named) is named
+    round_[0] = 2
+    assert torch.equal(aimed.sent_params(value, theta0)[0], torch.tensor([-7.0, 14.0]))
+    assert torch.equal(aimed.own_outer_gradient(value)[0], torch.tensor([-7.0, 14.0]))
+    assert aimed.announced_round(2) == 2 and aimed.served_state(named) is named
+    assert liar.sent_params(value, theta0) is value and liar.sent_outer_gradient(value) is value
+    assert liar.announced_round(2) == 2 + 100_000
+    assert [(n, t.item()) for n, t in liar.served_state(named)] == [("param:w", -5.0), ("outer:m", 2.0)]
+
+
+def test_replay_sends_theta0_for_parameters_and_the_first_outer_gradient_it_lied_about() -> None:
+    replay = HostileConduct(Attack("replay", 0))
+    theta0 = [torch.tensor([0.5, 0.5])]
+    assert torch.equal(replay.sent_params([torch.tensor([3.0, 4.0])], theta0)[0], theta0[0])
+    first = replay.sent_outer_gradient([torch.tensor([1.0, 2.0])])
+    assert torch.equal(replay.sent_outer_gradient([torch.tensor([9.0, 9.0])])[0], first[0])
+
+
+def test_a_bad_attack_on_the_red_team_command_is_one_error_line(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "p2ptrain.testnet.red_team", "--attack", "bogus", "--loopback"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        f"error: --attack 'bogus': the attack must be one of {', '.join(ATTACKS)} (e.g. aimed@2)"]

@@ -44,11 +44,11 @@ def worker_environment(rank: int, workers: int, port: int) -> dict[str, str]:
                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def run_node(workers: int, argv: Sequence[str], grace_s: float = 60.0) -> int:
-    """Run `python -m p2ptrain *argv` as `workers` processes; returns the node's exit code (rank 0's, or the
+def run_node(workers: int, argv: Sequence[str], grace_s: float = 60.0, module: str = "p2ptrain") -> int:
+    """Run `python -m MODULE *argv` as `workers` processes; returns the node's exit code (rank 0's, or the
     first failure's)."""
     port = free_loopback_port()
-    processes = [subprocess.Popen([sys.executable, "-m", "p2ptrain", *argv], preexec_fn=_end_with_launcher,
+    processes = [subprocess.Popen([sys.executable, "-m", module, *argv], preexec_fn=_end_with_launcher,
                                   env=worker_environment(rank, workers, port)) for rank in range(workers)]
     # Ctrl-C reaches every worker from the terminal; a SIGTERM to us is passed on
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -23,7 +23,7 @@ from p2ptrain.sync.exchange_averager import ExchangeAverager
 from p2ptrain.sync.factored import AllReduceMix2, FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
-from p2ptrain.sync.interface import Averager, OuterSync
+from p2ptrain.sync.interface import HONEST, Averager, Conduct, OuterSync
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.sync.scatter_allreduce import ScatterAllReduce
 from p2ptrain.sync.state_evidence import state_sample
@@ -33,10 +33,11 @@ from p2ptrain.timing import PATIENCE_S
 def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
                      run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int,
                      reputation: Reputation, routes: Routes | None = None,
-                     entry: RelayEntry | None = None) -> OuterSync:
+                     entry: RelayEntry | None = None, conduct: Conduct = HONEST) -> OuterSync:
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
     transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans, opens its
-    streams as the peer's `routes` say (directly or through a relay) and is served through relays at `entry`."""
+    streams as the peer's `routes` say (directly or through a relay), is served through relays at `entry`, and
+    sends what the peer's `conduct` forms."""
     def averager(prefix: str, group_size: int | None, shows_state: bool = False) -> Averager:
         if config.allreduce_transport == "hivemind":
             return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
@@ -44,24 +45,27 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
                                      robust=config.robust, refuses=reputation.refuses)
         transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce
         exchange = transport(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
-                             group_size=group_size, reputation=reputation, routes=routes)
+                             group_size=group_size, reputation=reputation, routes=routes, conduct=conduct)
         loop.run(serve_exchanges(p2p, exchange.driver, entry), timeout=PATIENCE_S)
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
 
     if config.mode == "diloco":  # its peers hold one state and show it (not with eager overlap, nor gossip modes)
-        return DilocoSync(outer, averager("diloco", None, shows_state=not config.own_delta_first), config)
+        # hivemind's averager sends from its own process: the conduct forms the Δ it is handed
+        own_conduct = conduct if config.allreduce_transport == "hivemind" else HONEST
+        return DilocoSync(outer, averager("diloco", None, shows_state=not config.own_delta_first), config,
+                          own_conduct)
     factored = config.mode == "factored"
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
                         same_round_only=factored, overlapped=factored or config.overlap == "delayed", links=links,
-                        reputation=reputation, routes=routes)
+                        reputation=reputation, routes=routes, conduct=conduct)
     loop.run(serve_exchanges(p2p, mixer, entry), timeout=PATIENCE_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)
     if config.mix2_transport == "gossip":
         gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
-                            routes=routes)
+                            routes=routes, conduct=conduct)
         loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=PATIENCE_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)

@@ -19,7 +19,7 @@ from p2ptrain.maths.outer_rules import DelayedOuterGradient
 from p2ptrain.maths.robust_mean import MeanCheck
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.interface import Averager, PendingResult, RoundContext, RoundSync
+from p2ptrain.sync.interface import HONEST, Averager, Conduct, PendingResult, RoundContext, RoundSync
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) ->
 class DilocoSync:
     """Exact all-reduce of Δ among the peers of the round, then Nesterov; optionally one round late (DiLoCoX)."""
 
-    def __init__(self, outer: OuterOptimizer, averager: Averager, config: SyncConfig):
+    def __init__(self, outer: OuterOptimizer, averager: Averager, config: SyncConfig, conduct: Conduct = HONEST):
         self.outer, self.averager, self.config = outer, averager, config
+        self.conduct = conduct  # forms the Δ handed to an averager that sends it itself (hivemind's)
         self.delayed = DelayedOuterGradient(eager=config.own_delta_first) if config.overlap != "none" else None
         self.check = mean_check(config)
         self.pending: PendingResult | None = None
@@ -96,7 +97,7 @@ class DilocoSync:
         pass
 
     def finish_round(self, context: RoundContext) -> RoundSync:
-        delta = self.outer.outer_gradient()
+        delta = self.conduct.own_outer_gradient(self.outer.outer_gradient())
         if self.delayed is None:
             result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
             result, refused = judged(self.averager, result, delta, self.check, context.round,

@@ -63,7 +63,7 @@ from p2ptrain.sync.allreduce_agreement import (
 )
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
 from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots
-from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
 from p2ptrain.sync.state_evidence import parse_sample, state_in_step
@@ -208,9 +208,9 @@ class ExchangeAllReduce:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
-                 reputation: Reputation | None = None, routes: Routes | None = None):
+                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST):
         self.p2p, self.run_id, self.config, self.kind = p2p, run_id, config, kind
-        self.own_id = p2p.peer_id.to_base58()
+        self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
         self.feedback = ErrorFeedback(outer_gradient_codec(config), like, config.error_feedback_decay)
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
@@ -409,6 +409,5 @@ class ExchangeAllReduce:
         return theirs
 
     def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we send for our s: the single point where the s every member receives is formed (once a round).
-        The identity; a red-team test wraps it to play a hostile peer."""
-        return sent
+        """What we send for our s, as the peer's conduct forms it: the s every member receives (once a round)."""
+        return self.conduct.sent_outer_gradient(sent)

@@ -46,7 +46,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
 from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlots
-from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.tensor_layout import norm
 
@@ -102,9 +102,10 @@ class GradGossip:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None,
-                 kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None):
+                 kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None,
+                 conduct: Conduct = HONEST):
         self.p2p, self.config, self.kind = p2p, config, kind
-        self.own_id = p2p.peer_id.to_base58()
+        self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
         self.degree_cap = config.mix2_group_size - 1
         decay = config.error_feedback_decay if error_feedback_decay is None else error_feedback_decay
         self.feedback = ErrorFeedback(outer_gradient_codec(config), like, decay)
@@ -160,9 +161,8 @@ class GradGossip:
 
     # ---- robust mixing ---------------------------------------------------------------------------------------------
     def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we send for our s: the single point where the s every partner receives is formed (once a round).
-        The identity; a red-team test subclasses it to play a hostile peer."""
-        return sent
+        """What we send for our s, as the peer's conduct forms it: the s every partner receives (once a round)."""
+        return self.conduct.sent_outer_gradient(sent)
 
     def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised."""

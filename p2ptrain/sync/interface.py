@@ -10,7 +10,7 @@ identity.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -188,3 +188,55 @@ class OuterSync(Protocol):
 
     def shutdown(self) -> None: ...
 
+
+Tensors = list[torch.Tensor]
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class Conduct(Protocol):
+    """How a peer forms what it tells the swarm, called at each point where a value leaves it; each hook returns
+    what is sent in the value's place. The honest conduct sends every value as it is; the testnet's red team
+    (testnet/adversary.py) lies."""
+
+    def follow(self, round_of: Callable[[], int]) -> None:
+        """Called once by the peer that holds this conduct: `round_of()` is that peer's round at any moment."""
+
+    def sent_params(self, value: Tensors, theta0: Tensors) -> Tensors:
+        """Parameters sent to a gossip partner (GASLoC, Mix1); `theta0`: the run's initial parameters."""
+
+    def sent_outer_gradient(self, value: Tensors) -> Tensors:
+        """An outer gradient sent to partners (Mix2 gossip, the exchange all-reduces)."""
+
+    def own_outer_gradient(self, value: Tensors) -> Tensors:
+        """The outer gradient handed to hivemind's all-reduce, which sends it from inside its own process."""
+
+    def announced_round(self, round_: int) -> int:
+        """The round announced with a round-start snapshot."""
+
+    def served_state(self, named: NamedTensors) -> NamedTensors:
+        """The named round-start state a joiner downloads and a checkpoint keeps."""
+
+
+class HonestConduct:
+    """Every value as it is."""
+
+    def follow(self, round_of: Callable[[], int]) -> None:
+        pass
+
+    def sent_params(self, value: Tensors, theta0: Tensors) -> Tensors:
+        return value
+
+    def sent_outer_gradient(self, value: Tensors) -> Tensors:
+        return value
+
+    def own_outer_gradient(self, value: Tensors) -> Tensors:
+        return value
+
+    def announced_round(self, round_: int) -> int:
+        return round_
+
+    def served_state(self, named: NamedTensors) -> NamedTensors:
+        return named
+
+
+HONEST = HonestConduct()

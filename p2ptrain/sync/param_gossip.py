@@ -39,7 +39,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import WireError, payload_bytes
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import Refusal
 from p2ptrain.tensor_layout import norm
 from p2ptrain.timing import POLL_S
@@ -90,7 +90,8 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
                  config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
-                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None):
+                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None,
+                 conduct: Conduct = HONEST):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
         self.namespace = f"{run_id}.{kind}"
@@ -100,7 +101,7 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
         self.reference = [t.detach().float().cpu().clone() for t in reference]
         self.raw_bytes = sum(t.numel() * 4 for t in self.reference)
         self.max_payload_bytes = self.raw_bytes + 2**20
-        self.rng, self._lock = random.Random(seed), threading.Lock()
+        self.rng, self._lock, self.conduct = random.Random(seed), threading.Lock(), conduct  # forms what we send
         self._round, self._quiet_until = 0, 0  # our round; penalties for hard clips resume at `_quiet_until`
         self._base = [t.clone() for t in self.reference]
         self._base_moved: float | None = None  # how far the latest `set_base_` moved the base (None: first one)
@@ -220,9 +221,8 @@ class ParamGossip(JudgedAtOnce):  # a Mix1 partner not in our round asks again
 
     # ---- robust mixing ---------------------------------------------------------------------------------------------
     def outgoing(self, value: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we send for our value `value`: the single point where every value we send is formed, as initiator
-        and as responder. The identity; a red-team test subclasses it to play a hostile peer."""
-        return value
+        """What we send for `value`, as the peer's conduct forms it: every value we send, as initiator or responder."""
+        return self.conduct.sent_params(value, self.reference)
 
     def yardstick(self) -> float | None:
         """How far our value moved at its latest step: as of our latest mix, or before any, the base's latest move

@@ -1,10 +1,9 @@
-"""The red team: a training peer that turns hostile, built from the project's own modules.
+"""The red team's attacks: a `Conduct` (sync/conduct.py) that, from a round on, forms what an attacker would send.
 
-`p2ptrain peer --red-team KIND[@ROUND]` (a hidden option, used by the testnet's `adversary:` key) runs an
-ordinary peer that, from round ROUND on, sends what an attacker would. Every attack goes through the one point
-where an honest peer forms what it sends (`ParamGossip.outgoing`, `GradGossip.outgoing`, the outer gradient it
-hands the all-reduce, the snapshot and round it publishes), so the attacker speaks the protocol perfectly and
-only its values lie:
+A peer built with `HostileConduct` (by `python -m p2ptrain.testnet.red_team`, which the testnet's `adversary:` key
+starts) runs the project's own code and lies only where an honest peer forms what it sends (the parameters it
+gossips, the outer gradient it hands the gossip or the all-reduce, the snapshot and round it publishes), so it speaks
+the protocol perfectly and only its values lie:
 
 - ``aimed``: −7 × its value (parameters or outer gradient): inside the fixed `sync.max_partner_distance` bound of
   10 × the victim's norm, the attack that took GASLoC to a uniform model before the defences;
@@ -17,24 +16,14 @@ only its values lie:
 from __future__ import annotations
 
 import dataclasses
-import logging
-import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import torch
 
 from p2ptrain.errors import UserError
-
-if TYPE_CHECKING:
-    from p2ptrain.peer import TrainingPeer
-
-logger = logging.getLogger(__name__)
+from p2ptrain.sync.interface import NamedTensors, Tensors
 
 VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "nan")
 ATTACKS = (*VALUE_ATTACKS, "state_liar")
 LIAR_ROUND_LEAD = 100_000
-Tensors = list[torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +38,9 @@ class Attack:
         """``KIND`` or ``KIND@ROUND``; a one-line UserError otherwise."""
         kind, at, start = text.partition("@")
         if kind not in ATTACKS:
-            raise UserError(f"--red-team {text!r}: the attack must be one of {', '.join(ATTACKS)} (e.g. aimed@2)")
+            raise UserError(f"--attack {text!r}: the attack must be one of {', '.join(ATTACKS)} (e.g. aimed@2)")
         if at and not (start.isdigit() and int(start) < 10**6):
-            raise UserError(f"--red-team {text!r}: write KIND@ROUND with ROUND a round number, e.g. aimed@2")
+            raise UserError(f"--attack {text!r}: write KIND@ROUND with ROUND a round number, e.g. aimed@2")
         return cls(kind, int(start or 0))
 
 
@@ -70,73 +59,46 @@ def tampered(kind: str, value: Tensors, stale: Tensors) -> Tensors:
     raise ValueError(f"not a value attack: {kind!r}")
 
 
-def install_attack(peer: TrainingPeer, attack: Attack) -> None:
-    """Turn `peer` hostile from `attack.from_round` on (its honest behaviour before that)."""
-    from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
-    from p2ptrain.sync.grad_gossip import GradGossip
-    from p2ptrain.sync.param_gossip import ParamGossip
+class HostileConduct:
+    """Plays `attack` from the peer's round `attack.from_round` on, honest before that (a `Conduct`)."""
 
-    logger.warning(f"red team: this peer plays {attack.kind!r} from round {attack.from_round} on")
-    active: Callable[[], bool] = lambda: peer.round >= attack.from_round  # noqa: E731
-    if attack.kind == "state_liar":
-        _lie_about_state(peer, active)
-        return
-    transports = _transports(peer.sync, (ParamGossip, GradGossip, ExchangeAllReduce))  # each has an `outgoing`
-    for transport in transports:
-        stale = [r.clone() for r in transport.reference] if isinstance(transport, ParamGossip) else None
-        _wrap(transport, "outgoing", attack.kind, active, stale)
-    if not transports:  # hivemind's all-reduce of outer gradients: lie in the Δ it hands the averager
-        _wrap(peer.outer, "outer_gradient", attack.kind, active, None)
+    def __init__(self, attack: Attack):
+        self.attack = attack
+        self.round_of: Callable[[], int] = lambda: 0
+        self.first_sent: Tensors | None = None  # the outer gradient sent in the attack's first round: replayed
+        self.first_own: Tensors | None = None  # likewise, the one handed to hivemind's all-reduce
 
+    def follow(self, round_of: Callable[[], int]) -> None:
+        self.round_of = round_of
 
-def _transports(owner: object, kinds: tuple[type, ...], depth: int = 3) -> list[Any]:
-    """The exchange transports `owner` holds, directly or through its parts (Mix2, an averager), once each."""
-    found: list[Any] = []
-    for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
-        if isinstance(value, kinds):
-            found.append(value)
-        elif depth > 1 and type(value).__module__.startswith("p2ptrain.sync"):
-            found += _transports(value, kinds, depth - 1)
-    return list({id(t): t for t in found}.values())
+    def active(self) -> bool:
+        return self.round_of() >= self.attack.from_round
 
+    def lies_about_values(self) -> bool:
+        return self.attack.kind in VALUE_ATTACKS and self.active()
 
-def _wrap(target: Any, method: str, kind: str, active: Callable[[], bool], stale: Tensors | None) -> None:
-    """Replace `target.method` (returning a list of tensors) by the attack's lie while `active()`."""
-    honest = getattr(target, method)
-    first: list[Tensors] = []
+    def sent_params(self, value: Tensors, theta0: Tensors) -> Tensors:
+        return tampered(self.attack.kind, value, theta0) if self.lies_about_values() else value
 
-    def lying(*args: Any, **kwargs: Any) -> Tensors:
-        value = honest(*args, **kwargs)
-        if not active():
+    def sent_outer_gradient(self, value: Tensors) -> Tensors:
+        if not self.lies_about_values():
             return value
-        if not first:
-            first.append([v.detach().clone() for v in value])
-        return tampered(kind, value, stale if stale is not None else first[0])
+        if self.first_sent is None:
+            self.first_sent = [v.detach().clone() for v in value]
+        return tampered(self.attack.kind, value, self.first_sent)
 
-    setattr(target, method, lying)
+    def own_outer_gradient(self, value: Tensors) -> Tensors:
+        if not self.lies_about_values():
+            return value
+        if self.first_own is None:
+            self.first_own = [v.detach().clone() for v in value]
+        return tampered(self.attack.kind, value, self.first_own)
 
+    def announced_round(self, round_: int) -> int:
+        lies = self.attack.kind == "state_liar" and self.active()
+        return round_ + LIAR_ROUND_LEAD if lies else round_
 
-def _lie_about_state(peer: TrainingPeer, active: Callable[[], bool]) -> None:
-    """Announce a far-ahead round and serve a poisoned round-start snapshot under it."""
-    honest_publish = peer._publish_round_start
-    honest_state = peer._named_state
-
-    def poisoned_state(self: TrainingPeer) -> list[tuple[str, torch.Tensor]]:
-        named = honest_state()
-        if not active():
+    def served_state(self, named: NamedTensors) -> NamedTensors:
+        if self.attack.kind != "state_liar" or not self.active():
             return named
         return [(n, -5.0 * t if n.startswith("param:") else t) for n, t in named]
-
-    def lying_publish(self: TrainingPeer) -> None:
-        if not active():
-            honest_publish()
-            return
-        true_round = self.round
-        self.round = true_round + LIAR_ROUND_LEAD
-        try:
-            honest_publish()  # snapshot and announcement both carry the lie
-        finally:
-            self.round = true_round
-
-    peer._named_state = types.MethodType(poisoned_state, peer)  # type: ignore[method-assign]
-    peer._publish_round_start = types.MethodType(lying_publish, peer)  # type: ignore[method-assign]

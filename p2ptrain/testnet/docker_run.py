@@ -28,6 +28,7 @@ from pathlib import Path
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, prepare_run, run_scenario
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
+from p2ptrain.testnet.loopback import RED_TEAM
 from p2ptrain.testnet.plan import RunPlan
 
 LABEL = "p2ptrain.testnet"
@@ -126,12 +127,14 @@ class DockerHosts:
         name = f"{self._holder(host)}-{self.lives[host]}"
         env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "P2PTRAIN_HOST_MADDRS": f"/ip4/{self.address(host)}/tcp/"
                f"{PORT}"}
-        if command == "peer" and self.rates[host] is not None:
+        if command in ("peer", RED_TEAM) and self.rates[host] is not None:
             env["P2PTRAIN_RATE_MBIT"] = f"{self.rates[host]:g}"  # the entrypoint shapes the upload (again)
+        if command == RED_TEAM:
+            env["P2PTRAIN_RED_TEAM"] = "1"  # the peer image's entrypoint runs the red team's peer
+        image = self.images["peer" if command == RED_TEAM else command]
         docker("run", "--detach", "--name", name, "--label", f"{LABEL}={self.prefix}", "--network",
                f"container:{self._holder(host)}", "--cap-add", "NET_ADMIN", "--volume",
-               f"{self.workdir}:{self.workdir}", *[f"--env={k}={v}" for k, v in env.items()], self.images[command],
-               *args)
+               f"{self.workdir}:{self.workdir}", *[f"--env={k}={v}" for k, v in env.items()], image, *args)
         self.containers[host] = name
         return int(docker("inspect", "--format", "{{.State.Pid}}", name) or 0)
 

@@ -31,7 +31,7 @@ from p2ptrain.config import build_config, read_config_file
 from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
 from p2ptrain.metrics import read_metrics
 from p2ptrain.testnet.hosttools import HostControl, wait_exit
-from p2ptrain.testnet.loopback import PeerSummary, format_summary
+from p2ptrain.testnet.loopback import RED_TEAM, PeerSummary, format_summary
 from p2ptrain.testnet.plan import RunPlan, Timeline, plan_run
 from p2ptrain.testnet.report import (
     EventRecord,
@@ -140,11 +140,12 @@ class Fleet:
                 "--shard-index", str(peer_index(peer, "peer") % self.num_shards), "--metrics",
                 str(self.workdir / f"{peer}.jsonl"), "--checkpoint-dir", str(self.checkpoint_dir(peer)),
                 *self.peer_args]
+        command = "peer"
         if peer in self.plan.adversaries:
-            args += ["--red-team", self.plan.adversaries[peer]]
+            command, args = RED_TEAM, args + ["--attack", self.plan.adversaries[peer]]
         if peer in self.plan.relays:
             args.append("--relay")
-        pid = self._start(peer, "peer", args + (["--resume"] if checkpoint_round is not None else []))
+        pid = self._start(peer, command, args + (["--resume"] if checkpoint_round is not None else []))
         life = Life(peer, pid, time.time(), resumed_from_round=checkpoint_round)
         self.lives.append(life)
         self.current[peer] = life

@@ -93,10 +93,17 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 LOG_LEVELS = ("debug", "info", "warning", "error")  # `p2ptrain --log-level`, which testnet processes inherit
 
 
-def cli_argv(*args: str) -> list[str]:
-    """The command line of a testnet process: the p2ptrain CLI at our own log level (`p2ptrain --log-level`)."""
+RED_TEAM = "red-team"  # the command of a hostile peer: `python -m p2ptrain.testnet.red_team`, not the p2ptrain CLI
+
+
+def cli_argv(command: str, *args: str) -> list[str]:
+    """The command line of a testnet process at our own log level: `p2ptrain COMMAND ARGS` (bootstrap, peer), or
+    the red team's peer for RED_TEAM."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    return [sys.executable, "-m", "p2ptrain.cli", "--log-level", level if level in LOG_LEVELS else "info", *args]
+    log_level = ["--log-level", level if level in LOG_LEVELS else "info"]
+    if command == RED_TEAM:
+        return [sys.executable, "-m", "p2ptrain.testnet.red_team", *log_level, *args]
+    return [sys.executable, "-m", "p2ptrain.cli", *log_level, command, *args]
 
 
 def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:

@@ -35,7 +35,7 @@ class RunPlan:
     churn_events: tuple[Event, ...]
     checks: ChecksSpec
     peer_config: Mapping[str, Any]
-    adversaries: Mapping[str, str] = dataclasses.field(default_factory=dict)  # peer → its --red-team KIND@ROUND
+    adversaries: Mapping[str, str] = dataclasses.field(default_factory=dict)  # peer → its red team's --attack
     homes: Mapping[str, str] = dataclasses.field(default_factory=dict)  # peer behind NAT → its home network's name
     relays: tuple[str, ...] = ()  # peers started with --relay
 
@@ -74,7 +74,7 @@ def plan_run(scenario: Scenario, num_peers: int | None = None, bandwidth: str | 
 
 
 def plan_adversaries(spec: AdversarySpec, num_peers: int) -> dict[str, str]:
-    """The hostile peers and their `--red-team` argument; at least one peer of the run stays honest."""
+    """The hostile peers and their red team's `--attack KIND@ROUND`; at least one peer of the run stays honest."""
     names = list(spec.peers) or [f"peer{i}" for i in range(max(0, num_peers - spec.count), num_peers)]
     unknown = [n for n in names if peer_index(n, "adversary.peers") >= num_peers]
     if unknown:

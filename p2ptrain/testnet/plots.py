@@ -3,14 +3,25 @@ round, one series per peer and life."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from p2ptrain.testnet.report import RunRecord
+Row = Mapping[str, Any]  # one metrics line of a peer
 
 
-def write_plots(record: RunRecord, out: Path) -> list[Path]:
+@dataclasses.dataclass(frozen=True)
+class PlotData:
+    """What the plots draw, taken from a run's record (report.py)."""
+
+    started: float  # unix time the peers were started: x = 0
+    rows: Mapping[str, Sequence[Row]]  # peer -> its metrics lines, in order
+    lives: Mapping[str, Sequence[Sequence[Row]]]  # peer -> the metrics lines of each of its lives
+    marks: Sequence[tuple[float, str]]  # (unix time, description) of each event that happened
+
+
+def write_plots(data: PlotData, out: Path) -> list[Path]:
     """loss.png (validation loss vs wall clock, events marked), utilisation.png, bytes.png."""
     import matplotlib
 
@@ -24,18 +35,19 @@ def write_plots(record: RunRecord, out: Path) -> list[Path]:
     written = []
     for file_name, (label, value) in series.items():  # a value of None: not measured that round (run.eval_every)
         fig, ax = plt.subplots(figsize=(10, 5))
-        for index, peer in enumerate(record.rows):
-            for n, life in enumerate(record.lives_of(peer)):
-                rows = [row for row in record.rows_of(life) if value(row) is not None]
-                ax.plot([row["time"] - record.started for row in rows], [value(row) for row in rows], marker=".",
+        for index, peer in enumerate(data.rows):
+            for n, life_rows in enumerate(data.lives.get(peer, ())):
+                rows = [row for row in life_rows if value(row) is not None]
+                ax.plot([row["time"] - data.started for row in rows], [value(row) for row in rows], marker=".",
                         color=f"C{index % 10}", label=peer if n == 0 else None)
-        _mark_events(ax, record)
+        _mark_events(ax, data)
         ax.set(xlabel="seconds since the peers started", ylabel=label, title=f"{label} per peer")
         ax.legend(loc="best", fontsize="small")
         written.append(_save(fig, out / file_name, plt))
     fig, ax = plt.subplots(figsize=(10, 5))
-    for index, (peer, rows) in enumerate(record.rows.items()):
-        ax.plot([row["round"] for row in rows], [(row["bytes_sent"] + row["bytes_received"]) / 1e6 for row in rows],
+    for index, (peer, peer_rows) in enumerate(data.rows.items()):
+        ax.plot([row["round"] for row in peer_rows],
+                [(row["bytes_sent"] + row["bytes_received"]) / 1e6 for row in peer_rows],
                 marker=".", linestyle="", color=f"C{index % 10}", label=peer)
     ax.set(xlabel="round", ylabel="MB sent + received", title="bytes per round per peer")
     ax.legend(loc="best", fontsize="small")
@@ -43,13 +55,11 @@ def write_plots(record: RunRecord, out: Path) -> list[Path]:
     return written
 
 
-def _mark_events(ax: Any, record: RunRecord) -> None:
-    for event in record.events:
-        if not event.ok:
-            continue
-        x = event.time - record.started
+def _mark_events(ax: Any, data: PlotData) -> None:
+    for when, description in data.marks:
+        x = when - data.started
         ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-        ax.text(x, 0.98, f" {event.description}", rotation=90, va="top", ha="right", fontsize=7,
+        ax.text(x, 0.98, f" {description}", rotation=90, va="top", ha="right", fontsize=7,
                 transform=ax.get_xaxis_transform())
 
 

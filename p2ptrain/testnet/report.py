@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.testnet.plots import write_plots
+from p2ptrain.testnet.plots import PlotData, write_plots
 from p2ptrain.testnet.scenario import ChecksSpec
 
 SURVIVING_ENDS = ("finished", "stopped_at_end")  # life end reasons of a peer that was running at the end
@@ -351,7 +351,14 @@ def write_report(record: RunRecord, results: list[CheckResult], out_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "report.json"
     json_path.write_text(json.dumps(report_dict(record, results), indent=1, sort_keys=True))
-    return [json_path, *write_plots(record, out)]
+    return [json_path, *write_plots(plot_data(record), out)]
+
+
+def plot_data(record: RunRecord) -> PlotData:
+    """What the plots draw: every peer's rows, split by life, and the events that happened."""
+    lives = {peer: [record.rows_of(life) for life in record.lives_of(peer)] for peer in record.rows}
+    marks = [(event.time, event.description) for event in record.events if event.ok]
+    return PlotData(record.started, record.rows, lives, marks)
 
 
 def format_checks(results: list[CheckResult]) -> str:
