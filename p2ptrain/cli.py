@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from typing import Any
 
 import click
 
-from p2ptrain.errors import UserError
+from p2ptrain.console import configure_logging, run_command
 from p2ptrain.maths.inner import PRECISIONS
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES
-from p2ptrain.net.log_noise import quiet_connection_errors
 from p2ptrain.peer_command import (
     PEER_SECTIONS,
     SectionedCommand,
@@ -27,23 +25,12 @@ from p2ptrain.peer_command import (
 from p2ptrain.sync.config import SYNC_MODES
 from p2ptrain.testnet.loopback import LOG_LEVELS
 
-EXIT_USER_ERROR = 2
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
 def cli(log_level: str) -> None:
     """p2ptrain: train a language model together over the internet (DiLoCo and gossip over hivemind)."""
     configure_logging(log_level)
-
-
-def configure_logging(log_level: str) -> None:
-    """Log lines on stderr at `log_level`; the libraries' chatter only from warnings up."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    for noisy in ("hivemind", "transformers", "datasets", "httpx", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    quiet_connection_errors()  # a partner resetting a stream is a warning line, not a traceback
 
 
 @cli.command()
@@ -210,25 +197,6 @@ def testnet(backend: str, bandwidth: str | None, scenario_path: str | None, dura
 def main() -> None:
     """Entry point: one line and exit 2 for user mistakes (bad flags, config, files, unreachable peers)."""
     run_command(cli)
-
-
-def run_command(command: click.Command) -> None:
-    """Run `command` on sys.argv: user mistakes are one `error:` line and exit 2, never a traceback."""
-    if not sys.argv[1:]:
-        sys.argv.append("--help")
-    try:
-        command.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        ctx = getattr(e, "ctx", None)
-        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        click.echo(f"error: {e.format_message()}{hint}", err=True)
-        sys.exit(EXIT_USER_ERROR)
-    except UserError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ def test_replay_sends_theta0_for_parameters_and_the_first_outer_gradient_it_lied
     assert torch.equal(replay.sent_outer_gradient([torch.tensor([9.0, 9.0])])[0], first[0])
 
 
+@pytest.mark.slow
 def test_a_bad_attack_on_the_red_team_command_is_one_error_line(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-m", "p2ptrain.testnet.red_team", "--attack", "bogus", "--loopback"],

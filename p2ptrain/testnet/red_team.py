@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from p2ptrain.cli import configure_logging, run_command
+from p2ptrain.console import configure_logging, run_command
 from p2ptrain.peer_command import (
     PEER_SECTIONS,
     SectionedCommand,
