@@ -30,6 +30,7 @@ from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, prepare_
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
 from p2ptrain.testnet.loopback import RED_TEAM
 from p2ptrain.testnet.plan import RunPlan
+from p2ptrain.timing import SLOW_POLL_S
 
 LABEL = "p2ptrain.testnet"
 PEER_IMAGE = "p2ptrain-peer:latest"  # the tags docker/docker-compose.yml builds
@@ -63,7 +64,7 @@ class DockerHosts:
     """Hosts as containers on one bridge network; each host runs one container at a time (one life)."""
 
     kind = "docker"
-    poll_s = 0.5  # every look costs a `docker ps`
+    poll_s = SLOW_POLL_S  # every look costs a `docker ps`
 
     def __init__(self, name_prefix: str, workdir: Path, rates_mbit: Mapping[str, float | None],
                  peer_image: str = PEER_IMAGE, bootstrap_image: str = BOOTSTRAP_IMAGE):

@@ -44,9 +44,9 @@ from p2ptrain.testnet.report import (
     write_report,
 )
 from p2ptrain.testnet.scenario import BOOTSTRAP, Event, Scenario, load_scenario, peer_index
+from p2ptrain.timing import LAUNCH_S
 
 PORT = 31337  # every host has its own network stack, so one fixed port serves all
-BOOTSTRAP_TIMEOUT_S = 120.0  # a container's first start on 2 busy cores takes ~20 s
 STOP_GRACE_S = 20.0  # SIGTERM -> SIGKILL: a peer finishes the averaging it is in, then writes a checkpoint
 PEER_FLAGS = ("--torch-threads", "1", "--no-progress", "--device", "cpu", "--no-nat-port-map", "--no-auto-nat",
               "--no-relay")  # every peer of every backend, besides --config
@@ -105,14 +105,14 @@ class Fleet:
         self._start("bootstrap", "bootstrap", [
             "--identity", str(self.workdir / "bootstrap.key"), "--address-file", str(address_file),
             "--no-nat-port-map", "--no-auto-nat", "--no-relay"])
-        deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+        deadline = time.monotonic() + LAUNCH_S
         while not (address_file.exists() and address_file.read_text().strip()):
             self.hosts.refresh()
             if self.hosts.exit_code("bootstrap") is not None:
                 raise UserError(f"the bootstrap node exited with code {self.hosts.exit_code('bootstrap')}; see "
                                 f"{self.workdir / 'bootstrap.log'}")
             if time.monotonic() > deadline:
-                raise UserError(f"the bootstrap node did not start within {BOOTSTRAP_TIMEOUT_S:.0f} s; see "
+                raise UserError(f"the bootstrap node did not start within {LAUNCH_S:.0f} s; see "
                                 f"{self.workdir / 'bootstrap.log'}")
             time.sleep(self.hosts.poll_s)
         own = f"/ip4/{self.hosts.address('bootstrap')}/"

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Protocol
 
 from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.timing import SLOW_POLL_S
 
 MIN_BURST_BYTES = 16 * 1024
 TBF_QUEUE_S = 0.05  # how much traffic tbf may queue, in seconds at the shaped rate
-GUARD_POLL_S = 0.5  # owner-liveness poll when pidfd_open is unavailable
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds the p2ptrain package
 
 
@@ -113,4 +113,4 @@ def wait_for_exit(pid: int, start_ticks: int) -> None:
             select.select([pidfd], [], [])
         os.close(pidfd)
     while process_start_ticks(pid) == start_ticks:
-        time.sleep(GUARD_POLL_S)
+        time.sleep(SLOW_POLL_S)  # owner-liveness poll where pidfd_open is unavailable

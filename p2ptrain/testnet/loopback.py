@@ -22,8 +22,7 @@ import click
 
 from p2ptrain.errors import UserError
 from p2ptrain.metrics import read_metrics
-
-POLL_S = 0.5  # how often the launcher looks at its children's files
+from p2ptrain.timing import SLOW_POLL_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +112,7 @@ def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float
             return path.read_text()
         if process.poll() is not None:
             raise UserError(f"the bootstrap node exited with code {process.returncode}; see {path.parent}")
-        time.sleep(POLL_S)
+        time.sleep(SLOW_POLL_S)  # each look reads the children's files
     raise UserError(f"the bootstrap node did not start within {timeout_s:.0f} s; see {path.parent}")
 
 
@@ -177,7 +176,7 @@ def _follow_until_done(peers: dict[str, subprocess.Popen[bytes]], workdir: Path,
             seen[name] = len(rows)
         if all(p.poll() is not None for p in peers.values()):
             return
-        time.sleep(POLL_S)
+        time.sleep(SLOW_POLL_S)  # each look reads the children's files
     click.echo(f"testnet: timed out after {timeout_s} s", err=True)
 
 

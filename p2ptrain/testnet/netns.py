@@ -29,12 +29,12 @@ from typing import Any, cast
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet.homes import Home, attach_host, build_router, plan_homes, require_nat_support
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
+from p2ptrain.timing import BRIEF_S
 
 STATE_DIR = Path("/run/p2ptrain-netns")
 NAMESPACE_MARKER = "p2pt-"  # every namespace a testbed creates starts with this, so --cleanup can find orphans
 SUBNET_PREFIX = "10.213.0."  # hosts get .1, .2, ... /24; the subnet exists only inside the testbed's namespaces
 MAX_HOSTS = 250
-PROCESS_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay for processes started with popen
 
 _PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,23}$")
 _HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -300,7 +300,7 @@ class Testbed:
     def _stop_processes(self) -> None:
         for proc in self._processes:
             _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + PROCESS_GRACE_S
+        deadline = time.monotonic() + BRIEF_S  # SIGTERM -> SIGKILL for processes started with popen
         for proc in self._processes:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))

@@ -21,6 +21,7 @@ from p2ptrain.testnet.hosttools import child_env
 from p2ptrain.testnet.loopback import cli_argv
 from p2ptrain.testnet.netns import HostSpec, Testbed, require_netns_support
 from p2ptrain.testnet.plan import RunPlan
+from p2ptrain.timing import POLL_S
 
 __all__ = ["PORT", "NetnsHosts", "NetnsTestnetOptions", "merged_peer_config", "run_netns_testnet"]
 
@@ -31,7 +32,7 @@ class NetnsHosts:
     """Hosts as network namespaces of one ``Testbed``, each running one ``p2ptrain`` process (and its children)."""
 
     kind = "netns"
-    poll_s = 0.25
+    poll_s = POLL_S
 
     def __init__(self, name_prefix: str, workdir: Path, rates_mbit: Mapping[str, float | None],
                  homes: Mapping[str, str] | None = None):
