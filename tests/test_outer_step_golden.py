@@ -324,7 +324,7 @@ def swarm_mean(values: Sequence[Tensors]) -> Tensors:
 
 
 def reference_diloco(overlap: str, momentum: float, rounds: int = ROUNDS) -> list[Tensors]:
-    """DiLoCo by hand (ALGORITHMS.md §1 and §4), without the production strategies: Nesterov SGD on the mean Δ, on
+    """DiLoCo by hand (docs/algorithms.md §1 and §4), without the production strategies: Nesterov SGD on the mean Δ, on
     the previous round's mean (delayed), or on Δ̄_{t−1} − w_{t−1}Δ_{t−1} + w_t Δ_t with w = 1/M (eager; 1 in round
     0) or 1 (local)."""
     theta, targets = swarm_start()

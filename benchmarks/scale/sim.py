@@ -1,5 +1,5 @@
 """The event loop: each peer alternates inner phases (compute) with exchanges over its link; a heap of timed events
-decides who waits for whom. Timing of each algorithm (ALGORITHMS.md §1-3; transfer times from model.py):
+decides who waits for whom. Timing of each algorithm (docs/algorithms.md §1-3; transfer times from model.py):
   diloco     blocking all-reduce of outer gradients: a round ends for all when the slowest inner phase is done plus
              model.allreduce_s (a butterfly, or an all-gather of sparse payloads).
   gossip-1   asynchronous pairs: a peer whose inner phase is done draws a random peer whose link is free and

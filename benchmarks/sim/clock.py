@@ -111,7 +111,7 @@ def simulate_clock(row: Algorithm, units: Units, steps: list[int], step_s: float
 
 
 def paced_steps(row: Algorithm, units: Units, step_s: float, bandwidth: Sequence[float], steps: int) -> list[int]:
-    """GASLoC's pacing (ALGORITHMS.md §2): a slow peer takes fewer steps so its round ends with the fast peers'.
+    """GASLoC's pacing (docs/algorithms.md §2): a slow peer takes fewer steps so its round ends with the fast peers'.
 
     The expected transfer time is the peer's payloads to its partners through its own link.
     """

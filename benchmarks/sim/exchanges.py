@@ -22,7 +22,7 @@ from p2ptrain.net.wire import payload_bytes
 
 
 def send_parameters(codec: str, tensors: Tensors, reference: Tensors) -> tuple[Tensors, int]:
-    """What a partner decodes, and the payload bytes: exact fp32, or codec(θ − reference) (ALGORITHMS.md §5)."""
+    """What a partner decodes, and the payload bytes: exact fp32, or codec(θ − reference) (docs/algorithms.md §5)."""
     if codec == "none":
         msgs = compress_all(get_codec("none"), tensors)
         return decode_all("none", msgs, like=tensors), payload_bytes(msgs)

@@ -63,7 +63,7 @@ def summarize(row: Algorithm, bench: Bench, peers: list[SimPeer], rounds: list[i
 
 
 def sanity_check(bench: Bench) -> dict[str, Any]:
-    """GASLoC on the complete graph with exact averaging must reproduce DiLoCo (ALGORITHMS.md §2): parameters after
+    """GASLoC on the complete graph with exact averaging must reproduce DiLoCo (docs/algorithms.md §2): parameters after
     one round, then loss and parameters after a few (float rounding, ~1e-7 a round, grows through the AdamW steps)."""
     s, rounds = bench.settings, min(3, bench.settings.rounds)
     after = {n: [exact_average([p.theta for p in train_row(row, bench, [s.inner_steps] * s.peers, [n] * s.peers)])

@@ -125,5 +125,5 @@ ROWS = (
 # fp32 DiLoCo with production's γ (0.9) and with γ 0: every gap is also given against the better of the two
 REFERENCES = ("diloco", "diloco-g0")
 
-# GASLoC on the complete graph with exact averaging must reproduce DiLoCo (ALGORITHMS.md §2): checked, not a row
+# GASLoC on the complete graph with exact averaging must reproduce DiLoCo (docs/algorithms.md §2): checked, not a row
 SANITY_ROW = Algorithm("gasloc-complete", "gasloc", graph="complete", param_codec="none")

@@ -1,6 +1,6 @@
 """The papers' outer rules beside DiLoCo's step, on lists of tensors: GASLoC, and DiLoCoX's delayed outer gradients.
 
-Conventions (ALGORITHMS.md): θ is the point an inner phase starts from, Δ = θ − θ' is the outer gradient,
+Conventions (docs/algorithms.md): θ is the point an inner phase starts from, Δ = θ − θ' is the outer gradient,
 η the outer learning rate, γ the outer momentum. Every function here is pure or mutates only its own state
 object; mixing and exchanges are done by the caller (see :mod:`p2ptrain.maths.mixing`). DiLoCo's Nesterov step
 is :class:`p2ptrain.maths.outer_optimizer.OuterOptimizer`; Factored Gossip DiLoCo (§3) is that step plus Mix1's

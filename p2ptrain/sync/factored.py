@@ -1,4 +1,4 @@
-"""Factored Gossip DiLoCo (ALGORITHMS.md §3): Mix1 gossips the round's parameters during the inner phase; Mix2
+"""Factored Gossip DiLoCo (docs/algorithms.md §3): Mix1 gossips the round's parameters during the inner phase; Mix2
 mixes outer gradients every K rounds, by all-reduce in small groups or by compressed gossip with 1–2 peers.
 
 With `sync.overlap` (delayed or eager) Mix2 no longer blocks: DiLoCoX's one-step delay applied to it. Round r's Δ

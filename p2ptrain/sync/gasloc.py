@@ -1,5 +1,5 @@
 """GASLoC: the proposal y = θ − ηΔ mixed with 1–2 random live peers by parameter gossip, then momentum on the
-mixed iterates (ALGORITHMS.md §2). A round whose Δ is not finite (a diverged inner phase) proposes θ itself: the
+mixed iterates (docs/algorithms.md §2). A round whose Δ is not finite (a diverged inner phase) proposes θ itself: the
 peer takes no step but still mixes, and never sends or applies a non-finite value.
 
 With `sync.overlap: delayed` the exchanges this peer starts no longer block: DiLoCoX's one-step delay applied to
