@@ -175,7 +175,8 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
     config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
                                  swarm=swarm, state=types.SimpleNamespace(round=0, synced=True, joined_ever=False),
-                                 sync=types.SimpleNamespace(aligned_rounds=config.aligned_rounds), routes=Routes("me"),
+                                 sync=types.SimpleNamespace(aligned_rounds=config.mode == "diloco"),
+                                 routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned), announced=[])
     peer.announce = lambda **fields: peer.announced.append(fields)
     return Joiner(peer), reads  # type: ignore[arg-type]
@@ -249,8 +250,8 @@ def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace
     round 40); also the rounds at which it tried."""
     tries: list[int] = []
     config = SyncConfig(mode="gasloc")
-    sync = types.SimpleNamespace(aligned_rounds=config.aligned_rounds,
-                                 rounds_count_own_steps=config.rounds_count_own_steps,
+    sync = types.SimpleNamespace(aligned_rounds=config.mode == "diloco",
+                                 rounds_count_own_steps=config.mode == "gasloc",
                                  load_state_tensors_=lambda _tensors: None)
     state = PeerState([], types.SimpleNamespace(set_params_=lambda _tensors: None), sync)  # type: ignore[arg-type]
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), state=state, sync=sync,
@@ -462,7 +463,7 @@ def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
                                  inner=types.SimpleNamespace(evaluate=lambda _batches: 3.0),
                                  sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
-                                                            aligned_rounds=config.aligned_rounds))
+                                                            aligned_rounds=config.mode == "diloco"))
     joiner = Joiner(peer)  # type: ignore[arg-type]
     joiner._ask = lambda asked, seed: [Witnessed(r.peer_id, True, snapshot_with_momentum(momentum).sketch(seed))
                                        for r in asked]  # type: ignore[method-assign]
@@ -476,7 +477,7 @@ def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
     verdict = joiner._corroborate(candidate, record("donor", 7), choice, 3.0)
     assert verdict.offence == "wrong_state" and "outer state's norm" in verdict.detail
     peer.sync = types.SimpleNamespace(outer_state_problem=lambda _params, tensors: f"{len(tensors)} tensors, all wrong",
-                                      aligned_rounds=config.aligned_rounds)
+                                      aligned_rounds=config.mode == "diloco")
     verdict = joiner._corroborate(snapshot_with_momentum(momentum), record("donor", 7), choice, 3.0)
     assert not verdict.accepted and verdict.detail == "2 tensors, all wrong"  # what the strategy sees beside θ
 
@@ -519,7 +520,7 @@ def corroborating_joiner(own: list[torch.Tensor], swarm: list[torch.Tensor], wit
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
                                  inner=types.SimpleNamespace(evaluate=evaluate),
                                  sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
-                                                            aligned_rounds=config.aligned_rounds))
+                                                            aligned_rounds=config.mode == "diloco"))
     joiner = Joiner(peer)  # type: ignore[arg-type]
     witnesses = [record(f"w{i}", 7) for i in range(3)]
 
@@ -1129,7 +1130,7 @@ def test_a_gasloc_peer_that_takes_a_slower_peers_state_keeps_its_own_round_count
     and Factored's same-round Mix1 take the donor's round."""
     applied: list[list[torch.Tensor]] = []
     sync = types.SimpleNamespace(load_state_tensors_=applied.append,
-                                 rounds_count_own_steps=SyncConfig(mode=mode).rounds_count_own_steps)
+                                 rounds_count_own_steps=mode == "gasloc")
     state = PeerState(["p"], types.SimpleNamespace(set_params_=applied.append), sync, round_=14)  # type: ignore[arg-type]
     snapshot = StateSnapshot({"round": 7}, ("p", "m"), (torch.ones(3), torch.full((3,), 2.0)))
     state.adopt_(snapshot)

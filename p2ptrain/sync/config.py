@@ -170,24 +170,3 @@ class SyncConfig:
         """The weight of a peer's own Δ in what it applies at once (maths/outer_rules.DelayedOuterGradient):
         local applies all of it and lets the group's mean correct it a round late; eager applies its share, 1/M."""
         return 1.0 if self.overlap == "local" else 1.0 / max(1, group_size)
-
-    # the mode traits: defined here, once; the round loop and the joiner read them through the strategy (OuterSync)
-    @property
-    def aligned_rounds(self) -> bool:
-        """Whether peers must be in the same round to sync (all-reduce modes) or gossip at any time."""
-        return self.mode == "diloco"
-
-    @property
-    def rounds_count_own_steps(self) -> bool:
-        """Whether a peer's round is its own count of outer steps rather than a clock it shares with its partners:
-        GASLoC mixes with partners of any round (a slow link's peer counts fewer), so a peer that takes another's
-        state keeps its count when that is higher (one resumed at round 14 took a slower peer's state of round 7
-        and its metrics started over). DiLoCo's all-reduce and Factored's same-round Mix1 take the donor's round."""
-        return self.mode == "gasloc"
-
-    @property
-    def needs_current_swarm(self) -> bool:
-        """Whether a round must read the swarm from the DHT (and publish our phase) before it syncs: an all-reduce
-        expects exactly the peers of its round. Gossip tolerates a view a heartbeat old: a partner gone since
-        refuses or times out and the next one is drawn, so gossip peers never wait for the DHT."""
-        return self.mode == "diloco" or (self.mode == "factored" and self.mix2_transport == "allreduce")

@@ -72,6 +72,11 @@ def round_sync_of(result: AveragingResult, codec: str, refused: bool = False) ->
 class DilocoSync:
     """Exact all-reduce of Δ among the peers of the round, then Nesterov; optionally one round late (DiLoCoX)."""
 
+    # an all-reduce expects exactly the peers of its round, read from the DHT; a joiner takes its donor's round
+    aligned_rounds = True
+    needs_current_swarm = True
+    rounds_count_own_steps = False
+
     def __init__(self, outer: OuterOptimizer, averager: Averager, config: SyncConfig, conduct: Conduct = HONEST):
         self.outer, self.averager, self.config = outer, averager, config
         self.conduct = conduct  # forms the Δ handed to an averager that sends it itself (hivemind's)
@@ -80,18 +85,6 @@ class DilocoSync:
         self.pending: PendingResult | None = None
         self.pending_own: list[torch.Tensor] = []  # the Δ whose average is pending (what its mean is judged by)
         self.pending_round, self.pending_stretch = -1, 1.0
-
-    @property
-    def aligned_rounds(self) -> bool:
-        return self.config.aligned_rounds
-
-    @property
-    def needs_current_swarm(self) -> bool:
-        return self.config.needs_current_swarm
-
-    @property
-    def rounds_count_own_steps(self) -> bool:
-        return self.config.rounds_count_own_steps
 
     def start_round(self, context: RoundContext) -> None:
         pass

@@ -73,6 +73,10 @@ class FactoredSync:
 
     `closers` shut down the transports this strategy was built with (the all-reduce averager of Mix2)."""
 
+    # Mix1 gossips at any time; Mix1 and Mix2 take partners of the same round, so a joiner takes its donor's round
+    aligned_rounds = False
+    rounds_count_own_steps = False
+
     def __init__(self, outer: OuterOptimizer, mixer: ParamGossip, mix2: Mix2, loop: BackgroundLoop,
                  config: SyncConfig, closers: Sequence[Callable[[], None]] = ()):
         self.outer, self.mixer, self.mix2, self.loop, self.config = outer, mixer, mix2, loop, config
@@ -85,16 +89,9 @@ class FactoredSync:
             else None
 
     @property
-    def aligned_rounds(self) -> bool:
-        return self.config.aligned_rounds
-
-    @property
     def needs_current_swarm(self) -> bool:
-        return self.config.needs_current_swarm
-
-    @property
-    def rounds_count_own_steps(self) -> bool:
-        return self.config.rounds_count_own_steps
+        """Mix2 by all-reduce expects exactly the peers of its round; by gossip, a view a heartbeat old will do."""
+        return self.config.mix2_transport == "allreduce"
 
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round

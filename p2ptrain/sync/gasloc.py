@@ -32,23 +32,17 @@ Mixed = tuple[list[torch.Tensor], RoundSync]
 class GaslocSync:
     """GASLoC: y = θ − ηΔ (+ what others' exchanges moved us by), mixed with 1–2 random peers, then momentum."""
 
+    # gossip with partners of any round, a view a heartbeat old will do; a slow link's peer counts fewer rounds, so a
+    # peer keeps its own count when it adopts a state of a lower round
+    aligned_rounds = False
+    needs_current_swarm = False
+    rounds_count_own_steps = True
+
     def __init__(self, outer: OuterOptimizer, mixer: ParamGossip, loop: BackgroundLoop, config: SyncConfig):
         self.outer, self.mixer, self.loop, self.config = outer, mixer, loop, config
         self.state = GaslocState([a.detach().float().cpu() for a in outer.anchor], outer.config.momentum)
         self.overlapped = config.overlap == "delayed"
         self.pending: tuple[list[torch.Tensor], concurrent.futures.Future[Mixed]] | None = None  # (y_r, its mix)
-
-    @property
-    def aligned_rounds(self) -> bool:
-        return self.config.aligned_rounds
-
-    @property
-    def needs_current_swarm(self) -> bool:
-        return self.config.needs_current_swarm
-
-    @property
-    def rounds_count_own_steps(self) -> bool:
-        return self.config.rounds_count_own_steps
 
     def start_round(self, context: RoundContext) -> None:
         self.mixer.round = context.round

@@ -147,22 +147,24 @@ class Mix2(Protocol):
 
 
 class OuterSync(Protocol):
-    """An outer-sync strategy. Its mode traits (what the round loop and the joiner ask of it) are defined once, on
-    `SyncConfig`, and read through the strategy."""
+    """An outer-sync strategy, and the traits of its mode that the round loop and the joiner ask of it."""
 
     @property
     def aligned_rounds(self) -> bool:
-        """Whether peers must be in the same round to sync (all-reduce) rather than gossip at any time."""
+        """Whether peers must be in the same round to sync (an all-reduce) rather than gossip at any time."""
         ...
 
     @property
     def needs_current_swarm(self) -> bool:
-        """Whether a round reads the swarm from the DHT (and publishes its phase) before it syncs."""
+        """Whether a round reads the swarm from the DHT (and publishes its phase) before it syncs: an all-reduce
+        expects exactly the peers of its round, where gossip does with a view a heartbeat old (a partner gone since
+        refuses or times out, and the next one is drawn)."""
         ...
 
     @property
     def rounds_count_own_steps(self) -> bool:
-        """Whether a peer's round counts its own outer steps (kept when it adopts a state of a lower round)."""
+        """Whether a peer's round is its own count of outer steps rather than a clock shared with its partners
+        (kept when it adopts a state of a lower round, as gossip partners of any round count differently)."""
         ...
 
     def start_round(self, context: RoundContext) -> None:

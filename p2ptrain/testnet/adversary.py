@@ -65,8 +65,9 @@ class HostileConduct:
     def __init__(self, attack: Attack):
         self.attack = attack
         self.round_of: Callable[[], int] = lambda: 0
-        self.first_sent: Tensors | None = None  # the outer gradient sent in the attack's first round: replayed
-        self.first_own: Tensors | None = None  # likewise, the one handed to hivemind's all-reduce
+        # per channel (sent to partners, handed to hivemind's all-reduce): the outer gradient of the attack's first
+        # round, which a replay sends again
+        self.first: dict[str, Tensors] = {}
 
     def follow(self, round_of: Callable[[], int]) -> None:
         self.round_of = round_of
@@ -81,18 +82,16 @@ class HostileConduct:
         return tampered(self.attack.kind, value, theta0) if self.lies_about_values() else value
 
     def sent_outer_gradient(self, value: Tensors) -> Tensors:
-        if not self.lies_about_values():
-            return value
-        if self.first_sent is None:
-            self.first_sent = [v.detach().clone() for v in value]
-        return tampered(self.attack.kind, value, self.first_sent)
+        return self._outer_gradient("sent", value)
 
     def own_outer_gradient(self, value: Tensors) -> Tensors:
+        return self._outer_gradient("own", value)
+
+    def _outer_gradient(self, channel: str, value: Tensors) -> Tensors:
         if not self.lies_about_values():
             return value
-        if self.first_own is None:
-            self.first_own = [v.detach().clone() for v in value]
-        return tampered(self.attack.kind, value, self.first_own)
+        first = self.first.setdefault(channel, [v.detach().clone() for v in value])
+        return tampered(self.attack.kind, value, first)
 
     def announced_round(self, round_: int) -> int:
         lies = self.attack.kind == "state_liar" and self.active()
