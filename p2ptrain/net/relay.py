@@ -211,8 +211,7 @@ class RelayEntry(ServicerBase):
         async for message in handler(requests, inner):
             yield message
         # a service that answers without reading its request's end (the state download, a sketch): returning at
-        # once reset the stream while the relay's last message was on its way, and the answer in flight was lost
-        # (test_relay: the joiner read no message at all, about 1 run in 13)
+        # once would reset the stream while the relay's last message is on its way, losing the answer in flight
         await drain(requests, SETUP_FLOOR_S)
 
 
