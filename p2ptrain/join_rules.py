@@ -113,8 +113,8 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
             r.round == own_round - 1 and r.phase == "sync" and _syncing_since(r, now, last_round_syncing_s)))]
     else:
         candidates = []
-    # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
-    # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
+    # the most advanced first; among equals, the fastest announced link (a download from a slow home uplink can
+    # take much of a joiner's first minute)
     donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
 
@@ -209,8 +209,8 @@ def own_loss_bound(own: float, ours_is_the_odd_one: bool) -> float:
     """The loss our own state sets as the bound on a candidate's: ours, or RAN_AHEAD_LOSS_FACTOR times ours when
     ours is the odd state out: we ran ahead of the swarm, or the synced peers of the candidate's round hold it
     (`Verdict.held_by_round`). Our lone state's loss is then no fair bar for the swarm's: early in a DiLoCo run the
-    outer momentum's overshoot left the swarm's state at 4.48 against 3.98 for a peer that averaged alone, which
-    refused it, banned its three honest donors and trained alone to the end (netns testnet)."""
+    outer momentum's overshoot can leave the swarm's state at a higher loss than a peer that averaged alone, which
+    would otherwise refuse it, ban its honest donors and train alone to the end."""
     return own * RAN_AHEAD_LOSS_FACTOR if ours_is_the_odd_one else own
 
 

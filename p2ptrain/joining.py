@@ -1,11 +1,11 @@
 """Joining and catching up with untrusted peers: which round, whose state, and checking that state before use
 (the rules are pure functions in join_rules.py; the Joiner runs them against the network).
 
-Any peer can announce any round and serve any finite, well-shaped state (issue 9: a peer announcing round 100000
-with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joins or falls behind:
+Any peer can announce any round and serve any finite, well-shaped state (a peer announcing round 100000 with −5·θ_0
+would be adopted by every honest peer within seconds). So a peer that joins or falls behind:
 1. reads the round by quorum: the lower median of the rounds live peers announce. A peer more than
    `sync.join_max_round_lead` rounds ahead of it is suspect and never a donor; within that window the most
-   advanced round is joined as before (honest peers a round apart must converge). A peer that finds more than
+   advanced round is joined (honest peers a round apart must converge). A peer that finds more than
    half the swarm more than the lead behind it ran ahead alone and takes the majority's state;
 2. downloads a donor's snapshot, its metadata checked before anything else (state_sharing);
 3. corroborates it: draws a secret seed *after* the download and asks up to WITNESSES other peers for the

@@ -164,13 +164,13 @@ class TrainingPeer:
 
     @property
     def maddrs(self) -> list[str]:
-        """Our addresses, from p2pd itself (the DHT process's answer had no bound, and once never came)."""
+        """Our addresses, from p2pd itself, with a bound on the wait (the DHT process's answer has none)."""
         return [str(m) for m in self.loop.run(self.p2p.get_visible_maddrs(latest=True),
                                               timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
         # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
-        # (half the window was tried: behind NAT, where reads go through relays, stale views split rounds, 2 of 3 runs)
+        # (not less: behind NAT, where reads go through relays, a shorter wait gives stale views that split rounds)
         records = self.watcher.records(current=self.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
@@ -376,7 +376,7 @@ class TrainingPeer:
 
         Peers of this round already syncing count too (their ETA has passed: end after the fewest steps and join
         them). Otherwise a group that starts its rounds a matchmaking window after another averages on its own,
-        round after round, and the swarm stays split in two (seen on the netns testnet: 2 + 3 peers, 15 rounds).
+        round after round, and the swarm stays split in two.
         """
         if not self.sync.aligned_rounds:
             return math.inf

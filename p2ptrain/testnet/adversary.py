@@ -1,4 +1,4 @@
-"""The red team's attacks: a `Conduct` (sync/conduct.py) that, from a round on, forms what an attacker would send.
+"""The red team's attacks: a `Conduct` (sync/interface.py) that, from a round on, forms what an attacker would send.
 
 A peer built with `HostileConduct` (by `python -m p2ptrain.testnet.red_team`, which the testnet's `adversary:` key
 starts) runs the project's own code and lies only where an honest peer forms what it sends (the parameters it
