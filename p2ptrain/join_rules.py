@@ -189,8 +189,8 @@ def judge_outer_state(candidate: Sketch, answers: Sequence[Witnessed], tight: bo
 def outvoted_state(sketches: Verdict, loss: Verdict) -> Verdict:
     """A state the sketch vote refused, and what it costs its donor by its validation loss (`loss`, against our own
     state's): a worse one is a lie ("wrong_state"); one as good as ours is what an honest donor serves that does not
-    know yet that its all-reduce split from its round's majority ("unsynced_state", a little over half a ban: in CI,
-    a NAT testnet peer banned such a donor for 60 s and ran its rounds without it)."""
+    know yet that its all-reduce split from its round's majority ("unsynced_state", a little over half a ban, so
+    that one such refusal does not ban an honest donor)."""
     offence = "unsynced_state" if loss.accepted else "wrong_state"
     return dataclasses.replace(sketches, detail=f"{sketches.detail}; {loss.detail}", offence=offence)
 

@@ -89,7 +89,7 @@ class TrainingPeer:
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
-        # not run again at the end, alone: the others had stopped, and the swarm's last states differed)
+        # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)

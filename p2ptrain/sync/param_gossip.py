@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 # an exchange that blocks training for less than this fraction of the inner phase is worth waiting for, however it
-# compares with our own link: peers on equally fast links measure speeds 30 % apart from CPU load alone (netns
-# testnet, 50 Mbit/s each: 2.8 and 3.6 MB/s), and ranking them by that noise left fast peers without partners
+# compares with our own link: peers on equally fast links can measure speeds 30 % apart from CPU load alone, and
+# ranking them by that noise would leave fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks
