@@ -175,8 +175,8 @@ class Joiner:
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
         self.ran_ahead_rounds = 0  # rounds in a row we found most of the swarm far behind us (join_rules.ran_ahead)
         # gossip modes: a process resumed from a checkpoint (its round, never joined) holds parameters its partners
-        # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
-        # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first (one
+        # may have moved far from since: gossiped as they are, they are hard-clipped by honest partners (offences
+        # towards a ban) and it clips theirs (tests/test_joining.py). It takes a corroborated state first (one
         # the loss check finds no worse than its own); DiLoCo's round catches it up anyway
         self.resumed = not peer.sync.aligned_rounds and peer.state.round > 0 and not peer.state.joined_ever
 

@@ -32,8 +32,8 @@ from the honest members' mean to its own value; it is applied only within τ of 
 takes moves at most τ from its own. An attacker far away (×1000, NaN, a huge weight on a far value) costs the group
 this round's averaging, no more. An attacker aiming inside τ bends the step by up to τ each round (τ ≥ 2‖Δ_i‖ reaches
 −Δ_i: benchmarks/robustness.py's aimed attack diverges honest DiLoCo peers). Clipping accepted means closer to Δ_i
-would stop the reversal but changes honest means too: honest deviations measured up to 2.1 s (a 3-peer tiny swarm
-with a joiner, whose first Δ is one AdamW step) — only a robust reduction per part would do better, and hivemind's
+would stop the reversal but changes honest means too: honest deviations reach about 2 s (a joiner, whose first Δ
+is one AdamW step) — only a robust reduction per part would do better, and hivemind's
 averager has none to offer (net/allreduce.py). It cannot widen τ beyond multiplier² × s: each deviation is
 remembered at most at multiplier × s of its round, so accepted rounds cannot ratchet τ upward.
 

@@ -7,7 +7,7 @@ and b moves a by w(b − a) and b by w(a − b), so the sum over the swarm is pr
 smaller of the two ends' own weights (the responder answers the one it uses). Values travel as codec(value − θ_0),
 a reference every peer holds (the run's seeded initial parameters), as 16-bit differences by default.
 
-Partners are untrusted (issue 9). What a partner sends must decode, be finite and lie within
+Partners are untrusted (docs/threat-model.md). What a partner sends must decode, be finite and lie within
 `max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is
 then clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ; τ's
 yardstick is how far our own step moved our base, mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1.
