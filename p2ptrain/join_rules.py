@@ -89,8 +89,8 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
     (`in_step` false: a synced peer of our round is a donor), or when we `ran_ahead`: more than half the swarm,
     counting us, is more than the lead behind us. A peer that averaged alone (it started before the others could
-    see it) raced ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer was
-    in its round: it trained alone for the whole run (CI, Docker backend). It takes the majority's state. Every
+    see it) races ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer is
+    in its round: it would train alone for the whole run. It takes the majority's state. Every
     mode: a `fresh` process (round 0, never joined) takes a trusted peer's state.
 
     `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for

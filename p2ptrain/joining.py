@@ -275,7 +275,7 @@ class Joiner:
         round_ = choice.donors[0].round
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
-        # peers each waiting for the other's next round stalled 52 s, until SIGTERM: CI, the churn scenario)
+        # peers each waiting for the other's next round would stall until stopped)
         self.peer.announce(phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
