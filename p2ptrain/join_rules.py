@@ -96,9 +96,9 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for
     at most that long since the end of its inner phase as it announced it (`now`, DHT time), is a donor too.
     Peers in lockstep each read the swarm before announcing their new round, so each finds the others there, and
-    no donor of its own round ever (tests/test_swarm.py: three peers set apart never caught up). Longer in sync,
-    it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody by
-    design, and every peer would take another's state after it.
+    no donor of its own round ever (without this rule, peers set apart never catch up: tests/test_swarm.py). Longer
+    in sync, it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody
+    by design, and every peer would take another's state after it.
     """
     quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
     ahead = [r for r in trusted if r.round > own_round] if aligned else []

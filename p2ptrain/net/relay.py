@@ -8,7 +8,7 @@ initiator had called it directly (the exchange, the state download, a sketch), u
 the relay vouches for it.
 
 libp2p's own circuit relay cannot do this here: p2pd's relays are "limited" (128 KiB and 2 minutes per relayed
-connection, measured, whatever its -relayDataLimit says), a size for hole punching, not for a model's payload.
+connection, whatever its -relayDataLimit says), a size for hole punching, not for a model's payload.
 
 What a relay grants (`RelayLimits`): a bounded number of slots, of circuits at once (in all and per peer), a rate
 for all relayed bytes together (a circuit beyond it waits: one relay is never saturated, and its own traffic keeps
