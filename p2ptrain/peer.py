@@ -304,7 +304,7 @@ class TrainingPeer:
                 evaluated: bool) -> RoundMetrics:
         """The round's metrics, written to the metrics file, and our record's figures."""
         result = synced.result
-        bytes_sent, bytes_received = self.traffic.take_()  # measured: stream_bytes.py
+        bytes_sent, bytes_received = self.traffic.take_()  # measured: net/stream_bytes.py
         metrics = RoundMetrics(
             peer_id=self.peer_id, round=round_, inner_steps=phase.steps, train_loss=phase.mean_loss,
             val_loss=self.val_loss, tokens_per_s=phase.tokens / max(phase.compute_s, 1e-9),
