@@ -15,7 +15,7 @@ from p2ptrain.net.state_sharing import MalformedSketch, Sketch, StateSnapshot
 
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
-# than its own (×1.2 is common). A liar majority can cost it no more than this
+# than its own (by about a fifth; 1.5 leaves a margin). A liar majority can cost it no more than this
 RAN_AHEAD_LOSS_FACTOR = 1.5
 # an honest outer momentum grows by at most one round's Δ a round, and peers' differ by their own Δs in gossip modes
 OUTER_NORM_FACTOR = 4.0

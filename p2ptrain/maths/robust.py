@@ -2,7 +2,7 @@
 
 He, Karimireddy & Jaggi ("Byzantine-robust decentralized learning via ClippedGossip") mix
 ``x_i += w · clip(x_j − x_i, τ_i)``: a Byzantine partner then moves x_i by at most w·τ_i per exchange, whatever it
-sends, while honest partners (closer than τ_i) mix as before. τ_i must track how far honest partners really are:
+sends, while honest partners (closer than τ_i) mix unclipped. τ_i must track how far honest partners really are:
 a fixed multiple of ‖x_i‖ is far too loose (an attacker sending −7× our value stays inside a bound of 10×), and an
 attacker that learns our value can aim just inside any fixed bound. Here
 
