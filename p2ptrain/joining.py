@@ -420,8 +420,8 @@ class Joiner:
 async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: float) -> list[T | BaseException]:
     """Each request's answer or exception, in order. Once the first answer is in (not a refusal: that comes at
     once), the others get LATE_WITNESS_FACTOR times as long again (at least BRIEF_S); those still out
-    then, or at `timeout_s`, are TimeoutErrors. A joiner waited for every witness, so one that never answered held
-    each corroboration for the whole `timeout_s`."""
+    then, or at `timeout_s`, are TimeoutErrors: waiting for every witness, one that never answers would hold each
+    corroboration for the whole `timeout_s`."""
     started, tasks = time.monotonic(), [asyncio.ensure_future(r) for r in requests]
     deadline, pending, answered_s = started + timeout_s, set(tasks), None
     while pending and answered_s is None:

@@ -45,7 +45,7 @@ class SyncConfig:
     # round late; γ 0); gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull
     # applied then)
     overlap: str = "none"
-    overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
+    overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverges)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
     # outer gradients (DiLoCo's and Factored's exchanges): none (fp32) | fp16 | topk (8-bit values) | sparse (sync.
     # sparse_bits-bit values, Elias-Fano indices); topk and sparse keep sync.topk_density of each chunk and send the
