@@ -15,7 +15,7 @@ from p2ptrain.net.state_sharing import MalformedSketch, Sketch, StateSnapshot
 
 LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out batches are a noisy measure
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
-# than its own (CI: 1.69 alone against the others' 2.0, ×1.18). A liar majority can cost it no more than this
+# than its own (by about a fifth; 1.5 leaves a margin). A liar majority can cost it no more than this
 RAN_AHEAD_LOSS_FACTOR = 1.5
 # an honest outer momentum grows by at most one round's Δ a round, and peers' differ by their own Δs in gossip modes
 OUTER_NORM_FACTOR = 4.0
@@ -89,16 +89,16 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
     (`in_step` false: a synced peer of our round is a donor), or when we `ran_ahead`: more than half the swarm,
     counting us, is more than the lead behind us. A peer that averaged alone (it started before the others could
-    see it) raced ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer was
-    in its round: it trained alone for the whole run (CI, Docker backend). It takes the majority's state. Every
+    see it) races ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer is
+    in its round: it would train alone for the whole run. It takes the majority's state. Every
     mode: a `fresh` process (round 0, never joined) takes a trusted peer's state.
 
     `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for
     at most that long since the end of its inner phase as it announced it (`now`, DHT time), is a donor too.
     Peers in lockstep each read the swarm before announcing their new round, so each finds the others there, and
-    no donor of its own round ever (tests/test_swarm.py: three peers set apart never caught up). Longer in sync,
-    it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody by
-    design, and every peer would take another's state after it.
+    no donor of its own round ever (without this rule, peers set apart never catch up: tests/test_swarm.py). Longer
+    in sync, it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody
+    by design, and every peer would take another's state after it.
     """
     quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
     ahead = [r for r in trusted if r.round > own_round] if aligned else []
@@ -113,8 +113,8 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
             r.round == own_round - 1 and r.phase == "sync" and _syncing_since(r, now, last_round_syncing_s)))]
     else:
         candidates = []
-    # the most advanced first; among equals, the fastest announced link (a joiner on the netns testnet spent
-    # 8 of its first 45 s downloading 1 MB from a 1 Mbit/s peer that happened to sort first)
+    # the most advanced first; among equals, the fastest announced link (a download from a slow home uplink can
+    # take much of a joiner's first minute)
     donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
 
@@ -189,8 +189,8 @@ def judge_outer_state(candidate: Sketch, answers: Sequence[Witnessed], tight: bo
 def outvoted_state(sketches: Verdict, loss: Verdict) -> Verdict:
     """A state the sketch vote refused, and what it costs its donor by its validation loss (`loss`, against our own
     state's): a worse one is a lie ("wrong_state"); one as good as ours is what an honest donor serves that does not
-    know yet that its all-reduce split from its round's majority ("unsynced_state", a little over half a ban: in CI,
-    a NAT testnet peer banned such a donor for 60 s and ran its rounds without it)."""
+    know yet that its all-reduce split from its round's majority ("unsynced_state", a little over half a ban, so
+    that one such refusal does not ban an honest donor)."""
     offence = "unsynced_state" if loss.accepted else "wrong_state"
     return dataclasses.replace(sketches, detail=f"{sketches.detail}; {loss.detail}", offence=offence)
 
@@ -209,8 +209,8 @@ def own_loss_bound(own: float, ours_is_the_odd_one: bool) -> float:
     """The loss our own state sets as the bound on a candidate's: ours, or RAN_AHEAD_LOSS_FACTOR times ours when
     ours is the odd state out: we ran ahead of the swarm, or the synced peers of the candidate's round hold it
     (`Verdict.held_by_round`). Our lone state's loss is then no fair bar for the swarm's: early in a DiLoCo run the
-    outer momentum's overshoot left the swarm's state at 4.48 against 3.98 for a peer that averaged alone, which
-    refused it, banned its three honest donors and trained alone to the end (netns testnet)."""
+    outer momentum's overshoot can leave the swarm's state at a higher loss than a peer that averaged alone, which
+    would otherwise refuse it, ban its honest donors and train alone to the end."""
     return own * RAN_AHEAD_LOSS_FACTOR if ours_is_the_odd_one else own
 
 

@@ -1,11 +1,11 @@
 """Joining and catching up with untrusted peers: which round, whose state, and checking that state before use
 (the rules are pure functions in join_rules.py; the Joiner runs them against the network).
 
-Any peer can announce any round and serve any finite, well-shaped state (issue 9: a peer announcing round 100000
-with −5·θ_0 was adopted by every honest peer within 3 s). So a peer that joins or falls behind:
+Any peer can announce any round and serve any finite, well-shaped state (a peer announcing round 100000 with −5·θ_0
+would be adopted by every honest peer within seconds). So a peer that joins or falls behind:
 1. reads the round by quorum: the lower median of the rounds live peers announce. A peer more than
    `sync.join_max_round_lead` rounds ahead of it is suspect and never a donor; within that window the most
-   advanced round is joined as before (honest peers a round apart must converge). A peer that finds more than
+   advanced round is joined (honest peers a round apart must converge). A peer that finds more than
    half the swarm more than the lead behind it ran ahead alone and takes the majority's state;
 2. downloads a donor's snapshot, its metadata checked before anything else (state_sharing);
 3. corroborates it: draws a secret seed *after* the download and asks up to WITNESSES other peers for the
@@ -175,8 +175,8 @@ class Joiner:
         self.retry_round: int | None = None  # gossip modes: the round a fresh peer that could not join tries again
         self.ran_ahead_rounds = 0  # rounds in a row we found most of the swarm far behind us (join_rules.ran_ahead)
         # gossip modes: a process resumed from a checkpoint (its round, never joined) holds parameters its partners
-        # may have moved far from since: gossiped as they are, they were hard-clipped by honest partners (offences
-        # towards a ban) and it clipped theirs (tests/test_joining.py). It takes a corroborated state first (one
+        # may have moved far from since: gossiped as they are, they are hard-clipped by honest partners (offences
+        # towards a ban) and it clips theirs (tests/test_joining.py). It takes a corroborated state first (one
         # the loss check finds no worse than its own); DiLoCo's round catches it up anyway
         self.resumed = not peer.sync.aligned_rounds and peer.state.round > 0 and not peer.state.joined_ever
 
@@ -275,7 +275,7 @@ class Joiner:
         round_ = choice.donors[0].round
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
-        # peers each waiting for the other's next round stalled 52 s, until SIGTERM: CI, the churn scenario)
+        # peers each waiting for the other's next round would stall until stopped)
         self.peer.announce(phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
@@ -420,8 +420,8 @@ class Joiner:
 async def answers_with_patience(requests: Sequence[Awaitable[T]], timeout_s: float) -> list[T | BaseException]:
     """Each request's answer or exception, in order. Once the first answer is in (not a refusal: that comes at
     once), the others get LATE_WITNESS_FACTOR times as long again (at least BRIEF_S); those still out
-    then, or at `timeout_s`, are TimeoutErrors. A joiner waited for every witness, so one that never answered held
-    each corroboration for the whole `timeout_s`."""
+    then, or at `timeout_s`, are TimeoutErrors: waiting for every witness, one that never answers would hold each
+    corroboration for the whole `timeout_s`."""
     started, tasks = time.monotonic(), [asyncio.ensure_future(r) for r in requests]
     deadline, pending, answered_s = started + timeout_s, set(tasks), None
     while pending and answered_s is None:

@@ -89,7 +89,7 @@ class TrainingPeer:
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
-        # not run again at the end, alone: the others had stopped, and the swarm's last states differed)
+        # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
@@ -164,13 +164,13 @@ class TrainingPeer:
 
     @property
     def maddrs(self) -> list[str]:
-        """Our addresses, from p2pd itself (the DHT process's answer had no bound, and once never came)."""
+        """Our addresses, from p2pd itself, with a bound on the wait (the DHT process's answer has none)."""
         return [str(m) for m in self.loop.run(self.p2p.get_visible_maddrs(latest=True),
                                               timeout=self.config.network.startup_timeout_s)]
 
     def swarm(self) -> SwarmView:
         # an all-reduce's read waits at most its matchmaking window: a DHT slowed by a silent node leaves the last read
-        # (half the window was tried: behind NAT, where reads go through relays, stale views split rounds, 2 of 3 runs)
+        # (not less: behind NAT, where reads go through relays, a shorter wait gives stale views that split rounds)
         records = self.watcher.records(current=self.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
@@ -304,7 +304,7 @@ class TrainingPeer:
                 evaluated: bool) -> RoundMetrics:
         """The round's metrics, written to the metrics file, and our record's figures."""
         result = synced.result
-        bytes_sent, bytes_received = self.traffic.take_()  # measured: stream_bytes.py
+        bytes_sent, bytes_received = self.traffic.take_()  # measured: net/stream_bytes.py
         metrics = RoundMetrics(
             peer_id=self.peer_id, round=round_, inner_steps=phase.steps, train_loss=phase.mean_loss,
             val_loss=self.val_loss, tokens_per_s=phase.tokens / max(phase.compute_s, 1e-9),
@@ -376,7 +376,7 @@ class TrainingPeer:
 
         Peers of this round already syncing count too (their ETA has passed: end after the fewest steps and join
         them). Otherwise a group that starts its rounds a matchmaking window after another averages on its own,
-        round after round, and the swarm stays split in two (seen on the netns testnet: 2 + 3 peers, 15 rounds).
+        round after round, and the swarm stays split in two.
         """
         if not self.sync.aligned_rounds:
             return math.inf

@@ -2,8 +2,8 @@
 
 Peers that start a second apart see different swarms when their first round syncs: the first to sync sees only the
 records stored so far, so the members of round 0 expect different groups, average different inputs, and the swarm
-spends its first rounds realigning by state downloads (netns testnet, 5 DiLoCo peers started within 0.4 s: round-0
-groups of 2, 3, 3 and 4, then joins until round 10). With `run.min_peers` a fresh peer waits before its first round
+spends its first rounds realigning by state downloads (even peers started within half a second form round-0 groups
+of different sizes). With `run.min_peers` a fresh peer waits before its first round
 until it sees that many peers of the run (itself included), at most `run.min_peers_wait_s`. From its first look it
 says it is in round 0 (its record and round-0 snapshot), so a peer released a moment before it counts it in round
 0's group and waits for it (`sync.matchmaking_s` at most); it must then run round 0, not wait for round 1

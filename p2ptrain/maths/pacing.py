@@ -19,8 +19,8 @@ class ThroughputEMA:
 
     ``smoothing`` is the weight of each new measurement (1.0: keep only the latest). Measurements are averaged
     as transfer *times per byte* so that one fast sample cannot hide a slow link. The prior is only a guess: the
-    first completed exchange replaces it (blending a 1 Mbit/s link into a 20 Mbit/s prior took five exchanges to
-    show, and a paced peer kept most of its inner steps meanwhile; seen on the netns testnet).
+    first completed exchange replaces it (blended into a 20 Mbit/s prior, a 1 Mbit/s link would take several
+    exchanges to show, and a paced peer would keep most of its inner steps meanwhile).
     """
 
     def __init__(self, prior_bytes_per_s: float, smoothing: float = 0.3) -> None:
@@ -86,7 +86,7 @@ class LinkSpeeds:
         """Our link's speed: the fastest exchange throughput measured (an exchange runs at the slower end's
         speed, so the fastest partner bounds ours from below), and at least the prior until links to
         OWN_LINK_MIN_PARTNERS partners are measured: a fast peer whose first partner was slow would otherwise
-        take itself for slow, keep choosing slow partners and never learn otherwise (seen on the netns testnet).
+        take itself for slow, keep choosing slow partners and never learn otherwise.
         `announced` holds partners' own announced speeds."""
         measured = self.measured()
         # a partner that announced a much faster link than we got with it shows that we were the bottleneck

@@ -2,8 +2,8 @@
 
 He, Karimireddy & Jaggi ("Byzantine-robust decentralized learning via ClippedGossip") mix
 ``x_i += w · clip(x_j − x_i, τ_i)``: a Byzantine partner then moves x_i by at most w·τ_i per exchange, whatever it
-sends, while honest partners (closer than τ_i) mix as before. τ_i must track how far honest partners really are:
-a fixed multiple of ‖x_i‖ is far too loose (the issue's attacker sent −7× our value inside a bound of 10×), and an
+sends, while honest partners (closer than τ_i) mix unclipped. τ_i must track how far honest partners really are:
+a fixed multiple of ‖x_i‖ is far too loose (an attacker sending −7× our value stays inside a bound of 10×), and an
 attacker that learns our value can aim just inside any fixed bound. Here
 
     τ = multiplier × max(median over partners of their latest distance, own_scale)
@@ -11,9 +11,9 @@ attacker that learns our value can aim just inside any fixed bound. Here
 with each partner's latest distance recorded at most at multiplier × own_scale (an attacker is one entry however
 often it calls) and `own_scale` the caller's honest yardstick (how far our own value moved this round, ‖own Δ‖,
 ...): it keeps τ meaningful before enough partners are known and when they all agree closely. The cap keeps τ
-within [multiplier, multiplier²] × own_scale. Recording clipped distances at τ itself let τ ratchet: with 3
-partners, an attacker (always at τ) and one honest partner clipped once made the median τ and doubled it, and an
-aimed attacker then pushed its victim by ever more (tiny GASLoC swarm of 3 + 1: honest loss 4.2 against 2.8 clean).
+within [multiplier, multiplier²] × own_scale. Recording clipped distances at τ itself would let τ ratchet: with 3
+partners, an attacker (always at τ) and one honest partner clipped once make the median τ and double it, and an
+aimed attacker then pushes its victim by ever more.
 
 Clipping bounds what an exchange does; `net.responder_limits.OfferLimit` bounds how often one partner may open one
 with us (an exchange opened and never committed shows the opener our exact value, and costs us an encode of the

@@ -18,23 +18,22 @@ What honest deviations look like. With n peers on different data shards, Δ_j = 
 and a part e_j of their own shard (and inner-phase noise), about equally long and nearly independent across peers.
 Then mean − Δ_i = ē − e_i, of length ≈ ‖e‖·√((n−1)/n), while ‖Δ_i‖ ≈ √(‖g‖² + ‖e‖²): an honest deviation stays
 about ‖Δ_i‖ or below for every n (a pair: ‖Δ_j − Δ_i‖/2), and nears ‖Δ_i‖ late in training, when g is small beside
-e. Measured: a loopback swarm of 4 tiny-model peers over 10 rounds, 0.40 to 0.73 ‖Δ_i‖ (rising round by round); the
-golden fixture's 4 peers pulled to unrelated random targets, up to 1.22 ‖Δ_i‖; a 3-peer tiny swarm in which a
-joiner's first round (one AdamW step from a fresh optimizer state) meets two peers' five: 1.9 to 2.1 s. The
-multiplier (ALLREDUCE_MARGIN × `sync.clip_multiplier`, 4 by default) is the margin. A peer whose Δ is much
-shorter than its partners' (a joiner's first round, a paced peer: few inner steps, so little length and weight)
-gets a mean near the partners' Δ, several ‖Δ_i‖ away (a joiner that ran 1 inner step of 5: 2.3 ‖Δ_i‖): the
-members' announced lengths set s then. One member cannot move their lower median beyond the honest members'
-claims, nor lower s below ‖Δ_i‖. The median of past deviations lets τ follow groups whose honest disagreement sits
-near the floor.
+e. Honest deviations range from about 0.4–0.7 ‖Δ_i‖ (peers training one model on different shards) through 1.2
+‖Δ_i‖ (peers pulled to unrelated targets) to about 2 s (a joiner's first round, one AdamW step from a fresh
+optimizer state, meeting peers' five). The multiplier (ALLREDUCE_MARGIN × `sync.clip_multiplier`, 4 by default) is
+the margin. A peer whose Δ is much shorter than its partners' (a joiner's first round, a paced peer: few inner
+steps, so little length and weight) gets a mean near the partners' Δ, several ‖Δ_i‖ away (a joiner that ran 1 inner
+step of 5: 2.3 ‖Δ_i‖): the members' announced lengths set s then. One member cannot move their lower median beyond
+the honest members' claims, nor lower s below ‖Δ_i‖. The median of past deviations lets τ follow groups whose
+honest disagreement sits near the floor.
 
 What a hostile member can still do. Whatever it sends and whatever weight it claims, the mean lies on the segment
 from the honest members' mean to its own value; it is applied only within τ of Δ_i, so the outer step an honest peer
 takes moves at most τ from its own. An attacker far away (×1000, NaN, a huge weight on a far value) costs the group
 this round's averaging, no more. An attacker aiming inside τ bends the step by up to τ each round (τ ≥ 2‖Δ_i‖ reaches
 −Δ_i: benchmarks/robustness.py's aimed attack diverges honest DiLoCo peers). Clipping accepted means closer to Δ_i
-would stop the reversal but changes honest means too: honest deviations measured up to 2.1 s (a 3-peer tiny swarm
-with a joiner, whose first Δ is one AdamW step) — only a robust reduction per part would do better, and hivemind's
+would stop the reversal but changes honest means too: honest deviations reach about 2 s (a joiner, whose first Δ
+is one AdamW step) — only a robust reduction per part would do better, and hivemind's
 averager has none to offer (net/allreduce.py). It cannot widen τ beyond multiplier² × s: each deviation is
 remembered at most at multiplier × s of its round, so accepted rounds cannot ratchet τ upward.
 
@@ -90,9 +89,9 @@ class MeanCheck:
         `claimed_norms`: the ‖Δ‖ the group's members announced, ours included (unverified; may be empty).
         `own_norm`, `deviation`: ‖own‖ and ‖mean − own‖ where our own code already measured them (the exchange
         all-reduce's CenteredClip, from the inputs it reduced); measured here otherwise. `stretch` (≥ 1): how much
-        longer our Δ would be had we run our whole inner phase. Cut to 1 step of 10 to end with peers that started
-        the round earlier, 3 of 5 DiLoCo peers found the mean 0.79 from their own Δ against a radius of 0.75 (4 ×
-        the lower median ‖Δ‖, theirs), refused it and split the swarm (netns testnet). An attacker who announces an
+        longer our Δ would be had we run our whole inner phase: a peer cut to 1 step of 10 (to end with peers that
+        started the round earlier) has a short Δ, and without the stretch finds an honest mean beyond its radius,
+        refuses it and splits the swarm. An attacker who announces an
         early end of round widens the radius by at most H / `inner.min_steps`; CenteredClip still bounds each input."""
         if not self.enabled:
             return MeanVerdict(True, math.nan, math.inf)

@@ -1,4 +1,4 @@
-"""`p2ptrain plan` and `p2ptrain peer --plan`: a peer's memory plan (memory_plan.py) for its model and one or
+"""`p2ptrain plan` and `p2ptrain peer --plan`: a peer's memory plan (memory/plan.py) for its model and one or
 more device sizes, as a table or JSON, with what fits and the settings that would make it fit."""
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ because of what this docstring's second half says.
 Peers of the same round meet under one group key: the round number is written into the averager's group bits
 before each step, so a peer a round behind or ahead can never be averaged with this round's gradients.
 
-Hostile members (issue 9). hivemind 1.1.12's public API gives no hold on how a group reduces, so this module returns
-the plain weighted mean and the sync layer judges it (maths/robust_mean.py: finite, near our own Δ, else our own Δ):
+Hostile members (docs/threat-model.md). hivemind 1.1.12's public API gives no hold on how a group reduces, so this
+module returns the plain weighted mean and the sync layer judges it (maths/robust_mean.py: finite, near our own Δ,
+else our own Δ):
 - weights: each part a member sends carries its own `weight` field (AveragingData.weight), read as sent and used as
   is by the reducer (partition.py, TensorPartReducer.accumulate_part: Σ w·x / Σ w); only the sender's `step()`
   asserts w ≥ 0. A member may claim any weight, even a negative, infinite or NaN one, and a different one per part.

@@ -50,7 +50,7 @@ class NetworkConfig:
     record_ttl_s: float = 8 * TICK_S  # a peer whose record is older than this (8 default heartbeats) is gone
     startup_timeout_s: float = PATIENCE_S  # time to start the daemon (seconds), and for its processes to answer
     # seconds to reach the initial peers (at most startup_timeout_s). p2pd dials them one after another and gives each
-    # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers took
+    # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers take
     # 20 s to fail. 12 leaves room for two of them ahead of a live one (and hivemind's 3 s ping); a healthy join takes
     # under 1 s. Raise it for a long list of initial peers of which many may be down
     join_timeout_s: float = 12.0

@@ -8,7 +8,7 @@ the organiser's ticket (net/admission.py).
 
 A peer that shuts down stores a last record of phase `left` (`Announcer.leave`): the others drop it at their next
 read instead of after its TTL, during which they would have counted it in their rounds and dialled it as a donor (a
-home peer gone offline answers no dial: one catch-up on the netns testnet spent 16 s on a finished peer). Only its
+home peer gone offline answers no dial, and a catch-up would spend its whole dial timeout on it). Only its
 owner can sign it; a reader keeps it as a tombstone until it expires, so an older record read from a slower replica
 cannot bring the peer back.
 """
@@ -35,7 +35,7 @@ from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 logger = logging.getLogger(__name__)
 
 # a publish the round waits for (DiLoCo's phase changes) waits at most this many heartbeats: a store that takes longer
-# is waiting on a silent DHT node (hivemind gives each 3 s, per node: 6.7 s measured on the netns testnet), and the
+# is waiting on a silent DHT node (hivemind gives each node 3 s), and the
 # heartbeat stores the record again anyway
 BLOCKING_PUBLISH_HEARTBEATS = 2
 BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
@@ -215,7 +215,7 @@ class Announcer:
     """Publishes this peer's record every `heartbeat_s` from a background thread until stopped.
 
     The training loop calls `update(...)` with new figures; the thread stores the latest record. A DHT store takes
-    a round trip or more (0.3–0.5 s measured on the loaded netns testnet), so `update(publish=True)` only wakes the
+    a round trip or more (tenths of a second on a loaded swarm), so `update(publish=True)` only wakes the
     thread: training never waits for the DHT. When the peer stops, the record stops being refreshed and expires
     after `record_ttl_s` for everyone else. The record is signed with the node's identity key; in a signed run
     it carries this peer's ticket (`admission.ticket`).
@@ -295,13 +295,13 @@ class Announcer:
 class SwarmWatcher:
     """The run's live records, re-read from the DHT every `refresh_s` by a background thread.
 
-    The round loop asks for the swarm twice a round; a DHT read there cost 0.2–3 s (netns testnet, 3 peers on 2
-    cores), several times a 100-step round's compute. `records()` answers from what the reads found instead (at
+    The round loop asks for the swarm twice a round; a DHT read can take seconds on a loaded swarm, several times
+    a small round's compute. `records()` answers from what the reads found instead (at
     most `refresh_s` plus one read old); only the first call, before any read finished, and calls that ask for
     the `current` records wait for the DHT.
 
     Reads are merged, not replaced: a record stands until its own expiry (`ttl_s` after its heartbeat), as it
-    does in the DHT. One read that timed out or reached only some of the nodes (seen: 0 of 3 records after 4.8 s)
+    does in the DHT. One read that timed out or reached only some of the nodes (it may find none of the records)
     would otherwise leave the peer believing itself alone until the next read. With `admission`, reads keep its
     list of admitted peers current (`Admission.allows`).
     """

@@ -60,5 +60,5 @@ class BackgroundLoop:
 def log_loop_error(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """What asyncio would print as an ERROR with a traceback goes to the debug log: a task's exception nobody
     retrieved or a task destroyed while pending are hivemind's stream handlers when a partner vanishes or the peer
-    shuts down (a node's rank 0 leaving the swarm printed three, and a traceback, under its one-line error)."""
+    shuts down (several, and a traceback, would follow a node's one-line error as its rank 0 leaves the swarm)."""
     logger.debug(f"event loop: {context.get('message', 'error')}", exc_info=context.get("exception"))

@@ -16,9 +16,9 @@ all-reduce's members confirm what they reduced) may keep it; every other caller 
 Anything else (a timeout, a refusal, a truncated or invalid payload, a dropped stream) applies nothing on either
 side. What is mixed and how is decided by the peer's side through `ExchangeHandler` (this module moves bytes).
 
-Initiators are untrusted (issue 9). Without reading an offer, the responder refuses banned peers and offers beyond
-its `ResponderLimits` (per peer, in all); it drops an exchange at deadlines that follow from the bytes at stake
-(not from the initiator's word) and frees its slot, and reports offences to the `Reputation` of the peer id
+Initiators are untrusted (docs/threat-model.md). Without reading an offer, the responder refuses banned peers and
+offers beyond its `ResponderLimits` (per peer, in all); it drops an exchange at deadlines that follow from the bytes
+at stake (not from the initiator's word) and frees its slot, and reports offences to the `Reputation` of the peer id
 libp2p authenticated.
 """
 

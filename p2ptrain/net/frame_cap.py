@@ -1,7 +1,7 @@
 """A cap on the frames hivemind reads from a peer's stream, checked before the frame is allocated.
 
 hivemind's `P2P.receive_raw_data` reads an 8-byte length prefix, then `readexactly(length)`: a peer that announces
-2**40 bytes makes this process buffer whatever it sends (measured: 1 GiB sent grew the victim by 1,024 MB). Every
+2**40 bytes makes this process buffer whatever it sends, byte for byte, until memory runs out. Every
 stream handler hivemind runs for us (our exchange and state servicers, the averager's matchmaking and all-reduce)
 and every stream we open reads its messages through that one static method, so we replace it with a copy that
 refuses a frame longer than MAX_FRAME_BYTES before reading its body. Importing this module installs it (at most

@@ -2,9 +2,8 @@
 
 hivemind's stream handler (`P2P._handle_stream`) treats a stream its caller closed as normal, but logs a stream its
 caller reset (ConnectionResetError: the caller timed out, crashed or left mid-request) with a full traceback at
-WARNING. On a volunteer's screen that reads as a crash (a Docker swarm's log held one after a GASLoC partner's
-exchange timed out); it is a partner giving up. `quiet_connection_errors` keeps the warning, as one line that names
-the error.
+WARNING. On a volunteer's screen that reads as a crash (one follows, for example, a gossip partner's exchange that
+timed out); it is a partner giving up. `quiet_connection_errors` keeps the warning, as one line that names the error.
 """
 
 from __future__ import annotations

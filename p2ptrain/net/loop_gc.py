@@ -4,9 +4,8 @@ Why: Python's cyclic GC runs in whichever thread happens to allocate, and it fin
 leaked `asyncio.StreamWriter` (hivemind's P2P leaves one behind when a stream open is cancelled, and p2pd streams
 form reader/writer/protocol cycles) closes its transport from its `__del__`: `uv_read_stop` on a uvloop handle
 from a foreign thread, while the loop's own thread runs libuv without the GIL. If that handle is being read at that
-instant, libuv calls the callback the other thread just cleared. Seen as a peer dying of SIGSEGV in the loop
-thread (a core dump showed `uv__read` calling `alloc_cb == NULL` on a p2pd `UnixTransport`), about one netns run
-in seven, while the main thread wrote a checkpoint (the allocations that triggered the collection).
+instant, libuv calls the callback the other thread just cleared (`uv__read` with `alloc_cb == NULL`) and the peer
+dies of SIGSEGV in the loop thread, typically while the main thread allocates heavily (writing a checkpoint).
 
 So while any `BackgroundLoop` runs, automatic GC is off, and a collector thread collects every tick (`TICK_S`) on a
 loop's own thread (a callback: libuv is idle there) with every other registered loop parked in a callback too.

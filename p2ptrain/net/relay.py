@@ -8,7 +8,7 @@ initiator had called it directly (the exchange, the state download, a sketch), u
 the relay vouches for it.
 
 libp2p's own circuit relay cannot do this here: p2pd's relays are "limited" (128 KiB and 2 minutes per relayed
-connection, measured, whatever its -relayDataLimit says), a size for hole punching, not for a model's payload.
+connection, whatever its -relayDataLimit says), a size for hole punching, not for a model's payload.
 
 What a relay grants (`RelayLimits`): a bounded number of slots, of circuits at once (in all and per peer), a rate
 for all relayed bytes together (a circuit beyond it waits: one relay is never saturated, and its own traffic keeps
@@ -211,8 +211,7 @@ class RelayEntry(ServicerBase):
         async for message in handler(requests, inner):
             yield message
         # a service that answers without reading its request's end (the state download, a sketch): returning at
-        # once reset the stream while the relay's last message was on its way, and the answer in flight was lost
-        # (test_relay: the joiner read no message at all, about 1 run in 13)
+        # once would reset the stream while the relay's last message is on its way, losing the answer in flight
         await drain(requests, SETUP_FLOOR_S)
 
 

@@ -51,7 +51,7 @@ MAX_SEED = 2**64  # seeds are 64-bit (PCG64)
 SKETCHES_PER_S = 2.0
 SKETCH_BURST = 8
 # sketch requests waiting (or computing) at once, from every peer together; beyond, refused as busy: a flood from
-# many identities, each within its rate, made an honest joiner's request wait behind it, late enough to count as
+# many identities, each within its rate, would make an honest joiner's request wait behind it, late enough to count as
 # a stalled witness (joining.py waits a few times as long as the first witness took)
 SKETCHES_QUEUED = 4
 # snapshots served: at most DOWNLOADS_AT_ONCE at a time (a request beyond is refused: the joiner tries another

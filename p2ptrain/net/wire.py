@@ -109,7 +109,7 @@ async def drain(messages: AsyncIterator[Any], timeout_s: float) -> None:
 
     Why: when a handler returns, hivemind closes our end of the stream; if the peer's data still arrives then
     (the rest of a payload we refused, its end-of-stream after the commit), p2pd resets the stream and our last
-    message in flight (the refusal, the ack) is lost: measured before this, about 1 exchange in 25 on loopback.
+    message in flight (the refusal, the ack) is lost.
     """
     async def read_to_end() -> None:
         async for _ in messages:

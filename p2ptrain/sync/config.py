@@ -17,13 +17,12 @@ SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error fe
 MIX2_TRANSPORTS = ("allreduce", "gossip")
 ALLREDUCE_TRANSPORTS = ("exchange", "scatter", "hivemind")
 SCATTER_GRAD_CODECS = ("none", "fp16")  # a scatter owner's mean of sparse chunks is dense: it would not shrink
-# γ with a one-round-late outer gradient. benchmarks/algorithms.py (4 peers, 16 rounds, val loss vs DiLoCo's 2.535):
-# delayed γ 0.9 → 6.22 (diverges), 0.5 → 2.92, 0 → 2.54; eager γ 0.9 → 3.35, 0.5 → 2.53.
+# γ with a one-round-late outer gradient: 0.9 diverges, delayed trains best with none and eager with 0.5
+# (benchmarks/algorithms.py; figures in docs/algorithms.md §4)
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5, "local": 0.0}
 # GASLoC's γ (momentum on the mixed iterates). 0.9 re-injects 0.9 × the last round's disagreement after every pair
-# average; on the netns testnet (50/50/1 Mbit, a paced peer at 5 of 100 steps) consensus distances reached 3.5 and
-# validation loss spiked ×3, while γ = 0 trained smoothly to a lower loss (1.77 against 1.9–2.3), and
-# benchmarks/algorithms.py at equal tokens also prefers γ = 0 (−5.8 % against +0.5 % vs DiLoCo)
+# average, so peers drift apart and the loss spikes; γ = 0 trains smoothly to a lower loss (docs/algorithms.md §2,
+# docs/benchmarks.md)
 GASLOC_MOMENTUM = 0.0
 
 
@@ -46,7 +45,7 @@ class SyncConfig:
     # round late; γ 0); gasloc: none | delayed (the exchanges it starts run during the next inner phase, their pull
     # applied then)
     overlap: str = "none"
-    overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverged)
+    overlap_momentum: float | None = None  # γ with overlap; default OVERLAP_MOMENTUM (outer.momentum diverges)
     gasloc_momentum: float | None = None  # γ of gasloc (momentum on mixed iterates); default GASLOC_MOMENTUM
     # outer gradients (DiLoCo's and Factored's exchanges): none (fp32) | fp16 | topk (8-bit values) | sparse (sync.
     # sparse_bits-bit values, Elias-Fano indices); topk and sparse keep sync.topk_density of each chunk and send the
@@ -64,9 +63,8 @@ class SyncConfig:
     # outer gradients (gossip Mix2, CenteredClip of an all-reduce): honest peers' Δ differ by about their norm
     clip_multiplier: float = 2.0
     # parameters (GASLoC's y, Mix1): honest partners lie well within our own step, and each round an attacker is
-    # a partner it pulls us back by up to w × this × our step, which the outer momentum carries on. Measured
-    # (benchmarks/robustness.py, aimed, 3 seeds): 1 of 7 attackers +1.6 to 2.1 % loss at 1.0 (+4.1 to 5.1 % at
-    # 2.0), 2 of 8 +3.0 to 5.6 % (+7 to 27 %); the clean run first pays at 0.5 (+0.04 %; 0.25: +0.25 %)
+    # a partner it pulls us back by up to w × this × our step, which the outer momentum carries on. 1.0 is where
+    # a clean run does not pay yet and attackers cost least (docs/benchmarks.md, Robustness)
     param_clip_multiplier: float = 1.0
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 # An all-reduce's honest deviations run wider than gossip partners' distances relative to our own step (a joiner's
-# first round: 2.1 ‖Δ‖, maths/robust_mean.py), and the check refuses rather than clips: twice gossip's multiplier
+# first round: about 2 ‖Δ‖, maths/robust_mean.py), and the check refuses rather than clips: twice gossip's multiplier
 ALLREDUCE_MARGIN = 2.0
 
 

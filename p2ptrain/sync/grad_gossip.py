@@ -18,11 +18,12 @@ The error-feedback buffers are outer state (`state_tensors`): checkpoints keep t
 donor's (so the donor's unsent remainder is held twice for a while: a one-off bias of at most ‖e‖/N per joiner).
 Everything here runs on the peer's event loop; `Mix2Round`'s methods never await, so each of them is atomic.
 
-Partners are untrusted (issue 9): a partner's s must decode, be finite and lie within `max_partner_distance` × ‖s_i‖
-of ours (else the exchange fails and, on our side as initiator, the partner is penalised); with `sync.robust` it is
-then clipped to τ from s_i (maths/robust.py, τ's yardstick ‖s_i‖), so an exchange moves m_i by at most w·τ, and a
-partner clipped hard is penalised. A partner opens at most one exchange with us per round, committed or not. The s
-we send is formed by `outgoing`. Clipping gives up the exact Σ_i m_i = Σ_i s_i for pairs farther apart than τ.
+Partners are untrusted (docs/threat-model.md): a partner's s must decode, be finite and lie within
+`max_partner_distance` × ‖s_i‖ of ours (else the exchange fails and, on our side as initiator, the partner is
+penalised); with `sync.robust` it is then clipped to τ from s_i (maths/robust.py, τ's yardstick ‖s_i‖), so an exchange
+moves m_i by at most w·τ, and a partner clipped hard is penalised. A partner opens at most one exchange with us per
+round, committed or not. The s we send is formed by `outgoing`. Clipping gives up the exact Σ_i m_i = Σ_i s_i for
+pairs farther apart than τ.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class RoundContext:
 def round_peers(others: Sequence[PeerRecord], round_: int, overlapped: bool) -> list[str]:
     """Whom the all-reduce of our round expects: the peers at it, those a round behind (on their way), and with
     overlap those a round ahead, whose all-reduce of our round runs behind their next inner phase. (Left out, a
-    faster peer's offer was refused and both averaged alone: 2 of 6 loopback runs with rounds of 0.1-0.3 s.)"""
+    faster peer's offer would be refused and both would average alone, often with short rounds.)"""
     ahead = 1 if overlapped else 0
     return [r.peer_id for r in others if round_ - 1 <= r.round <= round_ + ahead]
 

@@ -7,7 +7,7 @@ and b moves a by w(b − a) and b by w(a − b), so the sum over the swarm is pr
 smaller of the two ends' own weights (the responder answers the one it uses). Values travel as codec(value − θ_0),
 a reference every peer holds (the run's seeded initial parameters), as 16-bit differences by default.
 
-Partners are untrusted (issue 9). What a partner sends must decode, be finite and lie within
+Partners are untrusted (docs/threat-model.md). What a partner sends must decode, be finite and lie within
 `max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is
 then clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ; τ's
 yardstick is how far our own step moved our base, mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1.
@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 # an exchange that blocks training for less than this fraction of the inner phase is worth waiting for, however it
-# compares with our own link: peers on equally fast links measure speeds 30 % apart from CPU load alone (netns
-# testnet, 50 Mbit/s each: 2.8 and 3.6 MB/s), and ranking them by that noise left fast peers without partners
+# compares with our own link: peers on equally fast links can measure speeds 30 % apart from CPU load alone, and
+# ranking them by that noise would leave fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner asks

@@ -11,8 +11,8 @@ class RelayRetries:
 
     Its relay may have died: the member moves to another within a second and we read its new record next round,
     and meanwhile it waits for our offer until its patience runs out. Giving up at once, we would leave the round
-    seconds before it and reach the next all-reduce a round ahead (netns testnet, a relay killed mid-run: rounds
-    split for up to 7 rounds), so we ask until our patience runs out too. A record naming a relay that never passes
+    seconds before it and reach the next all-reduce a round ahead (the swarm's rounds then stay split for several
+    rounds), so we ask until our patience runs out too. A record naming a relay that never passes
     streams (a dead one that lingers, a hostile one) would then hold every round that long: from its second round
     on, such a member is given up at once again, until FORGET_RELAY_FAILURE_ROUNDS have passed."""
 

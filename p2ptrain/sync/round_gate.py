@@ -1,18 +1,18 @@
 """Offers that arrive a moment early are held until this peer reaches their round, not refused.
 
 All-reduce members end their inner phases within moments of each other, so the opener's offer often arrives while
-the other member is still computing. Refused ("not in this round"), it was made again and again (`round_retry.py`),
-each time with its whole payload: on loopback, 4 DiLoCo peers put 89 refused payloads, 24 MB, on the wire in 10
-rounds (benchmarks/wire_bytes.py). Held, an offer's payload crosses once, and is read the moment the round begins.
+the other member is still computing. Refused ("not in this round"), it would be made again and again
+(`round_retry.py`), each time with its whole payload (benchmarks/wire_bytes.py counts them). Held, an offer's payload
+crosses once, and is read the moment the round begins.
 
 The initiator says how long it will wait (`hold_s` in its offer: what is left of its stage's patience). The
 responder holds an offer at most that long and at most its own patience, and only an offer at most
-MAX_STAGES_AHEAD ahead of its current stage; anything else is judged at once, as before. What holding costs the
+MAX_STAGES_AHEAD ahead of its current stage; anything else is judged at once. What holding costs the
 responder is one of its exchange slots (net/responder_limits.py) for that long, as a slow sender's offer does.
 
 A peer that shuts down closes its gate (`close`): the offers it holds for a round it will not reach are refused
-(`Refusal.LEAVING`) at once. Left held, they ended with its process and no answer, and each initiator waited its
-exchange's deadline, out of step with the members that had ended the round.
+(`Refusal.LEAVING`) at once. Left held, they would end with its process and no answer, and each initiator would wait
+its exchange's deadline, out of step with the members that ended the round.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MAX_STAGES_AHEAD = 2
 
 def offered_hold_s(header: dict[str, Any], own_cap_s: float) -> float:
     """How long the offer in `header` may be held: its `hold_s` (the initiator's word), at most `own_cap_s`; 0 for
-    anything but a finite positive number of seconds (old peers send none: they are judged at once)."""
+    anything but a finite positive number of seconds (a peer that sends none is judged at once)."""
     hold_s = header.get("hold_s")
     if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 < hold_s < math.inf:
         return 0.0

@@ -2,11 +2,10 @@
 
 DiLoCo peers average outer gradients, never parameters: a peer that once applied something other than its round's
 mean (a refused mean, a round whose members were out of step) holds other parameters from then on, however often
-it averages with the others. A peer's `synced` flag said whether its latest group held the swarm's majority, and a
-peer out of step took the state of a synced peer of its round. Nothing checked the flags against the parameters,
-and once no peer of a round was synced nobody could catch up: on the netns testnet a killed peer left a round in
-which two members reduced one input set and two another, all four applied their own Δ, and they trained on as four
-states for the rest of the run (validation losses 2.94 to 3.04 at one round, averaging in groups of four).
+it averages with the others. A flag saying whether a peer's latest group held the swarm's majority cannot show
+this: nothing checks it against the parameters, and once no peer of a round is synced nobody can catch up (a
+killed peer can leave a round in which two members reduce one input set and two another; all four apply their own
+Δ and, trusting flags, would train on as four states for the rest of the run).
 
 So each member of DiLoCo's exchange all-reduce shows its anchor in the header of its outer gradient: the values of
 θ at STATE_SAMPLE coordinates drawn from the run and the round (every member draws the same ones). Members within

@@ -1,4 +1,4 @@
-"""The red team's attacks: a `Conduct` (sync/conduct.py) that, from a round on, forms what an attacker would send.
+"""The red team's attacks: a `Conduct` (sync/interface.py) that, from a round on, forms what an attacker would send.
 
 A peer built with `HostileConduct` (by `python -m p2ptrain.testnet.red_team`, which the testnet's `adversary:` key
 starts) runs the project's own code and lies only where an honest peer forms what it sends (the parameters it
@@ -6,7 +6,7 @@ gossips, the outer gradient it hands the gossip or the all-reduce, the snapshot 
 the protocol perfectly and only its values lie:
 
 - ``aimed``: −7 × its value (parameters or outer gradient): inside the fixed `sync.max_partner_distance` bound of
-  10 × the victim's norm, the attack that took GASLoC to a uniform model before the defences;
+  10 × the victim's norm, which drives undefended GASLoC to a uniform model;
 - ``sign_flip``: −1000 × its value; ``scale``: +1000 × its value;
 - ``replay``: a stale value: θ_0 for parameters, the outer gradient of the attack's first round for Δ;
 - ``nan``: its value with NaN in it;

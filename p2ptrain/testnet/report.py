@@ -276,8 +276,8 @@ def check_stalls(record: RunRecord, max_stall_s: float) -> CheckResult:
     its end if it was killed, stopped or still running then), time spent stopped not counted.
 
     Seconds, not rounds: what a fault costs is fixed seconds (an exchange deadline, the patience, a state
-    download), and a limit in median rounds moved with the round time. Quicker rounds failed runs whose stalls
-    had not grown, and a peer training alone at twice the pace halved the unit for every other peer."""
+    download), while a limit in median rounds moves with the round time: quicker rounds would fail runs whose
+    stalls had not grown, and a peer training alone at twice the pace would halve the unit for every other peer."""
     if not any(record.rows.values()):
         return CheckResult("max_stall_s", False, "no peer logged a round")
     worst: dict[str, float] = {}
