@@ -240,3 +240,28 @@ def test_the_private_name_check_sees_a_reach_into_another_module() -> None:
     assert foreign_private_uses("def patch(peer):\n    peer._announce = print\n") == ["line 2: peer._announce"]
     assert foreign_private_uses("import os\nclass A:\n    def _f(self, other):\n        other._f()\n"
                                 "        self._g()\n        os._exit(0)\n") == []
+
+
+def subclassed_sync_classes(sources: dict[str, str]) -> list[str]:
+    """Classes of sync/ whose bases include another class of sync/ (Protocols extending Protocols aside)."""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    classes = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {base.id if isinstance(base, ast.Name) else base.attr for base in node.bases
+                     if isinstance(base, (ast.Name, ast.Attribute))}
+            if "Protocol" not in bases and bases & classes:
+                found.append(f"{name}: {node.name}({', '.join(sorted(bases & classes))})")
+    return found
+
+
+def test_no_strategy_or_policy_of_sync_subclasses_another() -> None:
+    """sync/'s policies plug into one driver through Protocols and compose what they share (STYLE.md)."""
+    sources = {module_name(path): path.read_text() for path in sorted((PACKAGE / "sync").glob("*.py"))}
+    assert subclassed_sync_classes(sources) == []
+    assert subclassed_sync_classes({"a": "class A:\n    pass\n", "b": "from a import A\nclass B(A):\n    pass\n",
+                                    "c": "class P(Protocol):\n    pass\nclass Q(P, Protocol):\n    pass\n"}) == [
+        "b: B(A)"]

@@ -36,7 +36,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -199,17 +199,25 @@ class GatherRound:
         return sorted([(self.own_id, self.sent), *self.received.items()])
 
 
+Audit = Callable[[list[tuple[str, list[torch.Tensor]]]], None]  # sees a round's inputs once they are reduced
+
+
 class ExchangeAllReduce:
     """The all-to-all exchange of outer gradients for one peer (one kind: DiLoCo's, or Mix2's): `gather` runs a
     round; its `driver` answers offers (`serve_exchanges(p2p, exchange.driver)`) and makes ours. It is the driver's
     policy for the all-reduce's values: what headers carry, how a member's value is decoded (never clipped:
-    CenteredClip over all inputs replaces per-partner clipping)."""
-    STAGES, ALL_TO_ALL = 2, 0  # a round's stages are numbered STAGES × round + k; the all-to-all's start here
+    CenteredClip over all inputs replaces per-partner clipping).
+
+    A round's stages are numbered `stages` × round + k, the all-to-all's from k = `all_to_all_stage`: the verified
+    reduce-scatter (sync/scatter_allreduce.py) runs its own stages first through this one's driver, and this
+    all-to-all as its fallback, with the public steps below (`prepare`, `our_group`, `run_stage`, ...)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
-                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST):
+                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST,
+                 stages: int = 2, all_to_all_stage: int = 0):
         self.p2p, self.run_id, self.config, self.kind = p2p, run_id, config, kind
+        self.stages, self.all_to_all_stage = stages, all_to_all_stage
         self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
         self.feedback = ErrorFeedback(outer_gradient_codec(config), like, config.error_feedback_decay)
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
@@ -229,12 +237,12 @@ class ExchangeAllReduce:
         `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy). `state`: our anchor's
         sample (sync/state_evidence.py), shown to the members and judged against theirs (DiLoCo's peers only)."""
         started, own = time.monotonic(), [d.detach().float().cpu() for d in delta]
-        prepared, group = await self._prepared(own, round_), self._group(round_peers, round_)
+        prepared, group = await self.prepare(own, round_), self.our_group(round_peers, round_)
         if prepared is None or group is None:
             return AveragingResult(own, group_size=1)
-        return await self._all_to_all(own, *prepared, group, round_, patience_s, state, started, RoundSync())
+        return await self.all_to_all(own, *prepared, group, round_, patience_s, state, started, RoundSync())
 
-    async def _prepared(self, own: list[torch.Tensor], round_: int) -> tuple[list, list[torch.Tensor]] | None:
+    async def prepare(self, own: list[torch.Tensor], round_: int) -> tuple[list, list[torch.Tensor]] | None:
         """(our payload, our s), or None for a non-finite Δ (nothing can be sent)."""
         self._residual_before = None  # a refusal from now on concerns this round's mean
         try:
@@ -245,7 +253,7 @@ class ExchangeAllReduce:
             return None
         return payload, sent
 
-    def _group(self, round_peers: Sequence[str], round_: int) -> list[str] | None:
+    def our_group(self, round_peers: Sequence[str], round_: int) -> list[str] | None:
         """Our group of the round (sorted; ourselves included), or None when NAT leaves us out of it."""
         members = [p for p in round_peers if not self.reputation.refuses(p)] + [self.own_id]
         group = next(g for g in round_groups(members, round_, self.group_size, self.run_id) if self.own_id in g)
@@ -255,17 +263,18 @@ class ExchangeAllReduce:
             return None
         return sorted(group)
 
-    async def _all_to_all(self, own: list[torch.Tensor], payload: list, sent: list[torch.Tensor], group: list[str],
-                          round_: int, patience_s: float, state: list[float] | None, started: float,
-                          stats: RoundSync, judge: bool = True) -> AveragingResult:
-        """Swap s with every member of `group`, reduce, confirm (`judge`: by the previous round's reports too)."""
-        rnd = GatherRound(self.STAGES * round_ + self.ALL_TO_ALL, self.own_id, sent, payload,
+    async def all_to_all(self, own: list[torch.Tensor], payload: list, sent: list[torch.Tensor], group: list[str],
+                         round_: int, patience_s: float, state: list[float] | None, started: float,
+                         stats: RoundSync, judge: bool = True, audit: Audit | None = None) -> AveragingResult:
+        """Swap s with every member of `group`, reduce, confirm (`judge`: by the previous round's reports too;
+        `audit`: called with the inputs, off the event loop, once they are reduced)."""
+        rnd = GatherRound(self.stages * round_ + self.all_to_all_stage, self.own_id, sent, payload,
                           self.feedback.codec.name, set(group))
         rnd.state = state
-        rnd = await self._stage(rnd, patience_s, stats)
-        out_of_step = self._judged(rnd)[0] if judge else False
+        rnd = await self.run_stage(rnd, patience_s, stats)
+        out_of_step = self.judge_previous_(rnd)[0] if judge else False
         inputs = rnd.inputs()
-        result = functools.partial(self._result, stats=stats, started=started, state=state,
+        result = functools.partial(self.round_result, stats=stats, started=started, state=state,
                                    shown={peer: rnd.states[peer] for peer, _ in inputs if peer in rnd.states})
 
         def kept() -> AveragingResult:  # the anchor stays: nothing to apply (made only then: a Δ's worth of zeros)
@@ -274,16 +283,15 @@ class ExchangeAllReduce:
         if out_of_step or len(inputs) == 1:
             self.previous = None
             return kept() if out_of_step else result(own, 1)
-        mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(None, self._reduce,
-                                                                                              inputs, round_)
+        mean, lengths, distances, reduction = await asyncio.get_running_loop().run_in_executor(
+            None, self._reduce_and_audit, inputs, round_, audit)
         verdict = await self._confirm(reduction, {peer for peer, _ in inputs} - {self.own_id}, rnd.round + 1,
                                       patience_s, stats)
         logger.debug(f"round {round_}: {len(inputs)} inputs (expected {len(rnd.expected) + 1}), {verdict}, "
                      f"{time.monotonic() - started:.2f} s")
         self.previous = reduction if verdict == APPLY else reduction.discarded() if verdict == DISCARD else None
-        if verdict == APPLY:  # what the codec left out of our s is sent in later rounds (none with grad_codec none)
-            self._residual_before = self.feedback.residual
-            self.feedback.commit_(sent)
+        if verdict == APPLY:
+            self.commit_(sent)
             ours = [peer for peer, _ in inputs].index(self.own_id)  # what the check of the mean needs, measured
             return result(mean, len(inputs), claimed_norms=lengths, own_norm=lengths[ours],
                           own_deviation=distances[ours] if distances else None)
@@ -293,17 +301,23 @@ class ExchangeAllReduce:
         # whether we are behind (sync/state_evidence.py)
         return kept()
 
-    def _result(self, delta: list[torch.Tensor], size: int, *, stats: RoundSync, started: float,
-                state: list[float] | None, shown: dict[str, list[float]], **extra: Any) -> AveragingResult:
+    def commit_(self, sent: list[torch.Tensor]) -> None:
+        """The round's mean is applied: what the codec left out of our s is sent in later rounds (none with
+        grad_codec none); `undo_commit_` puts the residual back."""
+        self._residual_before = self.feedback.residual
+        self.feedback.commit_(sent)
+
+    def round_result(self, delta: list[torch.Tensor], size: int, *, stats: RoundSync, started: float,
+                     state: list[float] | None, shown: dict[str, list[float]], **extra: Any) -> AveragingResult:
         """A round's outcome: what to apply, the group's size, its cost, and whether our anchor is in step with the
         members' anchors they showed (`shown`; DiLoCo's peers only)."""
         return AveragingResult(delta, size, stats.bytes_sent, stats.bytes_received, time.monotonic() - started,
                                in_step=None if state is None else state_in_step(self.own_id, state, shown), **extra)
 
-    def _judged(self, rnd: GatherRound) -> tuple[bool, list[str]]:
-        """`_judge_previous`, and the inputs of the members it found cheating left out: every member sees the same
-        honest reports, so every member leaves the same ones out."""
-        out_of_step, cheats = self._judge_previous(rnd)
+    def judge_previous_(self, rnd: GatherRound) -> tuple[bool, list[str]]:
+        """Judge our previous all-reduce by this stage's reports (`_previous_verdict`: out of step, and who cheated),
+        and leave the cheats' inputs out: every member sees the same honest reports, so leaves the same ones out."""
+        out_of_step, cheats = self._previous_verdict(rnd)
         for peer in cheats:
             rnd.received.pop(peer, None)
         return out_of_step, cheats
@@ -313,12 +327,12 @@ class ExchangeAllReduce:
         if self._residual_before is not None:
             self.feedback.residual, self._residual_before = self._residual_before, None
 
-    async def _stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
+    async def run_stage(self, rnd: GatherRound, patience_s: float, stats: RoundSync) -> GatherRound:
         """Run one stage: open exchanges with the higher ids of the group, wait for the lower ones, close."""
         self.driver.current = rnd
         give_up_at = time.monotonic() + patience_s
         ours = [p for p in rnd.expected if self.routes.opener(self.own_id, p) == self.own_id]
-        await self.driver.open_all(rnd, ours, patience_s, stats, rnd.round // self.STAGES)
+        await self.driver.open_all(rnd, ours, patience_s, stats, rnd.round // self.stages)
         with contextlib.suppress(asyncio.TimeoutError):  # the others of the group open their exchanges with us
             await asyncio.wait_for(rnd.complete.wait(), max(0.0, give_up_at - time.monotonic()))
         await self.driver.close_round(rnd, stats)
@@ -327,15 +341,26 @@ class ExchangeAllReduce:
     async def _confirm(self, reduction: Reduction, members: set[str], stage: int, patience_s: float,
                        stats: RoundSync) -> str:
         """Swap digests with the members whose Δ we reduced; APPLY, DISCARD or OUT_OF_STEP."""
-        rnd = await self._stage(GatherRound(stage, self.own_id, self._token, self._token_payload,
-                                            self.feedback.codec.name, members, digest=reduction.digest),
-                                patience_s, stats)
+        rnd = await self.run_stage(self.digest_round(stage, members, reduction.digest), patience_s, stats)
         verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(members) + 1)
         if verdict != APPLY:
             same = sum(d == reduction.digest for d in rnd.confirmed.values())
-            logger.info(f"round {stage // self.STAGES}: {same} of {len(members)} members confirmed this peer's "
+            logger.info(f"round {stage // self.stages}: {same} of {len(members)} members confirmed this peer's "
                         f"inputs: {verdict}")
         return verdict
+
+    def digest_round(self, stage_round: int, members: set[str], digest: str,
+                     claims: StageClaims | None = None) -> GatherRound:
+        """A stage that swaps digests with `members` (in headers; the payload is a one-value token)."""
+        return GatherRound(stage_round, self.own_id, self._token, self._token_payload, self.feedback.codec.name,
+                           members, digest, claims=claims)
+
+    def _reduce_and_audit(self, inputs: list[tuple[str, list[torch.Tensor]]], round_: int,
+                          audit: Audit | None) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
+        reduced = self._reduce(inputs, round_)
+        if audit is not None:
+            audit(inputs)
+        return reduced
 
     def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
                 round_: int) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
@@ -379,7 +404,7 @@ class ExchangeAllReduce:
         if sample is not None:
             rnd.states[partner] = sample
 
-    def _judge_previous(self, rnd: GatherRound) -> tuple[bool, list[str]]:
+    def _previous_verdict(self, rnd: GatherRound) -> tuple[bool, list[str]]:
         """Judge our previous all-reduce by what this round's members report (sync/allreduce_agreement.py): whether
         we are out of step, and the members that sent different members different values (penalised)."""
         if self.previous is None:
@@ -392,7 +417,7 @@ class ExchangeAllReduce:
         voters = None if self.group_size is None else self.previous.hashes  # one group: every member has a say
         same, other = outvoted(self.previous, reports, voters)
         if other > same:
-            logger.warning(f"round {rnd.round // self.STAGES}: {other} member(s) reduced other inputs than this "
+            logger.warning(f"round {rnd.round // self.stages}: {other} member(s) reduced other inputs than this "
                            f"peer's {same} in round {self.previous.round}: out of step; keeping the anchor this round")
         return other > same, cheats
 

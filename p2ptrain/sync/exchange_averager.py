@@ -5,15 +5,31 @@ its result waited for later (`launch`: DiLoCoX's one-step-delay overlap)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from p2ptrain.net.allreduce import AveragingResult
 from p2ptrain.net.event_loop import BackgroundLoop
-from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
+from p2ptrain.sync.allreduce_agreement import Reduction
+from p2ptrain.sync.exchange_driver import ExchangeDriver
 
 logger = logging.getLogger(__name__)
+
+
+class AllReduceTransport(Protocol):
+    """An all-reduce over the exchange protocol: `ExchangeAllReduce`, or `ScatterAllReduce`."""
+
+    previous: Reduction | None  # what its latest round reduced, reported to the next round's members
+
+    @property
+    def driver(self) -> ExchangeDriver: ...
+
+    def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int, patience_s: float,
+               state: list[float] | None = None) -> Coroutine[Any, Any, AveragingResult]: ...
+
+    def undo_commit_(self) -> None: ...
 
 
 class PendingGather:
@@ -31,9 +47,9 @@ class PendingGather:
 
 
 class ExchangeAverager:
-    """`ExchangeAllReduce` behind the averager interface DiLoCo and Mix2 use (`average`, `launch`)."""
+    """An exchange all-reduce behind the averager interface DiLoCo and Mix2 use (`average`, `launch`)."""
 
-    def __init__(self, exchange: ExchangeAllReduce, loop: BackgroundLoop, patience_s: float,
+    def __init__(self, exchange: AllReduceTransport, loop: BackgroundLoop, patience_s: float,
                  state: Callable[[int], list[float]] | None = None):
         self.exchange, self.loop, self.patience_s = exchange, loop, patience_s
         self.state = state  # round → our anchor's sample (DiLoCo: sync/state_evidence.py); None: none shown

@@ -43,14 +43,19 @@ from typing import Any
 
 import blake3
 import torch
+from hivemind.p2p import P2P
 
 from p2ptrain.maths import chunk_check
 from p2ptrain.maths.centered_clip import RobustMean, centered_clip_rows_, stack
 from p2ptrain.maths.codecs import compress_all
+from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AveragingResult
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.routes import Routes
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
+from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound
-from p2ptrain.sync.interface import RoundSync
+from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
@@ -178,35 +183,58 @@ def chunks_of(sent: Sequence[torch.Tensor], owners: Sequence[str]) -> dict[str, 
     return {o: padded[i * length:(i + 1) * length].clone() for i, o in enumerate(owners)}
 
 
-class ScatterAllReduce(ExchangeAllReduce):
-    """The verified reduce-scatter for one peer (one kind: DiLoCo's, or Mix2's); the all-to-all as its fallback."""
-    STAGES, ALL_TO_ALL = 6, FALLBACK
+class ScatterAllReduce:
+    """The verified reduce-scatter for one peer (one kind: DiLoCo's, or Mix2's). It holds the all-to-all
+    (`fallback`), whose driver runs every stage of its rounds (`driver`: served as the all-to-all's is) and whose
+    steps it shares: payload, group, stages, the previous round's reports, the commit of the error feedback."""
+    STAGES = 6  # a round's stages are numbered STAGES × round + k (CHUNKS ... FALLBACK + 1)
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
+                 kind: str, group_size: int | None, links: LinkSpeeds | None = None,
+                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST):
+        self.fallback = ExchangeAllReduce(p2p, run_id, fingerprint, like, config, kind, group_size, links, reputation,
+                                          routes, conduct, stages=self.STAGES, all_to_all_stage=FALLBACK)
+        self.p2p, self.config, self.own_id, self.driver = p2p, config, self.fallback.own_id, self.fallback.driver
+        self.reputation, self.feedback = self.fallback.reputation, self.fallback.feedback  # the all-to-all's own
         # a member in any stage of the round before still holds our offer
         self.driver.gate.max_stages_ahead = self.STAGES
         # a failed round's view, the digests and sketches its members sent, until the fallback's inputs
         self._audit: tuple[int, View, dict[str, str], SketchClaims] | None = None
         self._liars: set[str] = set()  # members found lying this round (penalised once)
 
+    @property
+    def previous(self) -> Reduction | None:
+        """What our latest all-reduce reduced (None: alone, out of step): the all-to-all's record, which its reports
+        and judgement use."""
+        return self.fallback.previous
+
+    @previous.setter
+    def previous(self, reduction: Reduction | None) -> None:
+        self.fallback.previous = reduction
+
+    def undo_commit_(self) -> None:
+        self.fallback.undo_commit_()
+
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
                      patience_s: float, state: list[float] | None = None) -> AveragingResult:
+        """Blocking all-reduce of round `round_`, as `ExchangeAllReduce.gather`: by reduce-scatter, or, when that
+        does not hold, by the all-to-all in the same round."""
         started, own = time.monotonic(), [d.detach().float().cpu() for d in delta]
-        prepared, group = await self._prepared(own, round_), self._group(round_peers, round_)
+        fallback = self.fallback
+        prepared, group = await fallback.prepare(own, round_), fallback.our_group(round_peers, round_)
         if prepared is None or group is None:
             return AveragingResult(own, group_size=1)
         (payload, sent), stats, self._liars, self._audit = prepared, RoundSync(), set(), None
         if len(group) < MIN_MEMBERS:  # the all-to-all costs no more there, and nobody's word stands in for a mean
-            return await self._all_to_all(own, payload, sent, group, round_, patience_s, state, started, stats)
+            return await fallback.all_to_all(own, payload, sent, group, round_, patience_s, state, started, stats)
         chunks = chunks_of(sent, group)
         payloads = {o: compress_all(self.feedback.codec, [c]) for o, c in chunks.items()}
         rnd = GatherRound(self.STAGES * round_ + CHUNKS, self.own_id, [chunks[self.own_id]], payloads[self.own_id],
                           self.feedback.codec.name, set(group), payloads=payloads)
         rnd.state = state
-        rnd = await self._stage(rnd, patience_s, stats)
-        out_of_step, cheats = self._judged(rnd)
-        result = functools.partial(self._result, stats=stats, started=started, state=state,
+        rnd = await fallback.run_stage(rnd, patience_s, stats)
+        out_of_step, cheats = fallback.judge_previous_(rnd)
+        result = functools.partial(fallback.round_result, stats=stats, started=started, state=state,
                                    shown={peer: rnd.states[peer] for peer in rnd.done if peer in rnd.states})
         if out_of_step:
             self.previous = None
@@ -216,14 +244,13 @@ class ScatterAllReduce(ExchangeAllReduce):
         problem = await self._checked(view, problem, rnd, chunks, heard, patience_s, stats)
         if view is not None and problem is None:
             self.previous = Reduction.of(round_, [(o, [view.means[o]]) for o in group])
-            self._residual_before = self.feedback.residual
-            self.feedback.commit_(sent)
+            fallback.commit_(sent)
             return result(view.mean(own), len(group), claimed_norms=view.claimed_norms(), own_norm=norm(sent))
         members = sorted((rnd.alive() - set(cheats)) | {self.own_id})
         logger.info(f"round {round_}: the reduce-scatter did not hold ({problem}); falling back to the "
                     f"all-to-all among {len(members)} members")
-        return await self._all_to_all(own, payload, sent, members, round_, patience_s, state, started, stats,
-                                      judge=False)
+        return await fallback.all_to_all(own, payload, sent, members, round_, patience_s, state, started, stats,
+                                         judge=False, audit=functools.partial(self._audit_fallback, round_))
 
     async def _means(self, rnd: GatherRound, chunks: dict[str, torch.Tensor], group: list[str], heard: set[str],
                      patience_s: float, stats: RoundSync) -> tuple[View | None, str | None]:
@@ -231,7 +258,7 @@ class ScatterAllReduce(ExchangeAllReduce):
         `rnd`: the chunks stage; `chunks`: owner → our chunk of its span."""
         mean, summary = await asyncio.get_running_loop().run_in_executor(None, self._reduce_chunk, rnd.inputs())
         claims = MeansClaims(self.own_id, summary)
-        means_rnd = await self._stage(GatherRound(rnd.round + MEANS, self.own_id, [mean],
+        means_rnd = await self.fallback.run_stage(GatherRound(rnd.round + MEANS, self.own_id, [mean],
                                                   compress_all(self.feedback.codec, [mean]), rnd.codec, heard,
                                                   claims=claims), patience_s, stats)
         means = {self.own_id: mean} | {o: x[0] for o, x in means_rnd.received.items()}
@@ -259,21 +286,20 @@ class ScatterAllReduce(ExchangeAllReduce):
     async def _checked(self, view: View | None, problem: str | None, rnd: GatherRound, chunks: dict[str, torch.Tensor],
                        heard: set[str], patience_s: float, stats: RoundSync) -> str | None:
         """Stages 3 and 4: swap sketches, check every chunk, confirm; None when a majority holds our view checked."""
-        loop, codec = asyncio.get_running_loop(), self.feedback.codec.name
+        loop, fallback = asyncio.get_running_loop(), self.fallback
         ours: dict[str, list[float]] = {}
         if view is not None and problem is None:
             ours = await loop.run_in_executor(None, lambda: {
                 o: view.sketch(o, chunks[o]) for o in view.owners if view.entry(o, self.own_id) is not None})
         digest = view.digest if view is not None and problem is None else FAILED
         claims = SketchClaims(digest, ours)
-        sketches = await self._stage(GatherRound(rnd.round + SKETCHES, self.own_id, self._token, self._token_payload,
-                                                 codec, heard, digest, claims=claims), patience_s, stats)
+        sketches = await fallback.run_stage(fallback.digest_round(rnd.round + SKETCHES, heard, digest, claims),
+                                            patience_s, stats)
         if view is not None and problem is None:
             problem = await loop.run_in_executor(None, self._judge_sketches, view, sketches.confirmed, claims)
         verdict = FAILED if problem is not None or view is None else view.digest
-        confirmed = await self._stage(GatherRound(rnd.round + CONFIRMATIONS, self.own_id, self._token,
-                                                  self._token_payload, codec, heard, verdict,
-                                                  claims=SketchClaims(verdict)), patience_s, stats)
+        confirmed = await fallback.run_stage(fallback.digest_round(rnd.round + CONFIRMATIONS, heard, verdict,
+                                                                   SketchClaims(verdict)), patience_s, stats)
         if view is None:
             return problem
         votes = (problem is None) + sum(d == view.digest for d in confirmed.confirmed.values())
@@ -333,13 +359,11 @@ class ScatterAllReduce(ExchangeAllReduce):
                                    chunk_check.CONVERGED)
 
     # ---- after a fallback: who lied ------------------------------------------------------------------------------
-    def _reduce(self, inputs: list[tuple[str, list[torch.Tensor]]],
-                round_: int) -> tuple[list[torch.Tensor], list[float], list[float], Reduction]:
-        reduced = super()._reduce(inputs, round_)
+    def _audit_fallback(self, round_: int, inputs: list[tuple[str, list[torch.Tensor]]]) -> None:
+        """The fallback's inputs are reduced (off the event loop): audit the failed round's view with them."""
         audit, self._audit = self._audit, None
         if audit is not None and audit[0] == round_:
             self._audit_round(audit[1], audit[2], audit[3], {peer: chunks_of(x, audit[1].owners) for peer, x in inputs})
-        return reduced
 
     def _audit_round(self, view: View, confirmed: dict[str, str], sketches: SketchClaims,
                      chunks: dict[str, dict[str, torch.Tensor]]) -> None:
