@@ -158,11 +158,6 @@ class TrainingPeer:
             self.watcher.start()
 
     @property
-    def round(self) -> int:
-        """The round this peer is in (its state's)."""
-        return self.state.round
-
-    @property
     def maddrs(self) -> list[str]:
         """Our addresses, from p2pd itself, with a bound on the wait (the DHT process's answer has none)."""
         return [str(m) for m in self.loop.run(self.p2p.get_visible_maddrs(latest=True),
