@@ -17,7 +17,7 @@ honest peers' mean Δ in DiLoCo; values travel as a payload from a reference (θ
   replay     a stale value: θ_0 in GASLoC, the honest mean Δ of round 0 in DiLoCo
   nan        every entry NaN (sent as fp32, as are all attackers' values)
 Defences on = production's code: in GASLoC each honest peer refuses a partner farther than sync.max_partner_distance
-× its norm or not finite (ParamGossip.decode_partner's bound) and mixes the rest through ParamGossip.clip_partner
+× its norm or not finite (ParamGossip.decode_partner's bound) and mixes the rest through ParamGossip.clip_value
 (AdaptiveClip, own_scale = ‖y − θ‖ as ParamGossip.mix sets it), with its own weight 1/2; in DiLoCo, production's
 exchange all-reduce (sync/exchange_allreduce.py): each honest peer keeps the members' Δ that are finite and within
 ±MAX_ABS_VALUE, digests them (sync/allreduce_agreement.py), takes their CenteredClip mean (maths/centered_clip.py),
@@ -170,12 +170,12 @@ def gossip_attack(run: Run, victim: int, own: Tensors) -> Tensors:
 
 def receive(run: Run, victim: int, partner: int, theirs: Tensors, own: Tensors) -> Tensors | None:
     """What ``victim`` mixes toward: the sender's value (defences off), else production's checks (None: refused):
-    ParamGossip.decode_partner's bound (max_partner_distance × our norm, NaN fails it), then its clip_partner."""
+    ParamGossip.decode_partner's bound (max_partner_distance × our norm, NaN fails it), then its clip_value."""
     if not run.case.defended:
         return theirs
     started = time.process_time()
     far = consensus_distance(own, theirs)
-    accepted = run.mixers[victim].clip_partner(str(partner), theirs, own) if far <= SYNC.max_partner_distance else None
+    accepted = run.mixers[victim].clip_value(str(partner), theirs, own) if far <= SYNC.max_partner_distance else None
     run.defence_cpu_s += time.process_time() - started
     kind = "honest" if partner < HONEST else "attacker"
     run.count(f"{kind} exchanges")

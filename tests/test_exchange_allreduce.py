@@ -160,7 +160,7 @@ def test_a_stage_is_complete_once_every_expected_member_is_done_or_given_up():
     rnd = GatherRound(0, "b", deltas(0), [], "none", {"a", "b", "c"})
     assert not rnd.complete.is_set() and rnd.accept_("z", 0, 0.0) == "not in this peer's group"
     assert rnd.accept_("a", 0, 0.0) is None
-    rnd.apply_("a", deltas(1), outgoing=False)
+    rnd.apply_("a", deltas(1), outgoing=False, weight=rnd.weight)
     assert not rnd.complete.is_set()
     rnd.give_up_on_("c")
     assert rnd.complete.is_set() and [p for p, _ in rnd.inputs()] == ["a", "b"]

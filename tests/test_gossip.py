@@ -120,7 +120,7 @@ class Offer:
 
 def bad_offers() -> list[Offer]:
     header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
-              "weight": 0.5}
+              "weight": 0.5, "deadline_s": 20.0}
     far = [v * 50 for v in reference()]  # 49× our norm away: beyond the default bound of 10
     return [Offer("inf", header, near(reference())), Offer("too far", header, far),
             Offer("other run", dict(header, run_id="other"), near(reference())),
@@ -134,7 +134,7 @@ def test_an_invalid_offer_is_refused_and_leaves_the_responder_unchanged(offer: O
         a, b = await start_pair()
         try:
             responder = make_mixer(b)
-            await serve_exchanges(b, responder)
+            await serve_exchanges(b, responder.driver)
             responder.set_base_(reference())
             before = state_of(responder)
             payload = relative_encode(offer.tensors, reference(), "fp16")
@@ -157,7 +157,7 @@ def test_two_honest_peers_end_with_the_pair_average_and_preserve_the_sum() -> No
         a, b = await start_pair()
         try:
             initiator, responder = make_mixer(a), make_mixer(b)
-            await serve_exchanges(b, responder)
+            await serve_exchanges(b, responder.driver)
             theirs = near(reference(), 0.05)
             ours = near(reference(), 0.05)
             for mixer, value in ((responder, theirs), (initiator, ours)):  # a round's step each, from θ_0: the
@@ -184,14 +184,14 @@ def test_a_busy_refusal_reaches_an_initiator_that_is_still_streaming_a_large_pay
     drop the refusal, and we would wait out the deadline instead of trying another peer at once."""
     big = [torch.randn(2**21), torch.randn(2**20)]  # 6 MB as fp16 differences
     header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
-              "weight": 0.5}
+              "weight": 0.5, "deadline_s": 20.0}
 
     async def scenario() -> None:
         a, b = await start_pair()
         try:
             responder = ParamGossip(b, RUN, FINGERPRINT, "gasloc", big, SyncConfig(mode="gasloc"), seed=0)
-            await serve_exchanges(b, responder)
-            responder._responding = True  # in the middle of another exchange
+            await serve_exchanges(b, responder.driver)
+            responder.answering = True  # in the middle of another exchange
             payload = relative_encode(near(big), big, "fp16")
             for _ in range(10):
                 started = asyncio.get_running_loop().time()
@@ -214,7 +214,7 @@ def test_repeated_honest_exchanges_all_complete_on_both_sides() -> None:
         a, b = await start_pair()
         try:
             initiator, responder = make_mixer(a), make_mixer(b)
-            await serve_exchanges(b, responder)
+            await serve_exchanges(b, responder.driver)
             responder.set_base_(near(reference(), 0.05))
             completed = 0
             for round_ in range(30):

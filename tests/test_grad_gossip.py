@@ -96,8 +96,8 @@ def simulate_round(values: list[list[torch.Tensor]], degree_cap: int, seed: int)
         if not rounds[i].slots.reserve_outgoing_(ids[j]):
             continue
         if rounds[j].accept_(ids[i], 7, gives_up_at=math.inf) is None:
-            rounds[j].apply_(ids[i], rounds[i].sent, outgoing=False)
-            rounds[i].apply_(ids[j], rounds[j].sent, outgoing=True)
+            rounds[j].apply_(ids[i], rounds[i].sent, outgoing=False, weight=rounds[j].weight)
+            rounds[i].apply_(ids[j], rounds[j].sent, outgoing=True, weight=rounds[i].weight)
         rounds[i].release_(ids[j], outgoing=True)
     return rounds, ids
 
@@ -141,7 +141,7 @@ def test_rounds_refuse_other_rounds_and_a_closed_round_refuses_late_commits() ->
     assert rnd.accept_("C", 3, math.inf) == Refusal.ROUND_OVER  # closing: no new exchange
     assert rnd.close_() is None
     with pytest.raises(RoundClosed):  # B's commit after the close: no ack, so B does not mix either
-        rnd.apply_("B", deltas(1), outgoing=False)
+        rnd.apply_("B", deltas(1), outgoing=False, weight=rnd.weight)
     assert same(rnd.mixed, rnd.sent) and rnd.done == []
 
 

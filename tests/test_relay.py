@@ -80,7 +80,7 @@ def test_a_gossip_exchange_through_a_relay_mixes_as_a_direct_one_and_the_relay_c
             lease_s = await take_slot(target, relay.peer_id.to_base58(), NAMESPACE, timeout_s=10)
             entry.relays = {relay.peer_id.to_base58()}
             responder = mixer(target)
-            await serve_exchanges(target, responder, entry)
+            await serve_exchanges(target, responder.driver, entry)
             ours, theirs = [t + 0.01 for t in reference()], [t - 0.01 for t in reference()]
             for m, value in ((responder, theirs), (mixer(initiator), ours)):
                 m.set_base_(reference())

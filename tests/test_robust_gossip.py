@@ -154,7 +154,7 @@ async def attacked_rounds(attack: Callable[[Tensors], Tensors], robust: bool, ro
         assert isinstance(attacker, Attacker)
         attacker.victim, attacker.attack = victim, attack
         for gossip in (victim, neighbour, attacker):
-            await serve_exchanges(gossip.p2p, gossip)
+            await serve_exchanges(gossip.p2p, gossip.driver)
         start = plus(reference(), random_direction(7, TRAINED))
         v, h = HonestPeer(victim, start), HonestPeer(neighbour, start)
         attacker_id, neighbour_id = attacker.p2p.peer_id.to_base58(), neighbour.p2p.peer_id.to_base58()
@@ -233,7 +233,7 @@ async def drifted_apart(alone_rounds: int, together_rounds: int) -> tuple[dict[s
     try:
         mixers = [mixer(p2p, gossip_peers=1) for p2p in p2ps]
         for gossip in mixers:
-            await serve_exchanges(gossip.p2p, gossip)
+            await serve_exchanges(gossip.p2p, gossip.driver)
         v, h = (HonestPeer(gossip, plus(reference(), random_direction(7, TRAINED))) for gossip in mixers)
         ids = [p2p.peer_id.to_base58() for p2p in p2ps]
         v_round, h_round, gaps = 0, 0, []
@@ -275,7 +275,7 @@ def test_the_responder_caps_the_weight_and_both_ends_use_it() -> None:
         a, b = await start_p2ps(2)
         try:
             initiator, responder = mixer(a, gossip_peers=1), mixer(b, gossip_peers=2)
-            await serve_exchanges(b, responder)
+            await serve_exchanges(b, responder.driver)
             ours, theirs = plus(reference(), honest_step(0, 0)), plus(reference(), honest_step(0, 1))
             for gossip, value in ((initiator, ours), (responder, theirs)):
                 gossip.set_base_(reference())
@@ -300,10 +300,10 @@ def test_a_prober_gets_a_bounded_number_of_opens_per_round_and_is_penalised() ->
         a, b = await start_p2ps(2)
         try:
             victim = mixer(b)
-            await serve_exchanges(b, victim)
+            await serve_exchanges(b, victim.driver)
             victim.set_base_(reference())
             header = {"run_id": RUN, "fingerprint": FINGERPRINT, "kind": "gasloc", "round": 0, "codec": "fp16",
-                      "weight": 0.5}
+                      "weight": 0.5, "deadline_s": 20.0}
             payload = relative_encode(reference(), reference())
 
             def read_and_walk_away(_answer: dict[str, Any], _payload: Any) -> Any:
@@ -345,7 +345,7 @@ def test_after_its_round_jumps_a_mixer_clips_far_partners_but_penalises_them_onl
         gossip.set_base_(reference())
         gossip.set_base_(plus(reference(), honest_step(round_, 0)))  # our step: τ's yardstick
         own = public_value(gossip)
-        return distance(gossip.clip_partner("far", far, own), own)
+        return distance(gossip.clip_value("far", far, own), own)
 
     counts = []
     for round_ in (0, 10, 11, 12):  # 0 → 10: a jump (a state adopted)
@@ -389,8 +389,8 @@ def test_a_peer_whose_own_value_is_not_finite_neither_mixes_nor_answers_nor_dies
         a, b = await start_p2ps(2)
         try:
             sick, healthy = mixer(a), mixer(b)
-            await serve_exchanges(a, sick)
-            await serve_exchanges(b, healthy)
+            await serve_exchanges(a, sick.driver)
+            await serve_exchanges(b, healthy.driver)
             poisoned = reference()
             poisoned[0][0, 0] = math.nan
             sick.set_base_(poisoned)

@@ -110,9 +110,9 @@ def own_move(new: Sequence[torch.Tensor], old: Sequence[torch.Tensor], shift: Se
     return math.sqrt(total)
 
 
-def agreed_weight(offered: float, answered: Any) -> float:
-    """The weight an initiator mixes with: the smaller of its own and the one the responder says it used (the
-    receiver chooses: no sender's claim can raise it)."""
-    if not isinstance(answered, float) or not 0 < answered <= 0.5:
-        raise ValueError(f"partner answered the mixing weight {answered!r}")
-    return min(offered, answered)
+def mixing_weight(claimed: Any, own: float) -> float | None:
+    """The weight both ends of a parameter exchange use: the smaller of `own` and the partner's `claimed` one (the
+    receiver chooses: no claim can raise it), which must lie in (0, 1/2]; None if it does not."""
+    if not isinstance(claimed, float) or not 0 < claimed <= 0.5:
+        return None
+    return min(claimed, own)

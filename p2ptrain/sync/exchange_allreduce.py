@@ -62,7 +62,7 @@ from p2ptrain.sync.allreduce_agreement import (
     outvoted,
 )
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots
+from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots, same_round
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
@@ -120,6 +120,7 @@ class GatherRound:
     A reduce-scatter's stages are gather rounds too: `payloads` sends each member its own chunk, `claims` says what
     headers carry (sync/scatter_allreduce.py)."""
     keeps_unconfirmed_mix = True
+    extra_offers_offend = True  # one exchange per pair and stage
 
     def __init__(self, stage_round: int, own_id: str, sent: list[torch.Tensor], payload: list, codec: str,
                  expected: set[str], digest: str | None = None, payloads: dict[str, Payload] | None = None,
@@ -153,12 +154,19 @@ class GatherRound:
         there."""
         return set(self.done) | self.slots.opened | self.answered_us
 
+    def value_for(self, partner: str, codec: str | None) -> tuple[str, Payload]:
+        return self.codec, self.payload_for(partner)
+
+    def agree_weight(self, claimed: object) -> float | None:
+        """Offers carry GATHER_WEIGHT, a marker: the reduction weighs the inputs, not the exchange."""
+        return GATHER_WEIGHT if claimed == GATHER_WEIGHT else None
+
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
         if round_ == self.round and sender not in self.expected and not self.slots.closing:
             return Refusal.NOT_IN_GROUP  # another group of the round, or a peer our records do not show yet
         return self.slots.accept_(sender, round_, gives_up_at)
 
-    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool, weight: float) -> None:
         if not self.slots.may_apply(partner):
             raise RoundClosed(f"stage {self.round} of the all-reduce closed (or has {partner}'s value) before this "
                               f"commit")
@@ -423,13 +431,15 @@ class ExchangeAllReduce:
 
     # ---- what a member's value must be ------------------------------------------------------------------------
     def decode_partner(self, rnd: GatherRound, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
-        """The member's value: it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
+        """The member's value: of this stage, it decodes to our shapes, finite, every entry within ±MAX_ABS_VALUE."""
+        same_round(rnd, header)
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         if any(bool((t.abs() > MAX_ABS_VALUE).any()) for t in theirs):
             raise ValueError(f"outer gradient holds values beyond ±{MAX_ABS_VALUE:g}")
         return theirs
 
-    def clip_partner(self, rnd: GatherRound, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def clip_partner(self, rnd: GatherRound, partner: str, theirs: list[torch.Tensor],
+                     header: dict[str, Any]) -> list[torch.Tensor]:
         """A member's value as it came: CenteredClip over all inputs bounds it (`_reduce`)."""
         return theirs
 

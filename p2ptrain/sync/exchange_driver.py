@@ -1,11 +1,13 @@
-"""The driver of sync/'s round exchanges of outer gradients (Mix2 gossip, the all-reduces' stages): one loop of
+"""The driver of sync/'s pairwise exchanges (parameter gossip, Mix2 gossip, the all-reduces' stages): one loop of
 offers, retries, slots, the round gate, deadlines and link measurement, over net/exchange.py's push-pull.
 
 Two kinds of policy plug into it:
-- the round (`ExchangeRound`: a Mix2 round, a stage of an all-reduce) says what we send each partner, whether an
-  offer is accepted, how a partner's value is applied, and when the round closes (its slots, its `idle` event);
-- the transport (`ExchangePolicy`: the Mix2 gossip, an all-reduce) says how a partner's payload is decoded and
-  clipped, what headers carry besides the protocol's fields, and what it keeps of a partner's header.
+- the round says what we send each partner, whether an offer is accepted, at what weight, how a partner's value is
+  applied, and when the round closes. Its two sides are Protocols: `OfferingRound` (the exchanges we open) and
+  `AnsweringRound` (the offers we answer); a Mix2 round or an all-reduce stage is both (`ExchangeRound`), parameter
+  gossip has one object for each mix it starts and one per round for what it answers (param_gossip.py);
+- the transport (`ExchangePolicy`) says how a partner's payload is decoded and clipped, what headers carry besides
+  the protocol's fields, and what it keeps of a partner's header.
 The driver answers offers as the peer's `ExchangeHandler` for the transport's namespace (`serve_exchanges`).
 Everything here runs on the peer's event loop; the rounds' methods never await, so each of them is atomic.
 """
@@ -27,6 +29,7 @@ from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.topology import draw_partners
 from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, push_pull
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
@@ -66,6 +69,7 @@ class RoundSlots:
         self.answered = [0, 0]  # bytes sent and received in the exchanges partners opened with us and committed
         self.closing = self.closed = False
         self.hold_until = 0.0  # until when (monotonic) partners not yet in this round may hold our offers
+        self.give_up_at = 0.0  # until when (monotonic) partners not yet in this round are asked again
         self.idle = asyncio.Event()  # set while no accepted offer is in flight
         self.idle.set()
 
@@ -130,33 +134,63 @@ class RoundSlots:
         self.closing = self.closed = True
 
 
-class ExchangeRound(Protocol):
-    """One round's policy (a Mix2 round, an all-reduce stage): what it sends, accepts and applies, and what it ends
-    with; the driver keeps its `slots`."""
+class OfferingRound(Protocol):
+    """The initiator's side of a round (a Mix2 round, an all-reduce stage, one parameter mix): what it sends each
+    partner and how a partner's answer is applied; the driver keeps its `slots`."""
 
     round: int
-    codec: str
-    weight: float  # the mixing weight offers carry (and must match)
+    weight: float  # the mixing weight our offers carry
     keeps_unconfirmed_mix: bool  # whether a partner's value whose ack was lost is applied
     measures_link: bool  # whether its exchanges measure the link (a payload, not a digest)
     sent: list[torch.Tensor]  # our value, the yardstick a partner's is decoded against
     slots: RoundSlots
 
-    def payload_for(self, partner: str) -> Payload:
-        """What we send `partner`."""
+    def value_for(self, partner: str, codec: str | None) -> tuple[str, Payload]:
+        """The codec and payload we send `partner`: in our offer (`codec` None: ours to choose), or in our answer to
+        its offer in `codec`; ValueError when our value cannot be sent."""
         ...
 
-    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
-        """Take a slot for `sender`'s offer (`slots.accept_`, after the round's own rules), or say why not."""
+    def agree_weight(self, claimed: object) -> float | None:
+        """The weight we mix with, given the one the partner's offer or answer carries; None if none can be agreed
+        (an offer is then refused, an answer penalised)."""
         ...
 
-    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
-        """A committed exchange: apply `theirs`; raises RoundClosed once `slots.may_apply` says no."""
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool, weight: float) -> None:
+        """A committed exchange: apply `theirs` at `weight`; raises RoundClosed once `slots.may_apply` says no."""
         ...
 
     def release_(self, partner: str, outgoing: bool) -> None:
         """An exchange ended, applied or not (`slots.release_`)."""
         ...
+
+
+class AnsweringRound(Protocol):
+    """The responder's side of a round: which offers it takes, what it answers, and how it applies them."""
+
+    round: int
+    extra_offers_offend: bool  # whether an offer beyond a partner's share is an offence (else only refused)
+    slots: RoundSlots
+
+    @property
+    def sent(self) -> list[torch.Tensor]:  # our value as answered, the yardstick a partner's is decoded against
+        ...
+
+    def value_for(self, partner: str, codec: str | None) -> tuple[str, Payload]: ...
+
+    def agree_weight(self, claimed: object) -> float | None: ...
+
+    def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
+        """Take `sender`'s offer of round `round_` (a slot, a share), or say why not."""
+        ...
+
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool, weight: float) -> None: ...
+
+    def release_(self, partner: str, outgoing: bool) -> None: ...
+
+
+class ExchangeRound(OfferingRound, AnsweringRound, Protocol):
+    """A round both ends of which are this one object (Mix2, an all-reduce stage): the same value for every
+    partner, one exchange per pair, and a close."""
 
     def close_(self) -> list[torch.Tensor] | None:
         """Close for good; what the round mixed (None: nothing)."""
@@ -176,8 +210,9 @@ class ExchangePolicy(Protocol):
         """The partner's value, or ValueError if it is unfit (the initiator then penalises the partner)."""
         ...
 
-    def clip_partner(self, rnd: Any, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we apply in place of the partner's decoded value."""
+    def clip_partner(self, rnd: Any, partner: str, theirs: list[torch.Tensor],
+                     header: dict[str, Any]) -> list[torch.Tensor]:
+        """What we apply in place of the partner's decoded value (`header`: its claims, for an excuse)."""
         ...
 
     def note_partner(self, rnd: Any, partner: str, header: dict[str, Any]) -> None:
@@ -189,6 +224,12 @@ class ExchangePolicy(Protocol):
         ...
 
 
+def same_round(rnd: OfferingRound, header: dict[str, Any]) -> None:
+    """ValueError unless the partner's answer is for our round (a stage's exchanges are of that stage only)."""
+    if header.get("round") != rnd.round:
+        raise ValueError(f"partner answered for round {header.get('round')}, not {rnd.round}")
+
+
 def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
     """An exchange's transfer time: its `seconds` less what the responder says it held our offer (its word: it may
     halve the time at most, or the exchange measures nothing; so a lie fakes a link twice as fast at most)."""
@@ -198,20 +239,20 @@ def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
 
 
 class Incoming:
-    """The responder's side of one accepted exchange: answers with our payload, applies on commit."""
+    """The responder's side of one accepted exchange: answers with our payload, applies on commit at `weight`."""
 
-    def __init__(self, driver: ExchangeDriver, rnd: ExchangeRound, sender: str):
-        self.driver, self.rnd, self.sender = driver, rnd, sender
-        self.header = {"codec": rnd.codec, "round": rnd.round, **driver.policy.header_extra()}
-        self.payload = rnd.payload_for(sender)
+    def __init__(self, driver: ExchangeDriver, rnd: AnsweringRound, sender: str, codec: str, weight: float):
+        self.driver, self.rnd, self.sender, self.weight = driver, rnd, sender, weight
+        codec, self.payload = rnd.value_for(sender, codec)
+        self.header = {"codec": codec, "round": rnd.round, "weight": weight, **driver.policy.header_extra()}
 
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         policy = self.driver.policy
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
-        theirs = policy.clip_partner(self.rnd, self.sender, theirs)
+        theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
-        return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False)
+        return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False, weight=self.weight)
 
     def close(self) -> None:
         self.rnd.release_(self.sender, outgoing=False)
@@ -221,21 +262,26 @@ class ExchangeDriver:
     """One kind of round exchange for one peer (`kind`: "mix2", "allreduce.diloco", ...): `open` and `hold` answer
     offers for the current round, `open_in_turn` and `open_all` make ours, `close_round` ends a round.
 
+    `p2p` None makes a driver of no exchanges (a policy's maths alone, as benchmarks' in-process simulations use it).
     `links` is the peer's one table of measured links, `reputation` its one record of offences, `routes` who it can
-    open streams to and how; `codecs` the codecs offers may name."""
+    open streams to and how; `codecs` the codecs offers may name. `offer_limit`, if any, is each partner's token
+    bucket of offers (one over it is penalised); `holds_offers` whether an offer for a round we are about to reach
+    is held (round_gate.py) rather than judged at once."""
 
-    def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, config: SyncConfig,
+    def __init__(self, p2p: P2P | None, run_id: str, fingerprint: str, kind: str, config: SyncConfig,
                  policy: ExchangePolicy, codecs: Collection[str], max_payload_bytes: int,
-                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None):
+                 links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None,
+                 offer_limit: OfferLimit | None = None, holds_offers: bool = True):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.policy, self.codecs, self.max_payload_bytes = policy, codecs, max_payload_bytes
-        self.own_id = p2p.peer_id.to_base58()
+        self.own_id = p2p.peer_id.to_base58() if p2p is not None else ""  # None: a policy's maths, no exchanges
         self.namespace, self.chunk_timeout_s = f"{run_id}.{kind}", config.state_download_timeout_s
         self.links = links if links is not None else LinkSpeeds()
         self.reputation = reputation if reputation is not None else Reputation()
         self.routes = routes if routes is not None else Routes("")
         self.gate = RoundGate()  # the round we are in, and offers held for the next one
         self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
+        self.offer_limit, self.holds_offers = offer_limit, holds_offers
         self._current: Any = None
 
     @property
@@ -243,7 +289,7 @@ class ExchangeDriver:
         return self._current
 
     @current.setter
-    def current(self, rnd: ExchangeRound) -> None:
+    def current(self, rnd: AnsweringRound) -> None:
         self._current = rnd
         self.gate.advance_(rnd.round)
 
@@ -251,7 +297,7 @@ class ExchangeDriver:
     def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
         """Hold an offer for a round we are a moment from reaching (round_gate.py), at most our patience."""
         round_, hold_s = header.get("round"), offered_hold_s(header, self.config.matchmaking_s)
-        if type(round_) is not int or hold_s <= 0 or not self.gate.may_hold(round_):
+        if not self.holds_offers or type(round_) is not int or hold_s <= 0 or not self.gate.may_hold(round_):
             return None
         return self.gate.wait_for(round_, hold_s)
 
@@ -268,23 +314,35 @@ class ExchangeDriver:
         if not isinstance(sender, str) or not isinstance(round_, int) or not isinstance(deadline_s, (int, float)):
             return Refusal.MALFORMED
         rnd = self.current
-        if rnd is None or round_ > rnd.round:  # our value for that round is not set yet: the initiator asks again
-            return Refusal.LEAVING if self.gate.closed else Refusal.WRONG_ROUND  # unless we shut down
-        if header.get("weight") != rnd.weight:
+        if rnd is None or (self.gate.closed and round_ > rnd.round):  # no value for that round, nor will there be
+            return Refusal.LEAVING if self.gate.closed else Refusal.WRONG_ROUND  # the initiator asks again
+        weight = rnd.agree_weight(header.get("weight"))
+        if weight is None:
             return Refusal.BAD_WEIGHT
+        if self.offer_limit is not None and not self.offer_limit.offer(sender):
+            self.reputation.penalise(sender, "too_many_opens", "offers arrive faster than any partner needs")
+            return Refusal.TOO_MANY_OFFERS
         gives_up_at = time.monotonic() + min(max(0.0, float(deadline_s)), self.config.allreduce_timeout_s)
         refusal = rnd.accept_(sender, round_, gives_up_at)
-        if refusal == Refusal.TOO_MANY_OFFERS:
+        if refusal == Refusal.TOO_MANY_OFFERS and rnd.extra_offers_offend:
             self.reputation.penalise(sender, "too_many_opens", f"a second exchange opened in round {round_}")
-        return refusal if refusal is not None else Incoming(self, rnd, sender)
+        if refusal is not None:
+            return refusal
+        try:
+            return Incoming(self, rnd, sender, str(header["codec"]), weight)
+        except ValueError as e:  # our own value is not finite (or what the conduct formed does not encode)
+            logger.warning(f"not answering {sender}: our value cannot be sent ({e})")
+            rnd.release_(sender, outgoing=False)
+            return Refusal.NO_VALUE
 
     # ---- initiator ------------------------------------------------------------------------------------------------
-    async def open_in_turn(self, rnd: ExchangeRound, live_peers: list[str], patience_s: float, stats: RoundSync,
+    async def open_in_turn(self, rnd: OfferingRound, live_peers: list[str], patience_s: float, stats: RoundSync,
                            rng: random.Random) -> None:
         """Offer our payload to random live peers, one after another, until the round's slots are taken or nobody
         is left to ask: those we reach directly first, then those behind relays; peers nobody can reach offer
-        theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`."""
-        give_up_at, attempt = time.monotonic() + patience_s, 0
+        theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`, or
+        until `rnd.slots.give_up_at` if the round's owner moves it."""
+        rnd.slots.give_up_at, attempt = time.monotonic() + patience_s, 0
         candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
         while candidates and rnd.slots.free_slots() > 0:
             later = []
@@ -292,7 +350,7 @@ class ExchangeDriver:
                             for p in draw_partners(pool, len(pool), rng, exclude=set())]:
                 if rnd.slots.reserve_outgoing_(partner) and await self.exchange_with(rnd, partner, stats) in ASK_AGAIN:
                     later.append(partner)
-            if not later or time.monotonic() >= give_up_at:
+            if not later or time.monotonic() >= rnd.slots.give_up_at:
                 return
             candidates = later
             await asyncio.sleep(retry_delay_s(attempt))
@@ -328,30 +386,37 @@ class ExchangeDriver:
         rnd.ended_(partner, outcome)
         return outcome
 
-    async def exchange_with(self, rnd: ExchangeRound, partner: str, stats: RoundSync) -> str:
-        """One exchange we start (its slot is reserved); returns OK, FAILED or the partner's refusal."""
-        ours = rnd.payload_for(partner)
+    async def exchange_with(self, rnd: OfferingRound, partner: str, stats: RoundSync) -> str:
+        """One exchange we start (its slot is reserved); returns OK, FAILED, NO_VALUE or the partner's refusal."""
+        try:
+            codec, ours = rnd.value_for(partner, None)
+        except ValueError as e:  # what the conduct formed is not finite
+            logger.warning(f"not offering to {partner}: our value cannot be sent ({e})")
+            rnd.release_(partner, outgoing=True)
+            return Refusal.NO_VALUE
         nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.slots.hold_until - time.monotonic())
         link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
         header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": rnd.round,
-                  "codec": rnd.codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s,
+                  "codec": codec, "weight": rnd.weight, "sender": self.own_id, "deadline_s": deadline_s,
                   **self.policy.header_extra()}
 
         def validate(answer: dict[str, Any], payload: Payload) -> Apply:
             try:
-                if answer.get("round") != rnd.round:
-                    raise ValueError(f"partner answered for round {answer.get('round')}, not {rnd.round}")
+                if (weight := rnd.agree_weight(answer.get("weight", rnd.weight))) is None:
+                    raise ValueError(f"partner answered the mixing weight {answer.get('weight')!r}")
                 theirs = self.policy.decode_partner(rnd, answer, payload)
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
-            theirs = self.policy.clip_partner(rnd, partner, theirs)
+            theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
             self.policy.note_partner(rnd, partner, answer)
-            return lambda: rnd.apply_(partner, theirs, outgoing=True)
+            return lambda: rnd.apply_(partner, theirs, outgoing=True, weight=weight)
 
         try:
+            if self.p2p is None:
+                raise RuntimeError("this driver has no P2P: it makes no exchanges")
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, ours,
                                       validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
                                       hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix)
@@ -371,7 +436,7 @@ class ExchangeDriver:
         measured_s = transfer_s(outcome.partner_header, outcome.seconds)
         if rnd.measures_link and measured_s is not None and outcome.confirmed:
             link.update_(outcome.bytes_sent + outcome.bytes_received, measured_s)
-        stats.add_exchange_(ExchangeRecord(partner, rnd.codec, outcome.bytes_sent, outcome.bytes_received,
+        stats.add_exchange_(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
         return Outcome.OK
 

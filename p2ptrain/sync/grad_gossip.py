@@ -46,7 +46,7 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlots
+from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlots, same_round
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.tensor_layout import norm
@@ -58,6 +58,7 @@ KIND = "mix2"
 
 class Mix2Round:
     """One peer's Mix2 of one round: its s and payload, the running mix m; `slots`: who it is mixing with."""
+    extra_offers_offend = True  # one exchange per pair and round
     keeps_unconfirmed_mix = False  # a gossip mix whose ack was lost is not applied (the partner may not have)
     measures_link = True  # its exchanges carry a payload
 
@@ -77,14 +78,20 @@ class Mix2Round:
         """What we send `partner`: the same s to every partner."""
         return self.payload
 
+    def value_for(self, partner: str, codec: str | None) -> tuple[str, Payload]:
+        return self.codec, self.payload  # s, as we encoded it, whatever the partner offered in
+
+    def agree_weight(self, claimed: object) -> float | None:
+        return self.weight if claimed == self.weight else None  # both ends of a Mix2 use 1/(group size)
+
     def accept_(self, sender: str, round_: int, gives_up_at: float) -> str | None:
         return self.slots.accept_(sender, round_, gives_up_at)
 
-    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool) -> None:
+    def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool, weight: float) -> None:
         """A completed exchange: m ← m + w(s_partner − s). Raises RoundClosed after `close_` (nothing changes)."""
         if not self.slots.may_apply(partner):
             raise RoundClosed(f"round {self.round}'s Mix2 closed (or mixed with {partner}) before this commit")
-        pull_toward_(self.mixed, theirs, self.sent, self.weight)
+        pull_toward_(self.mixed, theirs, self.sent, weight)
         self.slots.applied_(partner, outgoing, payload_bytes(self.payload_for(partner)))
         self.release_(partner, outgoing)
 
@@ -144,7 +151,9 @@ class GradGossip:
         return mixed, stats
 
     def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
-        """The partner's s, or ValueError if it does not decode, does not fit our shapes, or is implausibly far."""
+        """The partner's s, or ValueError if it is of another round, does not decode, does not fit our shapes, or is
+        implausibly far."""
+        same_round(rnd, header)
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         distance = consensus_distance(rnd.sent, theirs)
         if not distance <= self.config.max_partner_distance:
@@ -165,7 +174,8 @@ class GradGossip:
         """What we send for our s, as the peer's conduct forms it: the s every partner receives (once a round)."""
         return self.conduct.sent_outer_gradient(sent)
 
-    def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor],
+                     header: dict[str, Any]) -> list[torch.Tensor]:
         """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised."""
         if self.clip is None:
             return theirs

@@ -4,8 +4,8 @@ A refusal "not in this round" is no failure: the partner is still in its inner p
 earlier stage) and will be there in a moment. All-reduce members end their inner phases within moments of each
 other, so the opener's offer often comes first, and a fixed wait before asking again would idle both members.
 The schedule starts at FIRST_RETRY_S and doubles up to timing.POLL_S (a partner far behind is asked that
-often); quick asks fit a responder's offer token bucket (param_gossip.OFFER_BURST). GASLoC's parameter gossip
-(Mix1) keeps the fixed POLL_S: gossip peers do not end their rounds together, so quick asks buy them nothing.
+often); quick asks fit a responder's offer token bucket (param_gossip.OFFER_BURST). Every exchange the driver
+makes (sync/exchange_driver.py) asks again on this schedule, Mix1's parameter gossip included.
 
 An all-reduce member we cannot reach through its relay is asked again on the same schedule, once (relay_retries.py).
 """
