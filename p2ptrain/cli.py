@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from p2ptrain import __version__
 from p2ptrain.console import configure_logging, run_command
 from p2ptrain.maths.inner import PRECISIONS
 from p2ptrain.maths.outer_optimizer import STATE_DEVICES
@@ -27,6 +28,7 @@ from p2ptrain.testnet.loopback import LOG_LEVELS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="p2ptrain", message="%(prog)s %(version)s")
 @click.option("--log-level", default="info", type=click.Choice(LOG_LEVELS))
 def cli(log_level: str) -> None:
     """p2ptrain: train a language model together over the internet (DiLoCo and gossip over hivemind)."""

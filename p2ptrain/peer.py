@@ -194,6 +194,7 @@ class TrainingPeer:
     def run(self) -> list[RoundMetrics]:
         history: list[RoundMetrics] = []
         bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
+        saved_round, finished = None, False  # the round of the latest checkpoint; whether the rounds ran out
         try:
             if self.state.round == 0 and not self.state.joined_ever:  # launched with others: begin with them
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
@@ -209,6 +210,8 @@ class TrainingPeer:
                     callback(self, metrics)
                 if self.config.run.checkpoint_dir and self.state.round % self.config.run.checkpoint_every == 0:
                     self.save_checkpoint()
+                    saved_round = self.state.round
+            finished = True
             self.node.command(STOP)  # the node's other workers end with us
         except NodeError:  # a worker of this node died: keep the round's anchor, checkpoint it, leave the swarm
             self.outer.restore_anchor_()
@@ -216,9 +219,19 @@ class TrainingPeer:
             raise
         finally:
             bar.close()
-            if self.stop_event.is_set() and self.config.run.checkpoint_dir:
-                self.save_checkpoint()
+            self._save_at_the_end(finished or self.stop_event.is_set(), saved_round)
         return history
+
+    def _save_at_the_end(self, ended: bool, saved_round: int | None) -> None:
+        """The rounds ran out or a stop came: the final checkpoint (unless the last round's is written), or a line
+        that the model trained here is not kept."""
+        if not ended or self.state.round == saved_round:
+            return
+        if self.config.run.checkpoint_dir:
+            self.save_checkpoint()
+        elif self.rounds_run > 0:
+            logger.info(f"no checkpoint written (no run.checkpoint_dir, --checkpoint-dir): the model of round "
+                    f"{self.state.round} is not kept")
 
     def run_round(self, bar: ProgressBar) -> RoundMetrics | None:
         """One round, as its stages; None when stopped mid-round (the parameters are put back at the round's anchor)."""

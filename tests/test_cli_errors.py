@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2ptrain import __version__
 from p2ptrain.checkpoint import TrainingCheckpoint, save_checkpoint
 from p2ptrain.config import build_config
 from p2ptrain.maths.inner import InnerTrainer
@@ -128,6 +129,7 @@ def outcomes(workdir: Path) -> dict[str, Outcome]:
     for command in HELP_COMMANDS:
         runs[f"help {' '.join(command)}"] = start_cli([*command, "--help"], workdir, f"help_{'_'.join(command)}")
     runs["no arguments"] = start_cli([], workdir, "no_arguments")
+    runs["version"] = start_cli(["--version"], workdir, "version")
     results = {name: finish(*run) for name, run in runs.items()}
     for name, files in before.items():
         assert snapshot(workdir / name) == files, f"the CLI changed the files in {name}"
@@ -163,6 +165,11 @@ def test_help_exits_0(outcomes: dict[str, Outcome], command: str) -> None:
     outcome = outcomes[f"help {command}"]
     assert outcome.returncode == 0, outcome.stderr
     assert "Usage:" in outcome.stdout and not outcome.error_lines and "Traceback" not in outcome.stderr
+
+
+def test_version_is_one_line_with_the_package_version(outcomes: dict[str, Outcome]) -> None:
+    outcome = outcomes["version"]
+    assert outcome.returncode == 0 and outcome.stdout == f"p2ptrain {__version__}\n", outcome.stdout + outcome.stderr
 
 
 def test_no_arguments_shows_usage_not_an_error(outcomes: dict[str, Outcome]) -> None:

@@ -119,3 +119,6 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_continues_from_it(tmp_path: Path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     last = json.loads(metrics.read_text().splitlines()[-1])
     assert last["round"] == saved_round and len(metrics.read_text().splitlines()) == rounds_done + 1
+    # its rounds ran out: the final checkpoint is written, though round saved_round + 1 is no multiple of
+    # run.checkpoint_every (10)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"round-{saved_round + 1:06d}"
