@@ -5,6 +5,12 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
+
+Under pytest-xdist (CI runs `-n 3 --dist loadgroup`), the netns tests form one group and the docker tests another,
+each run in turn by one worker and dispatched first (they take longest): the docker tests share one Docker engine
+and its images, and the netns tests each run a swarm of peer processes, so at most one of them loads the machine.
+Testbeds of the two groups coexist (each testbed's namespaces carry its own prefix; nothing is added to the
+machine's own network).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
+SERIAL_GROUPS = ("docker", "netns")  # markers whose tests one xdist worker runs in turn (a docker test may use netns)
 PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.system", "subprocess.Popen")
 SOCKET_EVENTS = ("socket.bind", "socket.connect")
 
@@ -50,6 +57,19 @@ class _StartWatch:
 
 _start_watch = _StartWatch()
 sys.addaudithook(_start_watch)
+
+
+def _serial_group(item: pytest.Item) -> str | None:
+    return next((name for name in SERIAL_GROUPS if item.get_closest_marker(name)), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each serial group's tests go to one xdist worker (`xdist_group`), and before the others in the collection."""
+    for item in items:
+        group = _serial_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: _serial_group(item) is None)  # stable: each part keeps its order
 
 
 @pytest.fixture(autouse=True)

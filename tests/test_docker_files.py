@@ -124,6 +124,7 @@ def _compose_config(*files: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.docker  # may install the Docker CLI (apt): with the other Docker tests, never beside them
 def test_docker_compose_config_accepts_the_file() -> None:
     services = _compose_config(COMPOSE_FILE)["services"]
     assert services["peer1"]["environment"]["P2PTRAIN_DEVICE"] == "cpu"
@@ -139,6 +140,7 @@ def test_every_peer_keeps_identity_and_checkpoints_in_a_volume_of_its_own() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.docker  # may install the Docker CLI (apt): with the other Docker tests, never beside them
 def test_gpu_override_reserves_nvidia_gpus_for_every_peer_on_a_cuda_image() -> None:
     services = _compose_config(COMPOSE_FILE, GPU_COMPOSE_FILE)["services"]
     for name in ("peer1", "peer2", "peer3", "peer4"):

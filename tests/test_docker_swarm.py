@@ -189,5 +189,10 @@ def test_docker_backend_passes_the_churn_scenario_as_netns_does(images: str, tmp
             assert [life["end_reason"] for life in lives] == ["killed", "stopped_at_end"], (backend, peer, lives)
             rows = report["peers"][peer]["rounds"]
             assert any(row["time"] > lives[1]["started"] for row in rows), f"{backend}: {peer} never came back"
-    assert results["docker"] == results["netns"], results
+    # the same checks pass on both; whether a restart resumed from a checkpoint (a check of its own) depends on how
+    # many rounds the peer made before its kill, which the machine's load decides
+    ran_on_both = results["docker"].keys() & results["netns"].keys()
+    assert ran_on_both >= {"finished", "clean_exits", "events_fired", "loss_fell", "max_stall_s"}, results
+    assert {name: results["docker"][name] for name in ran_on_both} == \
+        {name: results["netns"][name] for name in ran_on_both}, results
     assert run(["docker", "ps", "-aq", "--filter", "label=p2ptrain.testnet"]).stdout.split() == []

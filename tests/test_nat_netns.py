@@ -41,7 +41,9 @@ PEER_CONFIG = {
 def nat_ok(netns_ok: None) -> None:
     """iptables for the home routers: installed with apt-get where missing (root, as in CI), else a skip."""
     if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
-        subprocess.run(["apt-get", "install", "-y", "-q", "iptables"], capture_output=True, timeout=600,
+        # the lock timeout: .ci/docker-env may be installing at the same moment (the Docker tests' xdist worker)
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "-q", "iptables"],
+                       capture_output=True, timeout=900,
                        env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
     if shutil.which("iptables") is None:
         pytest.skip("NAT tests need iptables and could not install it (apt-get install iptables)")
