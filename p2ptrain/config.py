@@ -101,6 +101,24 @@ class PeerConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def changes_from_defaults(self) -> dict[str, Any]:
+        """The settings that differ from PeerConfig()'s, as dotted keys (what the start-up line shows)."""
+        defaults = _flatten(PeerConfig().to_dict())
+        return {key: value for key, value in _flatten(self.to_dict()).items() if defaults.get(key, _MISSING) != value}
+
+
+_MISSING = object()
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict; any problem is a one-line ConfigError."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -216,7 +217,9 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
         finally:
             node.close()
         return
-    logging.getLogger("p2ptrain").info(f"resolved config: {config.to_json()}")
+    log = logging.getLogger("p2ptrain")
+    log.info(f"config (what differs from the defaults): {json.dumps(config.changes_from_defaults(), sort_keys=True)}")
+    log.debug(f"resolved config: {config.to_json()}")
     training_peer = TrainingPeer(config, request.initial_peers, resume=request.resume, node=node, conduct=conduct)
     install_stop_handlers(training_peer.stop)
     try:

@@ -61,6 +61,14 @@ def test_defaults_build_and_match_each_section_default() -> None:
     assert load_config() == config
 
 
+def test_the_start_up_line_shows_only_the_settings_that_differ_from_the_defaults() -> None:
+    config = build_config({"run": {"run_id": "mine", "rounds": 3}, "sync": {"mode": "gasloc", "gossip_peers": 2}})
+    changed = config.changes_from_defaults()
+    assert {"run.run_id": "mine", "run.rounds": 3, "sync.mode": "gasloc"}.items() <= changed.items()
+    assert all(key.split(".")[0] in ("run", "sync") for key in changed), changed
+    assert build_config({}).changes_from_defaults() == {}
+
+
 @pytest.mark.parametrize(
     ("name", "text"), [("peer.yaml", YAML_TEXT), ("peer.yml", YAML_TEXT), ("peer.toml", TOML_TEXT)]
 )
