@@ -63,12 +63,24 @@ def _serial_group(item: pytest.Item) -> str | None:
     return next((name for name in SERIAL_GROUPS if item.get_closest_marker(name)), None)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each serial group's tests go to one xdist worker: marked as they are collected, before xdist names each
+    test's group from its marks."""
+    group = _serial_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each serial group's tests go to one xdist worker (`xdist_group`), and before the others in the collection."""
-    for item in items:
-        group = _serial_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    """The serial groups' tests come first in the collection, so their workers start them at once. On an xdist
+    worker of `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would
+    spread over the workers unnoticed (pytest 9 with xdist 3.8 did)."""
+    if getattr(config.option, "loadgroup", False):
+        ungrouped = [item.nodeid for item in items if _serial_group(item) and "@" not in item.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
+                                    f"pytest and pytest-xdist versions (setup.cfg)")
     items.sort(key=lambda item: _serial_group(item) is None)  # stable: each part keeps its order
 
 
