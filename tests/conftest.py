@@ -6,11 +6,9 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 
-Under pytest-xdist (CI runs `-n 3 --dist loadgroup`), the netns tests form one group and the docker tests another,
-each run in turn by one worker and dispatched first (they take longest): the docker tests share one Docker engine
-and its images, and the netns tests each run a swarm of peer processes, so at most one of them loads the machine.
-Testbeds of the two groups coexist (each testbed's namespaces carry its own prefix; nothing is added to the
-machine's own network).
+Under pytest-xdist (`-n 2 --dist loadgroup`, tests/README.md), the netns and docker tests form one group that one
+worker runs in turn, dispatched first: they share the machine's Docker engine and apt, and each runs a swarm of
+peer processes, so at most one of them loads the machine at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +31,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
-SERIAL_GROUPS = ("docker", "netns")  # markers whose tests one xdist worker runs in turn (a docker test may use netns)
+MACHINE_WIDE_MARKERS = ("docker", "netns")  # their tests form one xdist group, run in turn by one worker
+MACHINE_WIDE_GROUP = "machine-wide"
 PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.system", "subprocess.Popen")
 SOCKET_EVENTS = ("socket.bind", "socket.connect")
 
@@ -59,29 +58,29 @@ _start_watch = _StartWatch()
 sys.addaudithook(_start_watch)
 
 
-def _serial_group(item: pytest.Item) -> str | None:
-    return next((name for name in SERIAL_GROUPS if item.get_closest_marker(name)), None)
+def _machine_wide_group(item: pytest.Item) -> str | None:
+    return MACHINE_WIDE_GROUP if any(item.get_closest_marker(name) for name in MACHINE_WIDE_MARKERS) else None
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Each serial group's tests go to one xdist worker: marked as they are collected, before xdist names each
+    """The machine-wide tests go to one xdist worker: marked as they are collected, before xdist names each
     test's group from its marks."""
-    group = _serial_group(item)
+    group = _machine_wide_group(item)
     if group is not None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The serial groups' tests come first in the collection, so their workers start them at once. On an xdist
+    """The machine-wide tests come first in the collection, so their worker starts them at once. On an xdist
     worker of `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would
     spread over the workers unnoticed (pytest 9 with xdist 3.8 did)."""
     if getattr(config.option, "loadgroup", False):
-        ungrouped = [item.nodeid for item in items if _serial_group(item) and "@" not in item.nodeid]
+        ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
         if ungrouped:
             raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                     f"pytest and pytest-xdist versions (setup.cfg)")
-    items.sort(key=lambda item: _serial_group(item) is None)  # stable: each part keeps its order
+    items.sort(key=lambda item: _machine_wide_group(item) is None)  # stable: each part keeps its order
 
 
 @pytest.fixture(autouse=True)

@@ -1098,7 +1098,8 @@ def rounds_run_by(first_round: int, lost: set[int], rounds: int = 10) -> list[in
     peer = types.SimpleNamespace(config=PeerConfig(run=RunConfig(rounds=rounds, progress=False)),
                                  state=types.SimpleNamespace(round=first_round, joined_ever=True),
                                  end_round=None, rounds_run=0, round_callbacks=[],
-                                 stop_event=threading.Event(), node=types.SimpleNamespace(command=lambda _: None))
+                                 stop_event=threading.Event(), node=types.SimpleNamespace(command=lambda _: None),
+                                 _save_at_the_end=lambda _ended, _saved_round: None)
 
     def run_round(_bar: object) -> types.SimpleNamespace:
         while peer.state.round in lost:
