@@ -6,7 +6,7 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, tests/README.md), the netns and docker tests form one group that one
+Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns and docker tests form one group that one
 worker runs in turn, dispatched first: they share the machine's Docker engine and apt, and each runs a swarm of
 peer processes, so at most one of them loads the machine at a time.
 """
