@@ -6,9 +6,9 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns and docker tests form one group that one
-worker runs in turn, dispatched first: they share the machine's Docker engine and apt, and each runs a swarm of
-peer processes, so at most one of them loads the machine at a time.
+Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns and docker tests form one group
+that one worker runs in turn, dispatched first: they share the machine's Docker engine and apt, and each runs a
+swarm of peer processes, so at most one of them loads the machine at a time.
 """
 
 from __future__ import annotations
@@ -72,14 +72,15 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The machine-wide tests come first in the collection, so their worker starts them at once. On an xdist
-    worker of `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would
-    spread over the workers unnoticed (pytest 9 with xdist 3.8 did)."""
-    if getattr(config.option, "loadgroup", False):
-        ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
-        if ungrouped:
-            raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
-                                    f"pytest and pytest-xdist versions (setup.cfg)")
+    """Under xdist's `--dist loadgroup`, the machine-wide tests come first in the collection, so their worker starts
+    them at once, and a grouped test whose id does not name its group stops the run: the groups would spread over
+    the workers unnoticed (pytest 9 with xdist 3.8 did)."""
+    if not getattr(config.option, "loadgroup", False):  # one process (CI): the collection's own order
+        return
+    ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
+                                f"pytest and pytest-xdist versions (setup.cfg)")
     items.sort(key=lambda item: _machine_wide_group(item) is None)  # stable: each part keeps its order
 
 
