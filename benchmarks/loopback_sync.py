@@ -107,7 +107,7 @@ CORPUS = {"max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2}
 RUN_TIMEOUT_S = 120.0  # per swarm, plus ROUND_TIMEOUT_S a round: a swarm still running then is stopped
 ROUND_TIMEOUT_S = 30.0
 WALL_BUDGET = "about 4 min of wall time, 5 min of CPU time in this process on 2 cores"
-QUICK = {"peers": (2,), "rounds": 4}  # CI size
+QUICK = {"peers": (2,), "rounds": 4, "inner_steps": 10, "batch_size": 4, "seq_len": 64}  # CI size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +432,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
                             help=f"default {getattr(defaults, name)}")
     parser.add_argument("--model", default=None, help=f"model preset (default {defaults.model})")
     parser.add_argument("--setups", default=None, help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
-    parser.add_argument("--quick", action="store_true", help="CI size: 2 peers, 4 rounds")
+    parser.add_argument("--quick", action="store_true", help="CI size: 2 peers, 4 rounds of 10 steps of 4 x 64 tokens")
     parser.add_argument("--output", type=Path, default=RESULTS_PATH, help="where to write the JSON results")
     args = parser.parse_args(argv)
     values: dict[str, Any] = dict(QUICK) if args.quick else {}

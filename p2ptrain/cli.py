@@ -9,9 +9,8 @@ from typing import Any
 import click
 
 from p2ptrain import __version__
+from p2ptrain.choices import PRECISIONS, STATE_DEVICES, SYNC_MODES
 from p2ptrain.console import configure_logging, run_command
-from p2ptrain.maths.inner import PRECISIONS
-from p2ptrain.maths.outer_optimizer import STATE_DEVICES
 from p2ptrain.peer_command import (
     PEER_SECTIONS,
     SectionedCommand,
@@ -23,7 +22,6 @@ from p2ptrain.peer_command import (
     run_peer,
     split_peers,
 )
-from p2ptrain.sync.config import SYNC_MODES
 from p2ptrain.testnet.loopback import LOG_LEVELS
 
 

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from p2ptrain.net.dht import ADMISSION_MODES, parse_maddr
-from p2ptrain.sync.config import SYNC_MODES
+from p2ptrain.choices import ADMISSION_MODES, SYNC_MODES
 
 if TYPE_CHECKING:  # the config pulls in the models: imported when a command runs, not for --help
     from p2ptrain.config import PeerConfig
@@ -175,6 +174,7 @@ class PeerRequest:
 def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     """The peer's config from its options (`peer_options`); a malformed multiaddr fails here, before start-up."""
     from p2ptrain.config import load_config
+    from p2ptrain.net.dht import parse_maddr
 
     peers = split_peers(kwargs.pop("initial_peers"))
     for maddr in peers:

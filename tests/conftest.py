@@ -13,16 +13,21 @@ swarm of peer processes, so at most one of them loads the machine at a time.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from docker_utils import DOCKER_SETUP
+from early_jobs import TYPE_CHECK, start_wanted
 from subreaper import set_child_subreaper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAP_GRACE_S = 10.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
-MACHINE_WIDE_MARKERS = ("docker", "netns")  # their tests form one xdist group, run in turn by one worker
+MACHINE_WIDE_MARKERS = ("docker", "netns", "alone")  # their tests form one xdist group, run in turn by one worker
 MACHINE_WIDE_GROUP = "machine-wide"
 PROCESS_EVENTS = ("os.fork", "os.forkpty", "os.posix_spawn", "os.system", "subprocess.Popen")
 SOCKET_EVENTS = ("socket.bind", "socket.connect")
@@ -62,6 +67,10 @@ def _machine_wide_group(item: pytest.Item) -> str | None:
     return MACHINE_WIDE_GROUP if any(item.get_closest_marker(name) for name in MACHINE_WIDE_MARKERS) else None
 
 
+def _alone(item: pytest.Item) -> bool:
+    return _machine_wide_group(item) is not None
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The machine-wide tests go to one xdist worker: marked as they are collected, before xdist names each
     test's group from its marks."""
@@ -82,6 +91,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                 f"pytest and pytest-xdist versions (setup.cfg)")
     items.sort(key=lambda item: _machine_wide_group(item) is None)  # stable: each part keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The type check and, as root, the Docker set-up start now in the background if a selected test reads them."""
+    if not session.config.option.collectonly:
+        start_wanted([TYPE_CHECK, *([DOCKER_SETUP] if os.geteuid() == 0 else [])], session.items)
+
+
+class MachineShare:
+    """Under xdist, how tests share the machine between workers: a test that loads it whole (a netns or docker
+    swarm, or one marked `alone`) runs with no other beside it; the others run side by side. A readers-writer lock
+    on a file of this run (flock), behind a turnstile so that a waiting `alone` test is not starved; a worker keeps
+    the machine to itself from one `alone` test to the next, so a docker swarm that spans a module's tests trains
+    alone too."""
+
+    def __init__(self, run_key: str) -> None:
+        directory = Path(tempfile.gettempdir())
+        self.turnstile = open(directory / f"p2ptrain-share-{run_key}.turnstile", "a")  # noqa: SIM115 (held for the session)
+        self.lock = open(directory / f"p2ptrain-share-{run_key}.lock", "a")  # noqa: SIM115
+        self.held: int | None = None
+
+    def enter(self, alone: bool) -> None:
+        mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+        if self.held == mode:
+            return
+        self.leave()
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, mode)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.held = mode
+
+    def leave(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.held = None
+
+
+_share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs."""
+    if _share is not None:
+        _share.enter(_alone(item))
+    yield
+    if _share is not None and not (nextitem is not None and _alone(item) and _alone(nextitem)):
+        _share.leave()
 
 
 @pytest.fixture(autouse=True)

@@ -9,12 +9,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from subreaper import orphans_go_to_init
+from early_jobs import EarlyJob
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCKER_ENV = REPO_ROOT / ".ci" / "docker-env"
 STATE = Path("/run/p2ptrain-docker")
 PEER_IMAGE, BOOTSTRAP_IMAGE = "p2ptrain-peer:ci", "p2ptrain-bootstrap:ci"  # what `.ci/docker-env build` tags
+# install, start dockerd, base image and wheelhouse; then both images, as users build them (minutes on a fresh CI)
+DOCKER_SETUP = EarlyJob("docker", [("up", [str(DOCKER_ENV), "up"]), ("build", [str(DOCKER_ENV), "build"])],
+                        reader="docker_env", timeout_s=1800)
+WAS_UP = (STATE / "base-image").exists()  # before this session: then the session leaves it up
 
 
 def run(argv: list[str], timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -37,9 +41,7 @@ def docker_environment() -> Iterator[None]:
     unless it was up before. Skips only where the engine cannot start (no root, no engine)."""
     if os.geteuid() != 0:
         pytest.skip("the Docker tests need root (apt-get, dockerd, tc); run the suite as root")
-    was_up = (STATE / "base-image").exists()
-    with orphans_go_to_init():  # dockerd, its containers and the wheelhouse server outlive single tests
-        done = subprocess.run([str(DOCKER_ENV), "up"], capture_output=True, text=True, timeout=1200)
+    done = DOCKER_SETUP.outcome("up")
     print(done.stderr)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -49,7 +51,7 @@ def docker_environment() -> Iterator[None]:
     try:
         yield
     finally:
-        if not was_up:
+        if not WAS_UP:
             subprocess.run([str(DOCKER_ENV), "down"], timeout=120, check=False)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "p2ptrain"
-GROUND_FLOOR = {"p2ptrain.errors", "p2ptrain.tensor_layout", "p2ptrain.dict_to_dataclass", "p2ptrain.timing"}
+GROUND_FLOOR = {"p2ptrain.errors", "p2ptrain.tensor_layout", "p2ptrain.dict_to_dataclass", "p2ptrain.timing",
+                "p2ptrain.choices"}
 
 
 def module_name(path: Path) -> str:

@@ -16,8 +16,20 @@ def test_the_benchmarks_are_found() -> None:
                                              "testnet_utilization.py"}
 
 
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every script's `--help`, started together: each pays the interpreter's imports (torch) once, side by side."""
+    started = {script.name: subprocess.Popen([sys.executable, str(script), "--help"], stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True) for script in BENCHMARKS}
+    done = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
-def test_a_benchmark_prints_its_help(script: Path) -> None:
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+def test_a_benchmark_prints_its_help(script: Path, helps: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    done = helps[script.name]
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]

@@ -121,6 +121,13 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"]]
 
 
+def test_the_cli_builds_its_flags_without_torch_transformers_or_hivemind() -> None:
+    """--help, --version and a mistyped flag answer at once: the heavy libraries load when a command runs."""
+    probe = "import sys, p2ptrain.cli; print([m for m in ('torch', 'transformers', 'hivemind') if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def outcomes(workdir: Path) -> dict[str, Outcome]:
     """Run every case and every --help at once; keyed by case name, or 'help <command>'."""

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from docker_utils import (
     BOOTSTRAP_IMAGE,
-    DOCKER_ENV,
+    DOCKER_SETUP,
     PEER_IMAGE,
     REPO_ROOT,
     docker_environment,
@@ -54,7 +54,9 @@ def docker_env() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def images(docker_env: None) -> str:
     """`.ci/docker-env build`: both images from docker/Dockerfile.*, as users build them, on the CI base."""
-    return run([str(DOCKER_ENV), "build"], timeout_s=900).stderr
+    done = DOCKER_SETUP.outcome("build")
+    assert done.returncode == 0, f".ci/docker-env build: exit {done.returncode}\n{done.stderr[-3000:]}"
+    return done.stderr
 
 
 def test_both_images_build(images: str) -> None:

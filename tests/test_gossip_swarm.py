@@ -11,7 +11,8 @@ from swarm_utils import PeerThread, run_swarm, tiny_config
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.sync.interface import ExchangeRecord
 
-pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.alone,  # counts exchanges in wall-clock rounds
+              pytest.mark.usefixtures("one_torch_thread")]
 
 ROUNDS = 5
 

@@ -20,7 +20,7 @@ from swarm_utils import PeerThread, start_peer, tiny_config, wait_until
 from p2ptrain.checkpoint import load_checkpoint
 from p2ptrain.maths.data_parallel import NodeGroup
 
-pytestmark = [pytest.mark.slow, pytest.mark.network]
+pytestmark = [pytest.mark.slow, pytest.mark.network, pytest.mark.alone]  # a node of processes training at once
 
 NODE_CONFIG: dict[str, Any] = {
     "model": {"name": "tiny", "max_seq_len": 64},

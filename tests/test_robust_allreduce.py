@@ -369,6 +369,7 @@ def assert_honest_peers_train_in_step(histories: list[list[RoundMetrics]], param
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.alone  # a ban needs the attacker in its rounds' groups, which deadlines decide
 def test_a_member_sending_minus_1000_times_its_delta_is_left_out_and_banned():
     histories, params = run_attacked_swarm(-1000.0)
     assert_honest_peers_train_in_step(histories, params)
@@ -380,6 +381,7 @@ def test_a_member_sending_minus_1000_times_its_delta_is_left_out_and_banned():
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.alone  # a ban needs the attacker in its rounds' groups, which deadlines decide
 def test_a_member_aiming_inside_the_distance_bound_is_clipped_and_honest_peers_stay_in_step(caplog):
     """−3 × Δ passes the 10 × ‖Δ‖ plausibility bound, so its Δ enters the group's inputs: CenteredClip bounds it."""
     caplog.set_level(logging.INFO, logger="p2ptrain")  # a failure shows the rounds' story (joins, out of step)
@@ -391,6 +393,7 @@ def test_a_member_aiming_inside_the_distance_bound_is_clipped_and_honest_peers_s
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.alone  # a ban needs the attacker in its rounds' groups, which deadlines decide
 def test_the_attack_is_real_on_hiveminds_averager_without_the_check():
     histories, params = run_attacked_swarm(-1000.0, allreduce_transport="hivemind", robust=False)
     wrecked = [not all(bool(torch.isfinite(p).all()) for p in ps) or not all(

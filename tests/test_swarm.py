@@ -18,7 +18,8 @@ from swarm_utils import (
 
 from p2ptrain.status import print_status
 
-pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.alone,  # rounds end on matchmaking deadlines
+              pytest.mark.usefixtures("one_torch_thread")]
 
 AGREEMENT_TOLERANCE = 1e-5
 

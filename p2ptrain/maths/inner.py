@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from p2ptrain.choices import PRECISIONS
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeGroup
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from p2ptrain.choices import STATE_DEVICES
 from p2ptrain.errors import ConfigError
 from p2ptrain.tensor_layout import check_alike
-
-STATE_DEVICES = ("auto", "host", "device")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,12 @@ import dataclasses
 
 import torch
 
+from p2ptrain.choices import PRECISIONS, STATE_DEVICES
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import BYTE_TOKENIZER
 from p2ptrain.errors import ConfigError
-from p2ptrain.maths.inner import PRECISIONS, autocast_dtype
-from p2ptrain.maths.outer_optimizer import STATE_DEVICES, state_device_for
+from p2ptrain.maths.inner import autocast_dtype
+from p2ptrain.maths.outer_optimizer import state_device_for
 from p2ptrain.memory.buffers import Buffers, sync_buffers
 from p2ptrain.memory.shape import ModelShape
 

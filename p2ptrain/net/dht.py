@@ -15,6 +15,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2ptrain.choices import ADMISSION_MODES
 from p2ptrain.errors import ConfigError, UserError, one_line
 from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.identity import fresh_identity_path, load_identity_key
@@ -24,7 +25,6 @@ from p2ptrain.timing import PATIENCE_S, TICK_S
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
-ADMISSION_MODES = ("open", "signed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from p2ptrain.choices import SYNC_MODES
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import MAX_CHUNK_SIZE
 from p2ptrain.maths.sparse_codec import MAX_BITS as MAX_SPARSE_BITS
 from p2ptrain.timing import TRANSFER_PATIENCE_S
 
-SYNC_MODES = ("diloco", "gasloc", "factored")
 OVERLAP_MODES = ("none", "delayed", "eager", "local")
 PARAM_CODECS = ("fp16", "none", "int8", "adaptive")
 GRAD_CODECS = ("none", "fp16", "topk", "sparse")

@@ -1,0 +1,97 @@
+"""Set-up jobs that take minutes and need nothing from a test (the type check; the Docker engine and images on a
+fresh machine) start in the background once collection ends, so their minutes overlap the tests that run before
+the ones that read them. A test then reads a step's outcome, waiting for it; a job that was not started early (its
+reader was not among the selected tests at collection) runs when first read.
+
+A started job is handed to init, not to the suite: the fixture that reaps what a test leaves behind must not kill it
+mid-way. It still gets the terminal's Ctrl-C, as the suite does."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from subreaper import orphans_go_to_init
+
+POLL_S = 0.5
+REPO = Path(__file__).resolve().parents[1]  # every step runs here
+RUN_KEY = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex  # one run of the suite, all its workers
+
+
+@dataclasses.dataclass
+class EarlyJob:
+    """Named steps run in turn, each a command; the first that fails ends the job."""
+
+    name: str
+    steps: list[tuple[str, list[str]]]
+    reader: str  # the fixture that reads its outcome: a selected test using it starts the job early
+    timeout_s: float
+    workdir: Path | None = None  # where a started job writes each step's output and exit status
+    ran: dict[str, subprocess.CompletedProcess[str]] = dataclasses.field(default_factory=dict)  # steps run when read
+
+    def start(self) -> None:
+        """Run the steps in the background, detached from the suite's process tree; once per run of the suite
+        (under xdist, the first worker to get here starts it, and every worker reads the same files)."""
+        self.workdir = Path(tempfile.gettempdir()) / f"p2ptrain-early-{RUN_KEY}-{self.name}"
+        try:
+            self.workdir.mkdir()
+        except FileExistsError:
+            return
+        lines = [f"{shlex.join(argv)} >{self._file(step, 'out')} 2>{self._file(step, 'err')} </dev/null; "
+                 f"rc=$?; echo $rc >{self._file(step, 'rc')}.tmp; mv {self._file(step, 'rc')}.tmp "
+                 f"{self._file(step, 'rc')}; [ $rc = 0 ] || exit" for step, argv in self.steps]
+        script = f"cd {shlex.quote(str(REPO))} || exit\n(\n" + "\n".join(lines) + f"\n); touch {self.workdir / 'ended'}"
+        with orphans_go_to_init():  # the shell exits at once; its backgrounded child goes to init
+            subprocess.run(["sh", "-c", f"( {script} ) >/dev/null 2>&1 &"], check=True, timeout=30)
+
+    def outcome(self, step: str) -> subprocess.CompletedProcess[str]:
+        """The step's exit status and output: waits for a started job; runs the steps up to this one otherwise."""
+        if self.workdir is None:
+            return self._run_now(step)
+        deadline = time.monotonic() + self.timeout_s
+        rc_file = self._file(step, "rc")
+        while not rc_file.exists():
+            if (self.workdir / "ended").exists() and not rc_file.exists():
+                return subprocess.CompletedProcess([step], -1, "", f"not run: an earlier step of {self.name} failed")
+            assert time.monotonic() < deadline, f"{self.name}: step {step} not done after {self.timeout_s:.0f} s"
+            time.sleep(POLL_S)
+        return subprocess.CompletedProcess(dict(self.steps)[step], int(rc_file.read_text()),
+                                           self._file(step, "out").read_text(errors="replace"),
+                                           self._file(step, "err").read_text(errors="replace"))
+
+    def _run_now(self, step: str) -> subprocess.CompletedProcess[str]:
+        for name, argv in self.steps:
+            if name not in self.ran:
+                with orphans_go_to_init():  # a daemon a step starts (dockerd) outlives single tests
+                    self.ran[name] = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                                                    timeout=self.timeout_s)
+            done = self.ran[name]
+            if name == step:
+                return done
+            if done.returncode != 0:
+                return subprocess.CompletedProcess(argv, -1, "", f"not run: step {name} of {self.name} failed: "
+                                                                 f"{done.stderr[-2000:]}")
+        raise KeyError(step)
+
+    def _file(self, step: str, kind: str) -> Path:
+        assert self.workdir is not None
+        return self.workdir / f"{step}.{kind}"
+
+
+def start_wanted(jobs: list[EarlyJob], items: list[pytest.Item]) -> None:
+    """Start each job that a selected test reads."""
+    for job in jobs:
+        if job.workdir is None and any(job.reader in getattr(item, "fixturenames", ()) for item in items):
+            job.start()
+
+
+TYPE_CHECK = EarlyJob("mypy", [("check", [sys.executable, "-m", "mypy", "p2ptrain"])], reader="type_check",
+                      timeout_s=900)
