@@ -33,6 +33,8 @@ from subreaper import set_child_subreaper
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a peer without a checkpoint directory keeps its model under XDG_DATA_HOME when it ends: never the user's own here
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="p2ptrain-tests-data-")
 
 REAP_GRACE_S = 10.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
@@ -81,16 +83,18 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist's `--dist loadgroup`, the machine-wide tests come first in the collection, so their worker starts
-    them at once, and a grouped test whose id does not name its group stops the run: the groups would spread over
-    the workers unnoticed (pytest 9 with xdist 3.8 did)."""
+    """Under xdist's `--dist loadgroup`, the machine-wide tests come first in the collection (the docker ones last of
+    them), so their worker starts them at once; a grouped test whose id does not name its group stops the run: the
+    groups would spread over the workers unnoticed (pytest 9 with xdist 3.8 did)."""
     if not getattr(config.option, "loadgroup", False):  # one process (CI): the collection's own order
         return
     ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
     if ungrouped:
         raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                 f"pytest and pytest-xdist versions (setup.cfg)")
-    items.sort(key=lambda item: _machine_wide_group(item) is None)  # stable: each part keeps its order
+    # stable: each part keeps its order; the docker tests last in the group, so the background set-up of their
+    # engine and images (early_jobs.py) has the netns tests' minutes to finish while the group holds the machine
+    items.sort(key=lambda item: (_machine_wide_group(item) is None, item.get_closest_marker("docker") is not None))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
