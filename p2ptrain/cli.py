@@ -118,6 +118,36 @@ def plan(model: str | None, config_path: str | None, gpu_gb: tuple[float, ...], 
 
 
 @cli.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+def export(checkpoint: str, out: str) -> None:
+    """Write CHECKPOINT's model (a checkpoint directory, or a --checkpoint-dir for its latest) to OUT as a Hugging
+    Face model directory: config, weights and tokenizer, loadable with AutoModelForCausalLM.from_pretrained."""
+    from transformers.utils import logging as transformers_logging
+
+    from p2ptrain.export import export_checkpoint
+
+    transformers_logging.disable_progress_bar()
+    exported = export_checkpoint(checkpoint, out)
+    click.echo(f"round {exported.round} of {exported.config.model.name!r} written to {out}: "
+               f"AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}) load it")
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--tokens", default=200, show_default=True, type=click.IntRange(1, 4096), help="Tokens to generate.")
+@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0, 10),
+              help="Sampling temperature; 0 is greedy.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
+def sample(checkpoint: str, prompt: str, tokens: int, temperature: float, seed: int) -> None:
+    """Print PROMPT continued by the model of CHECKPOINT (a checkpoint directory or a --checkpoint-dir)."""
+    from p2ptrain.export import load_exportable, sample_text
+
+    click.echo(sample_text(load_exportable(checkpoint), prompt, tokens, temperature, seed))
+
+
+@cli.command()
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Private key file to write (mode 0600); the public key goes to OUT.pub.")
 def keygen(out_path: str) -> None:

@@ -113,6 +113,11 @@ class PretrainedTokenizer:
         self._vocab_size = max(len(inner), self._eos_token_id + 1)
 
     @property
+    def inner(self) -> Any:
+        """The transformers tokenizer itself (what an exported model ships with)."""
+        return self._inner
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 

@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.device import resolve_device
-from p2ptrain.errors import CheckpointError, UserError
+from p2ptrain.errors import CheckpointError, UserError, one_line
 from p2ptrain.join_rules import split_by_quorum
 from p2ptrain.joining import Joiner
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
@@ -44,7 +44,12 @@ from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
 from p2ptrain.node.worker import NodeStart, node_batches, node_data
-from p2ptrain.peer_checkpoint import load_peer_checkpoint, load_sync_state_, save_peer_checkpoint
+from p2ptrain.peer_checkpoint import (
+    default_checkpoint_dir,
+    load_peer_checkpoint,
+    load_sync_state_,
+    save_peer_checkpoint,
+)
 from p2ptrain.peer_state import PeerState
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
@@ -230,8 +235,15 @@ class TrainingPeer:
         if self.config.run.checkpoint_dir:
             self.save_checkpoint()
         elif self.rounds_run > 0:
-            logger.info(f"no checkpoint written (no run.checkpoint_dir, --checkpoint-dir): the model of round "
-                    f"{self.state.round} is not kept")
+            directory = default_checkpoint_dir(self.config.run.run_id, self.peer_id)
+            try:
+                path = save_peer_checkpoint(self.state, self.inner, self.config, self.fingerprint, directory)
+            except OSError as e:
+                logger.warning(f"the model of round {self.state.round} is not kept: no --checkpoint-dir, and "
+                               f"{directory} cannot be written ({one_line(e)})")
+                return
+            logger.info(f"no --checkpoint-dir: the model of round {self.state.round} is kept in {path} "
+                        f"(p2ptrain export {directory} OUT_DIR; --resume --checkpoint-dir {directory} goes on)")
 
     def run_round(self, bar: ProgressBar) -> RoundMetrics | None:
         """One round, as its stages; None when stopped mid-round (the parameters are put back at the round's anchor)."""

@@ -5,7 +5,9 @@ applied (checkpoint.py: the file itself)."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -20,14 +22,28 @@ from p2ptrain.tensor_layout import check_tensors, layout_of
 logger = logging.getLogger(__name__)
 
 
-def save_peer_checkpoint(state: PeerState, inner: InnerTrainer, config: PeerConfig, fingerprint: str) -> None:
-    """Write the round's anchor, the inner optimiser's state and the outer sync's state to run.checkpoint_dir."""
+def save_peer_checkpoint(state: PeerState, inner: InnerTrainer, config: PeerConfig, fingerprint: str,
+                         directory: str | Path | None = None) -> Path:
+    """Write the round's anchor, the inner optimiser's state and the outer sync's state to `directory` (default
+    run.checkpoint_dir); returns the checkpoint's directory."""
     model = dict(zip(state.names, state.outer.anchor, strict=True))
     sync_state = {"mode": config.sync.mode,
                   "tensors": [t.detach().cpu().clone() for _, t in state.sync.state_tensors()]}
-    path = save_checkpoint(config.run.checkpoint_dir, TrainingCheckpoint(
+    path = save_checkpoint(directory or config.run.checkpoint_dir, TrainingCheckpoint(
         state.round, model, inner.state_dict(), sync_state, config.to_dict(), fingerprint))
     logger.info(f"checkpoint written to {path}")
+    return path
+
+
+def default_checkpoint_dir(run_id: str, peer_id: str) -> Path:
+    """Where a peer run without a checkpoint directory keeps its model when it ends: the user's data directory
+    (XDG_DATA_HOME, else ~/.local/share), one directory per run and peer, so peers on one machine never share it."""
+    data_home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data_home / "p2ptrain" / "checkpoints" / _safe_name(run_id) / _safe_name(peer_id)
+
+
+def _safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).lstrip(".") or "_"
 
 
 def load_peer_checkpoint(config: PeerConfig, fingerprint: str, named_params: Sequence[tuple[str, torch.Tensor]],

@@ -117,8 +117,11 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                              "another model"),
     "no workers": (lambda d: ["peer", "--workers", "0"], "--workers"),
     "a node on a missing GPU": (lambda d: [*TINY, "--workers", "2", "--device", "cuda"], "CUDA is not available"),
+    "export a missing checkpoint": (lambda d: ["export", str(d / "absent-ckpt"), str(d / "out")], "no checkpoint"),
+    "export a corrupt checkpoint": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out")], "corrupt"),
+    "sample without a prompt": (lambda d: ["sample", str(d / "other-model-ckpt")], "--prompt"),
 }
-HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"]]
+HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"], ["export"], ["sample"]]
 
 
 def test_the_cli_builds_its_flags_without_torch_transformers_or_hivemind() -> None:

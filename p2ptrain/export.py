@@ -1,0 +1,122 @@
+"""The model out of the swarm: a checkpoint becomes a Hugging Face model directory (config, safetensors weights,
+tokenizer) that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load with nothing of
+p2ptrain installed, and text sampled from it. The byte tokenizer is written as an equivalent fast tokenizer: each
+UTF-8 byte its own token with the same id (256 ends a document), so the exported model reads what it was trained
+on."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2ptrain.checkpoint import load_checkpoint
+from p2ptrain.config import PeerConfig, build_config
+from p2ptrain.data import ByteTokenizer, PretrainedTokenizer, build_tokenizer
+from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
+from p2ptrain.models import build_model, model_fingerprint
+
+BYTE_EOS = "<|endoftext|>"  # the exported byte tokenizer's name for id 256
+
+
+@dataclasses.dataclass
+class ExportedModel:
+    """A checkpoint's model with its weights and the tokenizer it was trained with, as transformers objects."""
+
+    model: Any  # a transformers PreTrainedModel, in eval mode
+    tokenizer: Any  # a transformers tokenizer
+    round: int  # the checkpoint's round
+    config: PeerConfig
+
+
+def load_exportable(checkpoint_path: str | Path) -> ExportedModel:
+    """The model of a checkpoint directory (or of a checkpoint root's `latest`), checked against its fingerprint."""
+    checkpoint = load_checkpoint(checkpoint_path)
+    try:
+        config = build_config(checkpoint.config)
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {checkpoint_path} holds a config this version cannot read: {e}") from None
+    tokenizer = build_tokenizer(config.data)
+    model = build_model(config.model, tokenizer.vocab_size, config.run.seed)
+    if model_fingerprint(model) != checkpoint.fingerprint:
+        raise CheckpointError(f"checkpoint {checkpoint_path} does not match the model its config builds "
+                              f"(fingerprint {checkpoint.fingerprint}, built {model_fingerprint(model)})")
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if sorted(trained) != sorted(checkpoint.model):
+        raise CheckpointError(f"checkpoint {checkpoint_path} has other parameter names than its model")
+    with torch.no_grad():
+        for name, parameter in trained.items():
+            value = checkpoint.model[name]
+            if value.shape != parameter.shape or not torch.isfinite(value).all():
+                raise CheckpointError(f"checkpoint {checkpoint_path}: {name} has the wrong shape or a non-finite "
+                                      f"value")
+            parameter.copy_(value)
+    return ExportedModel(model.eval(), transformers_tokenizer(tokenizer), checkpoint.round, config)
+
+
+def transformers_tokenizer(tokenizer: object) -> Any:
+    """The tokenizer a run trained with, as transformers saves and loads it."""
+    if isinstance(tokenizer, PretrainedTokenizer):
+        return tokenizer.inner
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_level_tokenizer()
+    raise UserError(f"cannot export a {type(tokenizer).__name__}")
+
+
+def byte_level_tokenizer() -> Any:
+    """A fast tokenizer equal to `ByteTokenizer`: byte b is token b (through GPT-2's printable stand-ins for bytes,
+    no merges), and BYTE_EOS is 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _printable_bytes().items()}
+    vocab[BYTE_EOS] = ByteTokenizer().eos_token_id
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=BYTE_EOS)
+
+
+def _printable_bytes() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (the alphabet of tokenizers' ByteLevel)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path) -> ExportedModel:
+    """Write the checkpoint's model and tokenizer to `out_dir` (absent or empty: nothing is overwritten)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not an empty directory; export writes into a new one")
+    exported = load_exportable(checkpoint_path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        exported.model.save_pretrained(out)
+        exported.tokenizer.save_pretrained(out)
+    except OSError as e:
+        raise UserError(f"cannot write the model to {out}: {one_line(e)}") from None
+    return exported
+
+
+def sample_text(exported: ExportedModel, prompt: str, new_tokens: int, temperature: float, seed: int) -> str:
+    """The prompt and a continuation of `new_tokens` tokens: sampled at `temperature` (0: greedy), seeded."""
+    if not prompt:
+        raise UserError("--prompt must not be empty")
+    if new_tokens < 1 or temperature < 0:
+        raise UserError("--tokens must be >= 1 and --temperature >= 0")
+    ids = exported.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    limit = exported.config.model.max_seq_len
+    ids = ids[:, -max(1, limit - new_tokens):]  # the context the model has positions for
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = exported.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      do_sample=temperature > 0, temperature=temperature or None, top_k=None,
+                                      pad_token_id=exported.tokenizer.eos_token_id)
+    return str(exported.tokenizer.decode(out[0], skip_special_tokens=True))
