@@ -72,18 +72,27 @@ def peer(**kwargs: Any) -> None:
 @cli.command()
 @click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any live peer or bootstrap.")
 @click.option("--run-id", default=None, help="Run id to list (default from config).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (a line) per refresh instead of a table.")
+@click.option("--watch", "every_s", type=click.FloatRange(min=0.5), default=None,
+              help="Refresh every this many seconds over one connection, until Ctrl-C.")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many.")
 @network_options
-def status(initial_peers: tuple[str, ...], run_id: str | None, **kwargs: Any) -> None:
-    """Print a table of the run's live peers."""
+def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, every_s: float | None,
+           count: int | None, **kwargs: Any) -> None:
+    """Print the run's live peers: round, phase, losses, tokens/s, reach, bans."""
     from p2ptrain.config import load_config
     from p2ptrain.status import print_status
 
+    if count is not None and every_s is None:
+        raise click.UsageError("--count needs --watch")
     overrides = network_overrides(kwargs)
     overrides["network.client_mode"] = True
     if run_id:
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
-    print_status(config, split_peers(initial_peers))
+    stop = threading.Event()
+    install_stop_handlers(stop.set)
+    print_status(config, split_peers(initial_peers), as_json, every_s, count, stop)
 
 
 @cli.command()

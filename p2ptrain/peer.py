@@ -53,7 +53,7 @@ from p2ptrain.peer_checkpoint import (
 from p2ptrain.peer_state import PeerState
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
-from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers
+from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers, why_alone
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class TrainingPeer:
         self.outer = OuterOptimizer(self.params, dataclasses.replace(
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
+        self.alone_reason: str | None = None  # why the latest round averaged alone (None: it did not)
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
         # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
@@ -322,8 +323,13 @@ class TrainingPeer:
 
     def _report(self, round_: int, started: float, phase: PhaseResult, synced: SyncOutcome,
                 evaluated: bool) -> RoundMetrics:
-        """The round's metrics, written to the metrics file, and our record's figures."""
+        """The round's metrics, written to the metrics file, and our record's figures; a line saying why, when the
+        round combined only our own contribution (said again only when the reason changes)."""
         result = synced.result
+        reason = why_alone(synced.context, result) if result.group_size == 1 else None
+        if reason is not None and reason != self.alone_reason:
+            logger.info(f"round {round_} averaged alone: {reason}")
+        self.alone_reason = reason
         bytes_sent, bytes_received = self.traffic.take_()  # measured: net/stream_bytes.py
         metrics = RoundMetrics(
             peer_id=self.peer_id, round=round_, inner_steps=phase.steps, train_loss=phase.mean_loss,

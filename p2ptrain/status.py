@@ -1,8 +1,12 @@
-"""`p2ptrain status`: a table of a run's live peers, read from the DHT."""
+"""`p2ptrain status`: a run's live peers, read from the DHT, as a table or JSON, once or every few seconds."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import click
 from hivemind.utils import get_dht_time
@@ -36,15 +40,40 @@ def format_status_table(records: Sequence[PeerRecord], now: float) -> str:
     return "\n".join(lines)
 
 
-def print_status(config: PeerConfig, initial_peers: Sequence[str]) -> list[PeerRecord]:
-    """Join as a client, print the table; in a signed run only peers with a valid ticket are listed."""
+def status_document(run_id: str, signed: bool, records: Sequence[PeerRecord], now: float) -> dict[str, Any]:
+    """The run's live peers as JSON-ready data: every record field (the ticket aside), and `seen_s`, the seconds
+    since its last heartbeat."""
+    peers = [{**record.dict(exclude={"ticket"}), "seen_s": round(now - record.updated, 3)} for record in records]
+    return {"run_id": run_id, "signed": signed, "time": now, "live_peers": len(records), "peers": peers}
+
+
+def print_status(config: PeerConfig, initial_peers: Sequence[str], as_json: bool = False,
+                 every_s: float | None = None, count: int | None = None,
+                 stop: threading.Event | None = None) -> list[PeerRecord]:
+    """Join as a client and print the live peers (a table, or one JSON document a line): once, or every `every_s`
+    seconds over the same connection until `count` refreshes or `stop`. In a signed run only peers with a valid
+    ticket are listed. Returns the last refresh's records."""
     admission = Admission.from_config(config.network, config.run.run_id)  # a bad key file fails before joining
     dht = start_dht(config.network, initial_peers)
+    stop = stop or threading.Event()
+    records: list[PeerRecord] = []
     try:
         add_record_validators(dht, config.run.run_id, config.network.record_ttl_s, admission)
-        records = present(fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission))
-        click.echo(f"run {config.run.run_id!r}{' (signed)' if admission.signed else ''}:")
-        click.echo(format_status_table(records, get_dht_time()))
-        return records
+        refreshes = 0
+        while True:
+            started = time.monotonic()
+            records = present(fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission))
+            now = get_dht_time()
+            if as_json:
+                click.echo(json.dumps(status_document(config.run.run_id, admission.signed, records, now)))
+            else:
+                stamp = f" at {time.strftime('%H:%M:%S')}" if every_s else ""
+                click.echo(f"run {config.run.run_id!r}{' (signed)' if admission.signed else ''}{stamp}:")
+                click.echo(format_status_table(records, now))
+            refreshes += 1
+            if every_s is None or (count is not None and refreshes >= count):
+                return records
+            if stop.wait(max(0.0, every_s - (time.monotonic() - started))):
+                return records
     finally:
         dht.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import time
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.join_rules import choose_donors
 from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records, present
 from p2ptrain.peer import TrainingPeer
-from p2ptrain.status import format_status_table
+from p2ptrain.status import format_status_table, status_document
 
 NOW = 1000.0
 
@@ -58,6 +59,17 @@ def test_swarm_view_questions_and_the_status_table() -> None:
     lines = format_status_table(reached, NOW).splitlines()
     assert "direct+relay" in lines[2] and "relay:Abcdef" in lines[3] and "outbound" in lines[4]
     assert " ? " in format_status_table(records[3:], NOW).splitlines()[2]  # not tested yet
+
+
+def test_the_status_document_holds_every_field_but_the_ticket_and_round_trips_through_json() -> None:
+    records = [PeerRecord(peer_id=p, round=3, inner_step=1, phase="inner", round_eta=0.0, updated=NOW - age,
+                          val_loss=2.25, ticket="c2lnbmVk") for p, age in (("a", 1.5), ("b", 0.25))]
+    document = json.loads(json.dumps(status_document("myrun", True, records, NOW)))
+    assert (document["run_id"], document["signed"], document["live_peers"]) == ("myrun", True, 2)
+    assert [(p["peer_id"], p["round"], p["val_loss"], p["seen_s"]) for p in document["peers"]] == [
+        ("a", 3, 2.25, 1.5), ("b", 3, 2.25, 0.25)]
+    assert all("ticket" not in p and {"phase", "reach", "banned", "tokens_per_s"} <= p.keys()
+               for p in document["peers"])
 
 
 class SilentDHT:

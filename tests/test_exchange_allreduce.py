@@ -38,6 +38,7 @@ from p2ptrain.sync.allreduce_agreement import (
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound, round_groups
 from p2ptrain.sync.exchange_driver import ExchangeDriver
+from p2ptrain.sync.interface import RoundContext, RoundSync, why_alone
 from p2ptrain.sync.relay_retries import FORGET_RELAY_FAILURE_ROUNDS, RelayRetries
 from p2ptrain.tensor_layout import distance, norm
 
@@ -573,3 +574,14 @@ def test_an_offer_is_held_no_longer_than_the_initiators_patience_when_the_member
         assert seen and all(verdict == "not in this round" for _, verdict in seen), seen
 
     with_transports(2, scenario)
+
+
+def test_a_round_averaged_alone_says_why() -> None:
+    context = RoundContext(round=7, inner_steps=5, live_peers=[], same_round_peers=0)
+    assert why_alone(context, RoundSync()) == "no other peer of the run is live"
+    context.live_peers = ["a", "b"]
+    assert "none of the 2 other live peer(s) is in round 7" in why_alone(context, RoundSync())
+    context.round_peers = ["a"]
+    assert "1 failed" in why_alone(context, RoundSync(failed=1)) and "0 were refused" in why_alone(
+        context, RoundSync(failed=1))
+    assert "averaged without it" in why_alone(context, RoundSync())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.alone,  # round
 AGREEMENT_TOLERANCE = 1e-5
 
 
-def test_three_peers_train_agree_and_are_listed():
+def test_three_peers_train_agree_and_are_listed(capsys):
     config = tiny_config(f"swarm-{uuid.uuid4().hex[:6]}", run={"rounds": 4})
     first = start_peer(config)
     peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]
@@ -47,6 +48,11 @@ def test_three_peers_train_agree_and_are_listed():
         status_config = replace_section(config, "network", client_mode=True)
         records = print_status(status_config, first.maddrs)
         assert {r.peer_id for r in records} == {p.peer_id for p in peers}
+        capsys.readouterr()
+        print_status(status_config, first.maddrs, as_json=True, every_s=0.5, count=2)  # `status --json --watch`
+        documents = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(documents) == 2 and all({p["peer_id"] for p in d["peers"]} == {p.peer_id for p in peers}
+                                           for d in documents)
     finally:
         for p in peers:
             p.shutdown()

@@ -100,6 +100,19 @@ class RoundSync:
         self.refused += mix2.refused
 
 
+def why_alone(context: RoundContext, result: RoundSync) -> str:
+    """Why a round combined nothing but our own contribution, from what the round saw."""
+    if not context.live_peers:
+        return "no other peer of the run is live"
+    if not context.round_peers:
+        return (f"none of the {len(context.live_peers)} other live peer(s) is in round {context.round} or the one "
+                f"before")
+    if result.failed or result.refused:
+        return (f"{len(context.round_peers)} peer(s) were in its round; of its exchanges, {result.failed} failed "
+                f"(timed out or invalid) and {result.refused} were refused (busy or declined)")
+    return f"the {len(context.round_peers)} peer(s) of its round averaged without it (it came too late or too early)"
+
+
 @dataclasses.dataclass
 class ExchangeRecord:
     """One completed push-pull exchange this peer started: what a transfer model is calibrated against."""

@@ -1,0 +1,62 @@
+"""The release artefacts: an sdist and a wheel build from the tree, pass `twine check` (what PyPI checks of the
+metadata and the README), and carry the package, its console script, the license and the one torch pin."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from p2ptrain import __version__
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(argv)}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def artefacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("dist")
+    # the wheel is built from the sdist, as pip builds it for a user who installs the sdist
+    run("build", "--no-isolation", "--outdir", str(out), str(REPO))
+    (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
+    return sdist, wheel
+
+
+@pytest.mark.slow
+def test_the_sdist_and_the_wheel_pass_twine_check(artefacts: tuple[Path, Path]) -> None:
+    done = run("twine", "check", "--strict", *map(str, artefacts))
+    assert done.stdout.count("PASSED") == 2, done.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_package_its_script_license_and_the_torch_pin(artefacts: tuple[Path, Path]) -> None:
+    sdist, wheel = artefacts
+    assert wheel.name == f"p2ptrain-{__version__}-py3-none-any.whl" and sdist.name == f"p2ptrain-{__version__}.tar.gz"
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        info = f"p2ptrain-{__version__}.dist-info"
+        metadata = archive.read(f"{info}/METADATA").decode()
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+    assert {"p2ptrain/cli.py", "p2ptrain/choices.py", "p2ptrain/sync/exchange_driver.py"} <= names
+    assert not any(name.startswith(("tests/", "benchmarks/")) for name in names)
+    assert any(name.startswith(f"{info}/") and name.endswith("LICENSE") for name in names)
+    assert "p2ptrain = p2ptrain.cli:main" in entry_points
+    pins = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torch")]
+    assert pins == ["Requires-Dist: torch==2.13.0"]
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    assert "torch==2.13.0" in cfg.get("options", "install_requires")  # the pin's one place
+    with tarfile.open(sdist) as archive:
+        members = {Path(m.name).relative_to(f"p2ptrain-{__version__}").as_posix() for m in archive.getmembers()
+                   if m.name != f"p2ptrain-{__version__}"}
+    assert {"setup.cfg", "pyproject.toml", "README.md", "LICENSE", "p2ptrain/cli.py"} <= members
