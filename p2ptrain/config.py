@@ -56,6 +56,9 @@ class RunConfig:
     # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
     # rounds (rank 0's sync, joins and checkpoints included) before the node stops; a dead worker is seen at once
     node_timeout_s: float = HUNG_AFTER_S
+    # at start, the peer's memory plan (`p2ptrain plan`) for its device: a peer it says does not fit stops in one
+    # line with the plan's advice (the plan is within ~15 % of the measured peak); false starts it anyway
+    check_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " ./:"):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from p2ptrain.choices import ADMISSION_MODES, SYNC_MODES
+from p2ptrain.errors import UserError
 
 if TYPE_CHECKING:  # the config pulls in the models: imported when a command runs, not for --help
     from p2ptrain.config import PeerConfig
@@ -195,6 +196,8 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     """Print the memory plan, or run the peer (one node of `--workers` processes) until its rounds end or a signal.
     `conduct`: how the peer forms what it sends (the honest default when None; the testnet's red team lies);
     `module`: the program (`python -m MODULE`) whose command line the node's other processes run."""
+    import torch
+
     from p2ptrain.device import resolve_device
     from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.peer import TrainingPeer
@@ -207,6 +210,8 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
         click.echo(plan_text(config, settings_of(config), PlanRequest(device=config.run.device)))
         return
     device = resolve_device(config.run.device)  # before the node starts: a bad device fails once, in one line
+    if config.run.check_memory:
+        check_memory_plan(config)
     start_node_processes(request.workers, module)
     node = NodeGroup.from_environment(device, config.run.node_timeout_s)
     if not node.is_leader:
@@ -227,12 +232,35 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
         for maddr in training_peer.maddrs:
             click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
         sys.stdout.flush()
-        history = training_peer.run()
+        try:
+            history = training_peer.run()
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of {device.type} memory at round {training_peer.state.round}: "
+                            f"{memory_advice(config)}") from None
         if history:
             click.echo(f"done: {len(history)} rounds, round {history[-1].round}, val loss "
                        f"{history[0].val_loss:.3f} -> {history[-1].val_loss:.3f}")
     finally:
         training_peer.shutdown()
+
+
+def check_memory_plan(config: PeerConfig) -> None:
+    """Refuse, in one line with the plan's advice, a peer whose memory plan does not fit its device."""
+    from p2ptrain.memory.report import local_misfit
+
+    misfit = local_misfit(config)
+    if misfit is not None:
+        raise UserError(f"this peer does not fit its device: {misfit} (p2ptrain plan shows the whole plan; "
+                        f"run.check_memory: false starts it anyway)")
+
+
+def memory_advice(config: PeerConfig) -> str:
+    """What to change after running out of memory: the plan's advice, or the settings that lower the peak."""
+    from p2ptrain.memory.report import local_misfit
+
+    misfit = local_misfit(config)
+    return misfit or ("the plan expected it to fit; more inner.micro_batches, inner.activation_checkpointing: true "
+                      "or inner.precision: bf16 lower the peak (p2ptrain plan shows by how much)")
 
 
 def start_node_processes(workers: int | None, module: str) -> None:

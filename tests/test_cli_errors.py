@@ -91,6 +91,9 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cli")
     (root / "wrong_key.yaml").write_text("inner:\n  stepz: 3\n")
+    # `base` at 2048 x 512 tokens a step: about 350 GiB by the plan, more than any test machine has
+    (root / "too_big.yaml").write_text("model:\n  name: base\n  max_seq_len: 512\ndata:\n  batch_size: 2048\n"
+                                       "  seq_len: 512\n")
     (root / "empty-ckpt").mkdir()
     save_tiny_checkpoint(root / "other-model-ckpt", vocab_size=300)
     save_tiny_checkpoint(root / "corrupt-ckpt")
@@ -117,6 +120,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                              "another model"),
     "no workers": (lambda d: ["peer", "--workers", "0"], "--workers"),
     "a node on a missing GPU": (lambda d: [*TINY, "--workers", "2", "--device", "cuda"], "CUDA is not available"),
+    "a peer its device cannot hold": (lambda d: ["peer", "--config", str(d / "too_big.yaml"), "--loopback",
+                                                 "--device", "cpu"], "does not fit its device"),
     "export a missing checkpoint": (lambda d: ["export", str(d / "absent-ckpt"), str(d / "out")], "no checkpoint"),
     "export a corrupt checkpoint": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out")], "corrupt"),
     "sample without a prompt": (lambda d: ["sample", str(d / "other-model-ckpt")], "--prompt"),

@@ -6,12 +6,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from test_cli_errors import Outcome, assert_one_line_user_error, finish, start_cli
 from transformers import LlamaConfig
 
+import p2ptrain.peer
+from p2ptrain import peer_command
+from p2ptrain.config import build_config
 from p2ptrain.errors import UserError
 from p2ptrain.memory.buffers import allreduce_round, sync_buffers
 from p2ptrain.memory.measure import VOCAB_SIZE, measure, measure_here
@@ -200,3 +205,31 @@ def test_the_example_of_the_readme_is_current(cli_runs: dict[str, Outcome]) -> N
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     shown = readme.split(f"$ {README_COMMAND}\n", 1)[1].split("```", 1)[0]
     assert shown.splitlines() == [line.rstrip() for line in cli_runs["table"].stdout.splitlines()]
+
+
+def test_running_out_of_memory_is_one_line_with_what_lowers_the_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose step runs out of memory stops with one line (the plan's advice), and still shuts down."""
+    shut: list[bool] = []
+
+    class OutOfMemoryPeer:
+        peer_id, maddrs, state = "12D3KooWx", [], types.SimpleNamespace(round=3)
+
+        def __init__(self, *_args: object, **_kwargs: object) -> None:
+            pass
+
+        def run(self) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def stop(self) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            shut.append(True)
+
+    monkeypatch.setattr(p2ptrain.peer, "TrainingPeer", OutOfMemoryPeer)
+    monkeypatch.setattr(peer_command, "install_stop_handlers", lambda stop: None)  # not the test process's
+    config = build_config({"model": {"name": "tiny"}, "run": {"device": "cpu", "run_id": "oom"}})
+    with pytest.raises(UserError, match="out of cpu memory at round 3: the plan expected it to fit; more "
+                                        "inner.micro_batches"):
+        peer_command.run_peer(peer_command.PeerRequest(config, [], False, None, False))
+    assert shut == [True]

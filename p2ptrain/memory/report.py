@@ -11,7 +11,7 @@ from typing import Any
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import UserError
-from p2ptrain.memory.plan import GIB, MIB, MemoryPlan, Settings, activation_bytes, fit, plan_memory
+from p2ptrain.memory.plan import GIB, MIB, MemoryPlan, Settings, activation_bytes, fit, plan_memory, settings_of
 from p2ptrain.memory.shape import ModelShape, model_shape
 from p2ptrain.models import PRESETS
 
@@ -146,6 +146,17 @@ def verdict(f: dict[str, Any]) -> str:
 
 def _key(name: str) -> str:
     return f"outer.{name}" if name == "state_device" else f"inner.{name}"
+
+
+def local_misfit(config: PeerConfig) -> str | None:
+    """None when this peer's plan fits its device here (or cannot be made without a download); else the verdict,
+    with the settings that would make it fit, as `plan` prints it."""
+    try:
+        report = plan_report(config, settings_of(config), PlanRequest(device=config.run.device))
+    except UserError:  # a hub model or tokenizer not cached yet: the peer downloads it, the plan never does
+        return None
+    misfits = [f for f in report["fits"] if not f["fits"]]
+    return verdict(misfits[0]) if misfits else None
 
 
 def plan_text(config: PeerConfig, settings: Settings, request: PlanRequest, as_json: bool = False) -> str:
