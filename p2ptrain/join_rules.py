@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import random
 import statistics
@@ -31,6 +32,7 @@ class DonorChoice:
     suspects: list[PeerRecord]
     donors: list[PeerRecord]
     ran_ahead: bool = False
+    split: list[str] = dataclasses.field(default_factory=list)  # a split's out-of-step peers, the first by rank first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
 
 def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
                   max_lead: int, is_banned: Callable[[str], bool], last_round_syncing_s: float = 0.0,
-                  now: float = 0.0) -> DonorChoice:
+                  now: float = 0.0, own_id: str = "") -> DonorChoice:
     """Peers to download state from, best first; none when we are in step with the swarm.
 
     Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
@@ -99,6 +101,11 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     no donor of its own round ever (without this rule, peers set apart never catch up: tests/test_swarm.py). Longer
     in sync, it is stuck or done (a peer that finished its rounds); with overlap, the first round averages nobody
     by design, and every peer would take another's state after it.
+
+    Out of step with no synced peer in our round (a split: say two peers that each averaged round 0 alone), each
+    would wait for a synced donor that never comes, and average Δs over different anchors for the rest of the run.
+    Then the round's out-of-step peers, us (`own_id`) included, rank by `split_rank`: all but the first take the
+    first's state, which makes them synced; the first takes theirs once they are.
     """
     quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
     ahead = [r for r in trusted if r.round > own_round] if aligned else []
@@ -111,12 +118,23 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     elif not in_step and aligned:  # a synced peer of our round (or of the last, syncing: a moment from ours)
         candidates = [r for r in trusted if r.synced and (r.round == own_round or (
             r.round == own_round - 1 and r.phase == "sync" and _syncing_since(r, now, last_round_syncing_s)))]
+        split = [r for r in trusted if r.round == own_round and not r.synced]
+        if not candidates and split and own_id:
+            ranked = sorted([own_id, *(r.peer_id for r in split)], key=lambda p: split_rank(own_round, p))
+            candidates = [r for r in split if r.peer_id == ranked[0]]
+            return DonorChoice(quorum, trusted, suspects, candidates, False, ranked)
     else:
         candidates = []
     # the most advanced first; among equals, the fastest announced link (a download from a slow home uplink can
     # take much of a joiner's first minute)
     donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
+
+
+def split_rank(round_: int, peer_id: str) -> bytes:
+    """The order in which the out-of-step peers of a round hold the state the others take: a hash salted with the
+    round, so that no identity, however chosen, comes first round after round."""
+    return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
 
 
 def _syncing_since(record: PeerRecord, now: float, at_most_s: float) -> bool:

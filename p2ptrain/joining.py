@@ -194,7 +194,7 @@ class Joiner:
         own_round = 0 if fresh else peer.state.round  # a retrying peer's round counts its own rounds alone
         choice = choose_donors(view.others, own_round, peer.state.synced, fresh, peer.sync.aligned_rounds,
                                self.config.join_max_round_lead, peer.reputation.is_banned,
-                               self._last_round_syncing_s(), get_dht_time())
+                               self._last_round_syncing_s(), get_dht_time(), peer.peer_id)
         for suspect in choice.suspects:
             if suspect.peer_id not in self._suspects_logged:
                 self._suspects_logged.add(suspect.peer_id)
@@ -214,6 +214,10 @@ class Joiner:
         choice = self.choose(view)
         self.ran_ahead_rounds = self.ran_ahead_rounds + 1 if choice.ran_ahead else 0
         choice = self._unless_too_soon(choice)
+        if choice.split:
+            role = f"we take the state of {choice.split[0]}" if choice.donors else "we hold the state the others take"
+            logger.info(f"out of step, and none of the {len(choice.split)} peers of round {state.round} is in "
+                        f"step: {role}")
         if choice.donors and peer.sync.aligned_rounds and not self._counted_in_round_0(choice):
             choice = self.round_to_join(choice)
         if self._starts_alike(choice):

@@ -37,6 +37,7 @@ from p2ptrain.join_rules import (
     own_loss_bound,
     quorum_round,
     snapshot_rounds,
+    split_rank,
 )
 from p2ptrain.joining import (
     JOIN_RETRIES,
@@ -173,7 +174,8 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
         return SwarmView("me", views[min(reads[0] - 1, len(views) - 1)])
 
     config = SyncConfig(mode="diloco", allreduce_timeout_s=timeout_s)
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), stop_event=threading.Event(),
+    peer = types.SimpleNamespace(peer_id="12D3KooWme", config=types.SimpleNamespace(sync=config),
+                                 stop_event=threading.Event(),
                                  swarm=swarm, state=types.SimpleNamespace(round=0, synced=True, joined_ever=False),
                                  sync=types.SimpleNamespace(aligned_rounds=config.mode == "diloco"),
                                  routes=Routes("me"),
@@ -254,7 +256,8 @@ def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace
                                  rounds_count_own_steps=config.mode == "gasloc",
                                  load_state_tensors_=lambda _tensors: None)
     state = PeerState([], types.SimpleNamespace(set_params_=lambda _tensors: None), sync)  # type: ignore[arg-type]
-    peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), state=state, sync=sync,
+    peer = types.SimpleNamespace(peer_id="12D3KooWme", config=types.SimpleNamespace(sync=config), state=state,
+                                 sync=sync,
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
                                  announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)),
                                  routes=Routes("me"))
@@ -297,6 +300,25 @@ def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum()
     choice = choose_donors(others, 6, True, False, True, 2, lambda p: p == "liar")
     assert choice.quorum == 7 and [r.peer_id for r in choice.donors] == ["a"]
     assert [r.peer_id for r in choice.trusted] == ["a"]
+
+
+def test_a_split_with_no_synced_peer_heals_all_take_the_state_of_the_first_by_rank() -> None:
+    """Two (or more) peers that each averaged a round alone are all out of step, and none is synced: without a rule
+    each would wait for a synced donor forever. All but the first by `split_rank` take the first's state."""
+    ids = ["12D3KooWa", "12D3KooWb", "12D3KooWc"]
+    for round_ in (1, 7):
+        first = min(ids, key=lambda p: split_rank(round_, p))
+        for me in ids:
+            others = [record(p, round_, synced=False) for p in ids if p != me] + [record("behind", round_ - 1)]
+            choice = choose_donors(others, round_, False, False, True, 2, nobody_banned, own_id=me)
+            assert [r.peer_id for r in choice.donors] == ([] if me == first else [first]), (round_, me)
+    firsts = {min(ids, key=lambda p: split_rank(r, p)) for r in range(40)}
+    assert firsts == set(ids)  # salted by the round: no identity comes first in every round
+    # a synced peer of the round is still the donor; in step, no one is
+    others = [record("12D3KooWa", 3, synced=False), record("12D3KooWs", 3, synced=True)]
+    assert [r.peer_id for r in choose_donors(others, 3, False, False, True, 2, nobody_banned,
+                                             own_id="12D3KooWb").donors] == ["12D3KooWs"]
+    assert choose_donors(others[:1], 3, True, False, True, 2, nobody_banned, own_id="12D3KooWb").donors == []
 
 
 def test_the_most_advanced_donor_comes_first_then_synced_then_the_fastest_link():

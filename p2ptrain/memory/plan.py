@@ -108,9 +108,10 @@ def layer_bytes_per_token(shape: ModelShape, half: bool) -> int:
 
 
 def head_bytes_per_token(shape: ModelShape, half: bool) -> int:
-    """The final norm, the logits and the loss's log-softmax (fp32 even under autocast), and the labels."""
+    """The final norm, the loss's log-softmax of the logits (fp32 even under autocast: the 16-bit logits are freed
+    once upcast), and the labels."""
     h, v = shape.hidden, shape.vocab
-    return (4 * 2 * h + 2 * h + 6 * v if half else 4 * (3 * h + v)) + 20
+    return (4 * 2 * h + 2 * h + 4 * v if half else 4 * (3 * h + v)) + 20
 
 
 def activation_bytes(shape: ModelShape, settings: Settings, device: str, checkpointing: bool | None = None,
