@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a peer without a checkpoint directory keeps its model under XDG_DATA_HOME when it ends: never the user's own here
-os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="p2ptrain-tests-data-")
+DATA_HOME = os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="p2ptrain-tests-data-")
 
 REAP_GRACE_S = 10.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
@@ -95,6 +95,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # stable: each part keeps its order; the docker tests last in the group, so the background set-up of their
     # engine and images (early_jobs.py) has the netns tests' minutes to finish while the group holds the machine
     items.sort(key=lambda item: (_machine_wide_group(item) is None, item.get_closest_marker("docker") is not None))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(DATA_HOME, ignore_errors=True)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
