@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.utils import get_dht_time
 
+from p2ptrain import __version__
 from p2ptrain.config import PeerConfig
 from p2ptrain.data import build_tokenizer, shard_for_peer
 from p2ptrain.device import resolve_device
@@ -36,7 +37,15 @@ from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht
-from p2ptrain.net.discovery import BLOCKING_PUBLISH_HEARTBEATS, Announcer, PeerRecord, SwarmView, SwarmWatcher
+from p2ptrain.net.discovery import (
+    BLOCKING_PUBLISH_HEARTBEATS,
+    PROTOCOL_VERSION,
+    Announcer,
+    PeerRecord,
+    SwarmView,
+    SwarmWatcher,
+    other_protocol_note,
+)
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
@@ -56,6 +65,7 @@ from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers, why_alone
 
 logger = logging.getLogger(__name__)
+MAX_OTHER_PROTOCOL_NOTES = 64  # peers of another protocol a peer tells apart by name in its log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +104,7 @@ class TrainingPeer:
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         self.alone_reason: str | None = None  # why the latest round averaged alone (None: it did not)
+        self.other_protocol_seen: set[str] = set()  # peers already told apart for their protocol (at most a bound)
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
         # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
@@ -152,7 +163,8 @@ class TrainingPeer:
         self.state = PeerState([n for n, _ in self.named_params], self.outer, self.sync, start_round)
         self.joiner = Joiner(self)
         record = PeerRecord(peer_id=self.peer_id, round=self.state.round, inner_step=0, phase="joining", round_eta=0.0,
-                            fingerprint=self.fingerprint, relay=cfg.network.relay)
+                            fingerprint=self.fingerprint, relay=cfg.network.relay, protocol=PROTOCOL_VERSION,
+                            version=__version__)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
                                    cfg.network.record_ttl_s, admission=self.admission)
         self.announcer.start()
@@ -175,7 +187,18 @@ class TrainingPeer:
         records = self.watcher.records(current=self.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
-        return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint])
+        self._note_other_protocols(records)
+        return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint
+                                        and r.protocol == PROTOCOL_VERSION])
+
+    def _note_other_protocols(self, records: list[PeerRecord]) -> None:
+        """One line per peer of another protocol, the first time it is seen (identities are cheap: at most
+        MAX_OTHER_PROTOCOL_NOTES peers are remembered, then a run of them is said no more)."""
+        for record in records:
+            if record.protocol != PROTOCOL_VERSION and record.peer_id not in self.other_protocol_seen \
+                    and len(self.other_protocol_seen) < MAX_OTHER_PROTOCOL_NOTES:
+                self.other_protocol_seen.add(record.peer_id)
+                logger.warning(other_protocol_note(record, __version__))
 
     def _round_start_view(self) -> SwarmView:
         """The swarm at a round's start: with overlap, the view read at the end of the round before if younger than

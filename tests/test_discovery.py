@@ -12,7 +12,16 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
-from p2ptrain.net.discovery import PeerRecord, SwarmView, SwarmWatcher, fetch_peers, parse_records, present
+from p2ptrain.net.discovery import (
+    PROTOCOL_VERSION,
+    PeerRecord,
+    SwarmView,
+    SwarmWatcher,
+    fetch_peers,
+    other_protocol_note,
+    parse_records,
+    present,
+)
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import format_status_table, status_document
 
@@ -157,3 +166,28 @@ def test_a_newcomer_downloads_state_from_the_most_advanced_peer_with_the_fastest
     choice = choose_donors(records, own_round=0, in_step=True, fresh=True, aligned=False, max_lead=2,
                            is_banned=lambda _peer: False)
     assert [r.peer_id for r in choice.donors] == ["b-fast", "a-slow", "d-unknown", "c-behind"]
+
+
+def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    """A record without `protocol` is of a peer from before records carried it (0); a peer reads only peers of its
+    own protocol into its view, and says once per peer, in one line, which release the other runs."""
+    old = parse_records(dht_result(entry(peer_id="12D3KooOld")), ttl_s=8.0, now=NOW)[0]
+    assert (old.protocol, old.version) == (0, "")
+    same = old.copy(update=dict(peer_id="12D3KooSame", protocol=PROTOCOL_VERSION, version="0.1.0"))
+    newer = old.copy(update=dict(peer_id="12D3KooNew", protocol=PROTOCOL_VERSION + 1, version="0.3.0"))
+    records = [old, same, newer]
+    me = SimpleNamespace(peer_id="12D3KooMe", fingerprint="", other_protocol_seen=set(), routes=SimpleNamespace(
+        update_=lambda _records: None), config=SimpleNamespace(sync=SimpleNamespace(matchmaking_s=1.0)),
+        sync=SimpleNamespace(needs_current_swarm=False),
+        watcher=SimpleNamespace(records=lambda current, timeout_s: records))
+    me._note_other_protocols = lambda rs: TrainingPeer._note_other_protocols(me, rs)  # type: ignore[arg-type]
+    caplog.set_level("WARNING", logger="p2ptrain")
+    for _ in range(3):
+        view = TrainingPeer.swarm(me)  # type: ignore[arg-type]
+        assert [r.peer_id for r in view.others] == ["12D3KooSame"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # once each, however often the swarm is read
+    assert "12D3KooOld runs p2ptrain before 0.1.0 (protocol 0), older than ours" in lines[0]
+    assert "12D3KooNew runs p2ptrain 0.3.0" in lines[1] and "pip install -U 'p2ptrain==0.3.0'" in lines[1]
+    assert other_protocol_note(newer.copy(update=dict(version="")), "0.1.0").endswith(
+        "pip install -U 'p2ptrain' to train with it")

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 BLOCKING_PUBLISH_HEARTBEATS = 2
 BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
 LEFT = "left"  # the phase of a departed peer's last record
+# What peers must share to train together: the records, the exchanges' formats and the agreement digests. A change to
+# any of them raises it; peers of another protocol are left out of rounds and told apart in one line. 0: a record
+# from before records carried it (those peers hashed their agreement digests with SHA-256, not BLAKE3)
+PROTOCOL_VERSION = 1
 
 
 class PeerRecord(BaseModel):
@@ -63,6 +67,8 @@ class PeerRecord(BaseModel):
     relay_via: constr(max_length=64, regex=BASE58, strict=True) = ""  # type: ignore[valid-type]  # its relay's id
     seen_as: constr(max_length=45, regex=r"^[0-9a-fA-F.:]*$", strict=True) = ""  # type: ignore[valid-type]  # its IP
     relay: StrictBool = False  # it serves as a relay for peers behind NAT (net/relay.py)
+    protocol: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # its PROTOCOL_VERSION
+    version: constr(max_length=32, regex=r"^[0-9A-Za-z.+-]*$", strict=True) = ""  # type: ignore[valid-type]  # release
     # signed runs: the organiser's signature of (run id, peer id), base64 (net/admission.py); "" in open runs
     ticket: constr(max_length=MAX_TICKET_CHARS, regex=r"^[A-Za-z0-9+/=]*$", strict=True) = ""  # type: ignore[valid-type]
 
@@ -97,6 +103,17 @@ def is_live(record: PeerRecord, now: float, ttl_s: float) -> bool:
     """Whether a record still stands: its last heartbeat is at most `ttl_s` old (a `left` record too, as a
     tombstone)."""
     return now - record.updated <= ttl_s
+
+
+def other_protocol_note(record: PeerRecord, own_version: str) -> str:
+    """One line for a peer left out because it speaks another protocol: which release to install, if ours is older."""
+    theirs = f"p2ptrain {record.version or 'before 0.1.0'} (protocol {record.protocol})"
+    if record.protocol > PROTOCOL_VERSION:
+        release = f"p2ptrain=={record.version}" if record.version else "p2ptrain"
+        return (f"peer {record.peer_id} runs {theirs}, newer than ours ({own_version}, protocol {PROTOCOL_VERSION}): "
+                f"it is left out of our rounds; pip install -U '{release}' to train with it")
+    return (f"peer {record.peer_id} runs {theirs}, older than ours ({own_version}, protocol {PROTOCOL_VERSION}): it is "
+            f"left out of our rounds until it upgrades")
 
 
 def present(records: list[PeerRecord]) -> list[PeerRecord]:
