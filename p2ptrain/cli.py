@@ -91,7 +91,8 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, ev
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
     stop = threading.Event()
-    install_stop_handlers(stop.set)
+    if every_s is not None:  # Ctrl-C ends the watch after the refresh in progress
+        install_stop_handlers(stop.set)
     print_status(config, split_peers(initial_peers), as_json, every_s, count, stop)
 
 

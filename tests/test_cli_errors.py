@@ -122,6 +122,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "a node on a missing GPU": (lambda d: [*TINY, "--workers", "2", "--device", "cuda"], "CUDA is not available"),
     "a peer its device cannot hold": (lambda d: ["peer", "--config", str(d / "too_big.yaml"), "--loopback",
                                                  "--device", "cpu"], "does not fit its device"),
+    "status --count without --watch": (lambda d: ["status", "--initial-peers", UNREACHABLE_PEER, "--count", "2"],
+                                       "--count needs --watch"),
     "export a missing checkpoint": (lambda d: ["export", str(d / "absent-ckpt"), str(d / "out")], "no checkpoint"),
     "export a corrupt checkpoint": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out")], "corrupt"),
     "sample without a prompt": (lambda d: ["sample", str(d / "other-model-ckpt")], "--prompt"),

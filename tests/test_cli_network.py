@@ -61,6 +61,13 @@ def test_bootstrap_prints_an_address_a_peer_joins_and_keeps_it_across_restarts(t
         assert peer.returncode == 0, peer.stderr[-2000:]
         assert "done: 2 rounds" in peer.stdout
         assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+        # the peer left (its last record says so): the run lists no one, twice, as JSON lines
+        status = subprocess.run(cli("status", "--loopback", "--initial-peers", address, "--run-id", "cli-test",
+                                    "--json", "--watch", "0.5", "--count", "2"),
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr[-2000:]
+        documents = [json.loads(line) for line in status.stdout.splitlines()]
+        assert [(d["run_id"], d["live_peers"]) for d in documents] == [("cli-test", 0), ("cli-test", 0)]
     finally:
         assert stop(bootstrap) == 0, "bootstrap did not shut down cleanly on SIGTERM"
     restarted, second_address = start_bootstrap(tmp_path)

@@ -139,7 +139,7 @@ def check_peer_id(peer_id: str) -> str:
     try:
         multihash.decode(PeerID.from_base58(peer_id).to_bytes())
     except (ValueError, TypeError):
-        raise UserError(f"{peer_id!r} is not a peer id (expected e.g. 12D3KooW..., as the peer printed it)") \
+        raise UserError(f"{peer_id!r} is not a peer id (expected e.g. QmPeerId..., as the peer printed it)") \
             from None
     if len(peer_id) > 128:
         raise UserError(f"peer id {peer_id[:20]}... is longer than 128 characters")

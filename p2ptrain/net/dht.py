@@ -92,7 +92,7 @@ def parse_maddr(text: str) -> Multiaddr:
     try:
         return Multiaddr(text)
     except Exception:  # the multiaddr package raises several unrelated types
-        raise ConfigError(f"{text!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...)") \
+        raise ConfigError(f"{text!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/QmPeerId...)") \
             from None
 
 
