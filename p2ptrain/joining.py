@@ -118,6 +118,9 @@ class JoiningPeer(Protocol):
     a read of the swarm, and an announcement."""
 
     @property
+    def peer_id(self) -> str: ...
+
+    @property
     def config(self) -> PeerConfig: ...
 
     @property
