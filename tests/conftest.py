@@ -6,9 +6,9 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns and docker tests form one group
-that one worker runs in turn, dispatched first: they share the machine's Docker engine and apt, and each runs a
-swarm of peer processes, so at most one of them loads the machine at a time.
+Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns, docker and `alone` tests form
+one group that one worker runs first, and while one of them runs no other test runs beside it (`MachineShare`): each
+loads the whole machine, or counts rounds in wall-clock time. The other tests run two at a time.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(DATA_HOME, ignore_errors=True)
+    if _share is not None:
+        _share.remove()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -136,6 +138,13 @@ class MachineShare:
         if self.held is not None:
             fcntl.flock(self.lock, fcntl.LOCK_UN)
             self.held = None
+
+    def remove(self) -> None:
+        """At the end of a worker: the files go (the other worker holds its own open files, if still running)."""
+        self.leave()
+        for file in (self.turnstile, self.lock):
+            file.close()
+            Path(file.name).unlink(missing_ok=True)
 
 
 _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("PYTEST_XDIST_WORKER") else None
