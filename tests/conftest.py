@@ -27,7 +27,7 @@ import psutil
 import pytest
 import torch
 from docker_utils import DOCKER_SETUP
-from early_jobs import TYPE_CHECK, start_wanted
+from early_jobs import TYPE_CHECK, remove_ended, start_wanted
 from subreaper import set_child_subreaper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,6 +99,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(DATA_HOME, ignore_errors=True)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # a worker ending first must not take files the other still reads
+        remove_ended([TYPE_CHECK, DOCKER_SETUP])
     if _share is not None:
         _share.remove()
 

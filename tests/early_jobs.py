@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,13 @@ class EarlyJob:
     def _file(self, step: str, kind: str) -> Path:
         assert self.workdir is not None
         return self.workdir / f"{step}.{kind}"
+
+
+def remove_ended(jobs: list[EarlyJob]) -> None:
+    """The files of the jobs this run started and that have ended (one still running keeps them until it ends)."""
+    for job in jobs:
+        if job.workdir is not None and (job.workdir / "ended").exists():
+            shutil.rmtree(job.workdir, ignore_errors=True)
 
 
 def start_wanted(jobs: list[EarlyJob], items: list[pytest.Item]) -> None:
