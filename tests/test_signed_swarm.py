@@ -31,9 +31,10 @@ def volunteer_files(tmp_path: Path, name: str, organiser_key: Path) -> dict[str,
 
 
 def signed_swarm(tmp_path: Path, mode: str, intruder_inner: dict[str, object] | None = None,
+                 intruder_sync: dict[str, object] | None = None,
                  **sync: object) -> tuple[set[str], list[list[RoundMetrics]], TrainingPeer]:
-    """Alice and Bob (ticketed) and an intruder (its inner section changed by `intruder_inner`) run 5 rounds: the
-    ticketed ids, the three histories, Alice."""
+    """Alice and Bob (ticketed) and an intruder (its inner and sync sections changed by `intruder_inner` and
+    `intruder_sync`) run 5 rounds: the ticketed ids, the three histories, Alice."""
     key, public_key = generate_organiser_key(tmp_path / "organiser.key")
     signed = {"admission": "signed", "organiser_key": str(public_key)}
     rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5},
@@ -41,7 +42,8 @@ def signed_swarm(tmp_path: Path, mode: str, intruder_inner: dict[str, object] | 
     alice = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "alice", key)}))
     bob = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "bob", key)}),
                      alice.maddrs)
-    intruder = start_peer(tiny_config(RUN, **rounds, inner=intruder_inner or {}), alice.maddrs)  # no ticket, no checks
+    intruder_rounds = {**rounds, "sync": {**rounds["sync"], **(intruder_sync or {})}}
+    intruder = start_peer(tiny_config(RUN, **intruder_rounds, inner=intruder_inner or {}), alice.maddrs)  # no ticket
     _threads, histories = run_peers([alice, bob, intruder], timeout_s=240)
     return {alice.peer_id, bob.peer_id}, histories, alice
 
@@ -59,7 +61,9 @@ def test_only_ticketed_peers_gossip_together_in_a_signed_run(tmp_path: Path) -> 
 
 
 def test_an_intruder_gets_into_no_exchange_all_reduce_of_a_signed_run(tmp_path: Path) -> None:
-    ticketed, histories, alice = signed_swarm(tmp_path, "diloco")
+    # refused every state, the intruder waits for the volunteers' next round each round, at most its all-reduce
+    # timeout: 5 s, not the default 30 s (the test took 130 s)
+    ticketed, histories, alice = signed_swarm(tmp_path, "diloco", intruder_sync={"allreduce_timeout_s": 5.0})
     for name, history in zip(("alice", "bob"), histories[:2], strict=True):
         assert all(m.peers_averaged <= 2 for m in history), f"{name} averaged with the intruder"
         assert any(m.peers_averaged == 2 for m in history), f"{name} never averaged with its ticketed partner"
