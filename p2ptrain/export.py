@@ -15,8 +15,9 @@ import torch
 from p2ptrain.checkpoint import load_checkpoint
 from p2ptrain.config import PeerConfig, build_config
 from p2ptrain.data import ByteTokenizer, PretrainedTokenizer, build_tokenizer
-from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
+from p2ptrain.errors import CheckpointError, ConfigError, StateMismatchError, UserError, one_line
 from p2ptrain.models import build_model, model_fingerprint
+from p2ptrain.tensor_layout import check_tensors, layout_of
 
 BYTE_EOS = "<|endoftext|>"  # the exported byte tokenizer's name for id 256
 
@@ -46,12 +47,13 @@ def load_exportable(checkpoint_path: str | Path) -> ExportedModel:
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if sorted(trained) != sorted(checkpoint.model):
         raise CheckpointError(f"checkpoint {checkpoint_path} has other parameter names than its model")
+    values = [checkpoint.model[name] for name in trained]
+    try:  # the check a resumed peer makes of the same file (peer_checkpoint.load_peer_checkpoint)
+        check_tensors(layout_of(list(trained), [p.detach() for p in trained.values()]), values, what="checkpoint")
+    except StateMismatchError as e:
+        raise CheckpointError(f"checkpoint {checkpoint_path} does not fit its model: {e}") from None
     with torch.no_grad():
-        for name, parameter in trained.items():
-            value = checkpoint.model[name]
-            if value.shape != parameter.shape or not torch.isfinite(value).all():
-                raise CheckpointError(f"checkpoint {checkpoint_path}: {name} has the wrong shape or a non-finite "
-                                      f"value")
+        for parameter, value in zip(trained.values(), values, strict=True):
             parameter.copy_(value)
     return ExportedModel(model.eval(), transformers_tokenizer(tokenizer), checkpoint.round, config)
 
