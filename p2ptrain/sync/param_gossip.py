@@ -54,6 +54,10 @@ PARAM_CODECS = ("none", "fp16", "int8")  # the codecs an offer of parameters may
 # compares with our own link: peers on equally fast links can measure speeds 30 % apart from CPU load alone, and
 # ranking them by that noise would leave fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
+# a partner is too slow to wait for when an exchange with it would take more than this many times one on our own
+# link: equal loopback links measured up to 1.9x apart under CPU load (at 1.25, a fast peer excluded all three others
+# and started no exchange); the links the rule is for differ by 10x or more (a 1 Mbit/s home uplink beside 50 Mbit/s)
+SLOW_PARTNER_RATIO = 3.0
 # Offers one partner may make: accepted ones per our round (an honest partner opens one per its own round; 2 leaves
 # room for a partner at twice our pace, or one retry after a failure), and any offers in time (a Mix1 partner not in
 # our round yet asks again on round_retry's schedule, at most every POLL_S: half of the rate)
@@ -330,14 +334,14 @@ class ParamGossip:
 
     def partners_worth_waiting_for(self, live_peers: list[str], links: dict[str, float]) -> list[str]:
         """GASLoC's heterogeneity rule (ours): we start exchanges only with peers whose link lets the exchange
-        end within 1.25 × an exchange on our own link or within a tenth of the inner phase (or, when our
+        end within `SLOW_PARTNER_RATIO` × an exchange on our own link or within a tenth of the inner phase (or, when our
         exchanges overlap the inner phase as Mix1's do, within that phase). Slower peers are not dropped from the
         graph: they start exchanges with us, which we answer in the background while we train, so fast peers
         never wait for a slow one and a slow one waits only for its own link. A peer that announced no speed (it
         completed no exchange it started) is judged by what we measured with it, if anything."""
         phase_s = self.budget_s if self.budget_s < float("inf") else 0.0
         hidden_s = phase_s if self.overlapped else NEGLIGIBLE_BLOCKING_FRACTION * phase_s
-        limit = max(hidden_s, 1.25 * self.expected_exchange_s())
+        limit = max(hidden_s, SLOW_PARTNER_RATIO * self.expected_exchange_s())
         return [p for p in live_peers if self.expected_exchange_s(links.get(p) or self.links.measured().get(p, 0.0))
                 <= limit]
 
