@@ -6,9 +6,11 @@ no older than its TTL, and ask to be kept no longer than the TTL; anything else 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +23,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
+from p2ptrain.net.dht_keys import MAX_LIFETIME_S, MAX_VALUE_BYTES, RunKeysValidator, averager_prefix, round_group_bits
 from p2ptrain.net.discovery import (
     Announcer,
     PeerRecord,
@@ -115,7 +118,38 @@ def test_parse_records_applies_the_same_bounds_and_the_signer_check() -> None:
     assert read(entry(other.subkey, peer_id=other.peer_id), entry(me.subkey, updated=now + FAR)) == [other.peer_id]
 
 
+def test_a_node_of_the_run_takes_only_the_runs_keys_small_values_and_bounded_lifetimes() -> None:
+    validator = pickle.loads(pickle.dumps(RunKeysValidator(RUN)))  # as hivemind carries it to its DHT process
+    now = get_dht_time()
+
+    def accepted(key: str, value: bytes = b"x", expires_in_s: float = TTL_S) -> bool:
+        return validator.validate(DHTRecord(DHTID.generate(source=key).to_bytes(), b"", value, now + expires_in_s))
+
+    group_key = f"{averager_prefix(RUN, 'mix2')}.0b{round_group_bits(300)}"
+    assert accepted(peers_key(RUN)) and accepted(group_key)
+    assert accepted(f"{averager_prefix(RUN, 'diloco')}.0b{round_group_bits(7)}")
+    assert not accepted("a-random-key") and not accepted(peers_key("another-run"))
+    assert not accepted(f"{averager_prefix(RUN, 'diloco')}.0b1")  # a group key of another length
+    assert accepted(peers_key(RUN), b"x" * MAX_VALUE_BYTES)
+    assert not accepted(peers_key(RUN), b"x" * (MAX_VALUE_BYTES + 1))
+    assert not accepted(group_key, expires_in_s=MAX_LIFETIME_S + MAX_CLOCK_SKEW_S + 60)
+    with pytest.raises(ValueError, match="not one of the run's DHT keys"):
+        averager_prefix(RUN, "mix3")  # an averager whose records every node would refuse
+    assert validator.merge_with(RunKeysValidator(RUN)) and not validator.merge_with(RunKeysValidator("another-run"))
+
+
 # ---- a real DHT pair on loopback --------------------------------------------------------------------------------
+async def _store_bytes(_dht: object, node: Any, key: str, size: int, subkey: bytes | None,
+                       expiration_time: float) -> bool:
+    """Store `size` bytes from inside the DHT's process, as an attacker's own node would send them (hivemind's
+    `DHT.store` carries values through a pipe that breaks its process at tens of KiB)."""
+    return bool(await node.store(key, b"x" * size, expiration_time, subkey=subkey))
+
+
+async def _stored_key_count(_dht: object, node: Any) -> int:
+    return sum(1 for _ in node.protocol.storage.items())
+
+
 async def _stored_subkeys(_dht: object, node: Any, key: str) -> list[bytes]:
     """The subkeys this DHT node holds in its own storage under `key` (runs in the DHT's process)."""
     found = node.protocol.storage.get(DHTID.generate(source=key))
@@ -130,18 +164,26 @@ def start_node(initial_peers: list[str] | None = None) -> SwarmDHT:
     return start_dht(NetworkConfig.loopback(), initial_peers or [])
 
 
+@contextlib.contextmanager
+def reader_and_others(others: int) -> Iterator[list[SwarmDHT]]:
+    """A reader with the run's validators, then `others` nodes joined to it that check nothing; all shut down
+    after."""
+    nodes = [start_node()]
+    try:
+        add_record_validators(nodes[0], RUN, TTL_S)
+        for _ in range(others):
+            nodes.append(start_node(visible_maddrs(nodes[0])))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
 @pytest.mark.network
 @pytest.mark.slow
 def test_a_dht_pair_refuses_forged_records_and_stores_a_valid_one() -> None:
     """The attacker's node signs with its own identity key and checks nothing; the reader runs our validators."""
-    reader = start_node()
-    nodes = [reader]
-    try:
-        add_record_validators(reader, RUN, TTL_S)
-        honest = start_node(visible_maddrs(reader))
-        nodes.append(honest)
-        attacker = start_node(visible_maddrs(reader))
-        nodes.append(attacker)
+    with reader_and_others(2) as (reader, honest, attacker):
         attacker.add_validators([RSASignatureValidator(attacker.signing_key)])  # signs, but checks nothing
         signer = RSASignatureValidator(attacker.signing_key).local_public_key
         attacker_id = peer_id_of_signer(signer)
@@ -172,9 +214,6 @@ def test_a_dht_pair_refuses_forged_records_and_stores_a_valid_one() -> None:
             [(attacker_id, 7), (str(honest.peer_id), 3)])  # no forgery reached the reader, even unchecked
         assert [(r.peer_id, r.round) for r in fetch_peers(reader, RUN, TTL_S)] == sorted(
             [(attacker_id, 7), (str(honest.peer_id), 3)])
-    finally:
-        for node in nodes:
-            node.shutdown()
 
 
 @pytest.mark.network
@@ -210,3 +249,24 @@ def test_a_peer_that_leaves_is_dropped_at_the_next_read_not_after_its_ttl() -> N
     finally:
         for node in nodes:
             node.shutdown()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_flood_under_foreign_keys_or_of_large_values_is_not_stored() -> None:
+    """Measured before: 400 values of 1 MiB under random keys were all stored on one peer's node (+443 MB)."""
+    with reader_and_others(1) as (reader, attacker):
+
+        def store(key: str, size: int, expires_in_s: float = 600, subkey: bytes | None = None) -> bool:
+            return attacker.run_coroutine(functools.partial(_store_bytes, key=key, size=size, subkey=subkey,
+                                                            expiration_time=get_dht_time() + expires_in_s))
+
+        group_key = f"{averager_prefix(RUN, 'diloco')}.0b{round_group_bits(3)}"
+        for i in range(20):
+            store(f"junk-{i}", size=1 << 20)
+        store(group_key, size=MAX_VALUE_BYTES + 1, subkey=b"too-big")
+        store(group_key, size=1, subkey=b"forever", expires_in_s=1e9)
+        assert reader.run_coroutine(_stored_key_count) == 0
+        assert store(group_key, size=1, subkey=b"peer")  # the run's own key: stored
+        assert reader.run_coroutine(_stored_key_count) == 1
+        assert reader.run_coroutine(functools.partial(_stored_subkeys, key=group_key)) == [b"peer"]

@@ -40,13 +40,13 @@ import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import MPFuture
 
+from p2ptrain.net.dht_keys import round_group_bits
 from p2ptrain.net.lifetime import DiesWithStarter
 from p2ptrain.tensor_layout import norm
 from p2ptrain.timing import TICK_S, allreduce_bound_s, matchmaking_bound_s
 
 logger = logging.getLogger(__name__)
 
-ROUND_BITS = 16  # rounds are told apart modulo 2**16 in the group key
 MAX_GROUP_SIZE = 2**16  # no target: the group holds every live peer of the round
 CODECS: dict[str, type[CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2}
@@ -96,10 +96,6 @@ class AveragingResult:
     own_deviation: float | None = None
     discarded: bool = False  # the members could not agree on the inputs: nobody applies anything this round
     in_step: bool | None = None  # whether our state was the group's, by the samples members showed (None: unknown)
-
-
-def round_group_bits(round_: int) -> str:
-    return format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
 
 
 def claimed_norms(gathered: Mapping[object, object]) -> list[float]:

@@ -25,10 +25,11 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, constr
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
+from p2ptrain.net.dht_keys import RunKeysValidator, peers_key
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
@@ -42,8 +43,9 @@ BASE58 = r"^[1-9A-HJ-NP-Za-km-z]*$"  # libp2p peer ids as text
 LEFT = "left"  # the phase of a departed peer's last record
 # What peers must share to train together: the records, the exchanges' formats and the agreement digests. A change to
 # any of them raises it; peers of another protocol are left out of rounds and told apart in one line. 0: a record
-# from before records carried it (those peers hashed their agreement digests with SHA-256, not BLAKE3)
-PROTOCOL_VERSION = 1
+# from before records carried it (those peers hashed their agreement digests with SHA-256, not BLAKE3). 2: the
+# averagers' group keys hold 8 round bits, not 16, and nodes store only the run's keys (net/dht_keys.py)
+PROTOCOL_VERSION = 2
 
 
 class PeerRecord(BaseModel):
@@ -58,7 +60,7 @@ class PeerRecord(BaseModel):
     val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
     bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # own link, bits/s (0: unknown)
-    fingerprint: StrictStr = ""  # model fingerprint: peers of another architecture are ignored
+    fingerprint: constr(max_length=64, strict=True) = ""  # type: ignore[valid-type]  # model fingerprint: peers of another architecture are ignored
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat
     banned: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # peers it bans now (reputation)
@@ -75,10 +77,6 @@ class PeerRecord(BaseModel):
 
 class SwarmSchema(BaseModel):
     peers: dict[BytesWithPublicKey, PeerRecord]  # type: ignore[valid-type]
-
-
-def peers_key(run_id: str) -> str:
-    return f"{run_id}_peers"
 
 
 def record_problem(record: PeerRecord, now: float, ttl_s: float, policy: AdmissionPolicy, signer: str | None = None,
@@ -163,11 +161,12 @@ class PeerRecordValidator(RecordValidatorBase):
 
 def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float,
                           admission: Admission | None = None) -> RSASignatureValidator:
-    """Install this run's validators (signature, schema, `PeerRecordValidator`); returns the signature validator,
-    whose public key, that of the node's identity key (`dht.signing_key`), is the subkey of our record."""
+    """Install this run's validators (its keys only: net/dht_keys.py; signature, schema, `PeerRecordValidator`);
+    returns the signature validator, whose public key, that of the node's identity key (`dht.signing_key`), is the
+    subkey of our record."""
     policy = admission.policy if admission is not None else AdmissionPolicy(run_id)
     signature_validator = RSASignatureValidator(dht.signing_key)
-    dht.add_validators([SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
+    dht.add_validators([RunKeysValidator(run_id), SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
                         PeerRecordValidator(run_id, ttl_s, policy)])
     return signature_validator
 

@@ -11,6 +11,7 @@ from hivemind.p2p import P2P
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.net.allreduce import AllReduceAverager
+from p2ptrain.net.dht_keys import averager_prefix
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import serve_exchanges
 from p2ptrain.net.relay import RelayEntry
@@ -40,7 +41,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     sends what the peer's `conduct` forms."""
     def averager(prefix: str, group_size: int | None, shows_state: bool = False) -> Averager:
         if config.allreduce_transport == "hivemind":
-            return AllReduceAverager(dht, f"{run_id}_{prefix}", outer.params, config.matchmaking_s,
+            return AllReduceAverager(dht, averager_prefix(run_id, prefix), outer.params, config.matchmaking_s,
                                      config.allreduce_timeout_s, config.grad_codec, target_group_size=group_size,
                                      robust=config.robust, refuses=reputation.refuses)
         transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce

@@ -1,0 +1,78 @@
+"""The keys a run stores in the DHT, and the validator by which a node of the run stores no other.
+
+A run's nodes (peers, the bootstrap, `status`) store and serve only:
+- `{run_id}_peers`: the peer records (net/discovery.py);
+- with `sync.allreduce_transport: hivemind`, the group keys of hivemind's averagers: `{run_id}_{name}.0b{bits}`
+  for each averager name (`AVERAGER_NAMES`) and every `ROUND_BITS`-bit string (net/allreduce.py writes the round
+  into the bits; hivemind reshuffles them after a group forms, within the same length).
+Left to itself, a hivemind DHT node stores whatever another node sends it, under any key, as large and for as long
+as the sender says: 400 values of 1 MiB under random keys took 443 MB of one peer's memory. `RunKeysValidator`
+refuses a record under any other key, a value larger than `MAX_VALUE_BYTES`, and one set to expire more than
+`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+from p2ptrain.timing import MAX_CLOCK_SKEW_S
+
+# rounds are told apart modulo 2**ROUND_BITS in the group key: a group's records live seconds, so rounds 256 apart
+# never meet, and every key of a run can be listed (2 averagers x 256 keys)
+ROUND_BITS = 8
+AVERAGER_NAMES = ("diloco", "mix2")  # DiLoCo's all-reduce, Factored's Mix2 (sync/build.py)
+# the largest value a run stores: a signed peer record with a ticket is under 3 kB (signature and public key included)
+MAX_VALUE_BYTES = 16 * 1024
+# the farthest ahead a record may be set to expire (a peer record's TTL is checked, more tightly, by its own
+# validator; the averagers' group records live for one matchmaking, seconds)
+MAX_LIFETIME_S = 3600.0
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def averager_prefix(run_id: str, name: str) -> str:
+    if name not in AVERAGER_NAMES:  # its group records would be refused by every node of the run
+        raise ValueError(f"averager {name!r} is not one of the run's DHT keys {AVERAGER_NAMES}")
+    return f"{run_id}_{name}"
+
+
+def round_group_bits(round_: int) -> str:
+    return format(round_ % 2**ROUND_BITS, f"0{ROUND_BITS}b")
+
+
+@functools.lru_cache(maxsize=16)
+def run_key_ids(run_id: str) -> frozenset[bytes]:
+    """The DHT ids (hashes) of every key the run stores."""
+    keys = [peers_key(run_id)] + [f"{averager_prefix(run_id, name)}.0b{round_group_bits(r)}"
+                                  for name in AVERAGER_NAMES for r in range(2**ROUND_BITS)]
+    return frozenset(DHTID.generate(source=key).to_bytes() for key in keys)
+
+
+@dataclasses.dataclass
+class RunKeysValidator(RecordValidatorBase):
+    """hivemind validator: only the run's keys, values of at most MAX_VALUE_BYTES, lifetimes of at most
+    MAX_LIFETIME_S (plus the clock skew allowed between peers). Plain data: hivemind pickles validators into its DHT
+    process."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        self.key_ids = run_key_ids(self.run_id)
+
+    def validate(self, record: DHTRecord) -> bool:
+        return (record.key in self.key_ids and len(record.value) <= MAX_VALUE_BYTES
+                and record.expiration_time <= get_dht_time() + MAX_LIFETIME_S + MAX_CLOCK_SKEW_S)
+
+    @property
+    def priority(self) -> int:
+        return 20  # before the signature validator (10): a foreign key costs no signature check
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return other == self
