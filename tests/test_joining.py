@@ -836,27 +836,32 @@ def test_sketch_requests_beyond_the_rate_are_refused_and_a_flood_gets_its_sender
 @pytest.mark.network
 def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate_limits_each_peer():
     """Served without bound, concurrent downloads (from any number of identities) each held a copy of the whole
-    state, and a reader that never read held its stream for good. Now: DOWNLOADS_AT_ONCE at a time (a request beyond
-    is refused, the joiner tries another donor), each cut off at its deadline, and each peer at most DOWNLOAD_BURST
-    at once (beyond: refused, an offence)."""
+    state, and a reader that never read held its stream for good; then one identity held both slots of a donor for
+    85 s at no cost. Now: DOWNLOADS_AT_ONCE at a time (a request beyond is refused, the joiner tries another donor),
+    one per peer (a second at once is an offence), each cut off when its reader stops reading (an offence), and each
+    peer at most DOWNLOAD_BURST in a burst (beyond: refused, an offence)."""
     big = StateSnapshot.capture({"round": 7, "run_id": "run", "fingerprint": "fp"},
                                 [("param:w", torch.randn(1024, 1024)), ("sync:m", torch.zeros(1024, 1024))])
     layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(big.names, big.tensors, strict=True)]
 
     async def scenario() -> tuple[object, object, float, dict[str, dict[str, int]], int]:
         a, b = await start_pair()
-        c = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                             nat_port_map=False, auto_nat=False, use_relay=False)
+        c, d = [await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                 nat_port_map=False, auto_nat=False, use_relay=False) for _ in range(2)]
         reputation = Reputation()
         server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=0.5)
         await server.add_p2p_handlers(a, namespace="run")
         try:
-            stalled = [await StateServer.get_stub(b, a.peer_id, namespace="run").rpc_download_state(
-                averaging_pb2.DownloadRequest()) for _ in range(DOWNLOADS_AT_ONCE)]
+            assert DOWNLOADS_AT_ONCE == 2  # one stalled stream from each of b and d
+            stalled = [await StateServer.get_stub(p2p, a.peer_id, namespace="run").rpc_download_state(
+                averaging_pb2.DownloadRequest()) for p2p in (b, d)]
             for stream in stalled:
                 await stream.__anext__()  # one message read, then nothing: the donor's writes back up
+            second = await asyncio.gather(download_state(d, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),
+                                          return_exceptions=True)  # d's second while its first is held: an offence
             busy = await asyncio.gather(download_state(c, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),
                                         return_exceptions=True)
+            assert isinstance(second[0], WireError) and "0 metadata blocks" in str(second[0]), second
             started = time.monotonic()
             # each stalled stream is cut at its deadline: 0.5 + 8 MiB at 64 KiB/s, capped at 4 × 0.5 = 2 s
             downloaded = await download_state(c, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED) \
@@ -871,16 +876,17 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
                 answers += await asyncio.gather(download_state(b, c.peer_id, "small", small_layout, 2**20, 5.0,
                                                                EXPECTED), return_exceptions=True)
             return busy[0], downloaded, waited, reputation.offences(), sum(isinstance(x, StateSnapshot)
-                                                                           for x in answers)
+                                                                           for x in answers), b.peer_id, d.peer_id
         finally:
-            for p2p in (a, b, c):
+            for p2p in (a, b, c, d):
                 await p2p.shutdown()
 
-    busy, downloaded, waited, offences, served_count = asyncio.run(asyncio.wait_for(scenario(), 60))
+    busy, downloaded, waited, offences, served_count, b_id, d_id = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert isinstance(busy, WireError) and "0 metadata blocks" in str(busy), busy  # both slots taken: refused
     assert isinstance(downloaded, StateSnapshot) and downloaded.round == 7 and waited < 5.0
     assert DOWNLOAD_BURST <= served_count <= DOWNLOAD_BURST + 1  # a token may come back meanwhile
-    assert list(offences.values()) == [{"too_many_requests": DOWNLOAD_BURST + 2 - served_count}], offences
+    assert offences == {b_id.to_base58(): {"slow_send": 1, "too_many_requests": DOWNLOAD_BURST + 2 - served_count},
+                        d_id.to_base58(): {"slow_send": 1, "too_many_opens": 1}}, offences
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout_s: float) -> bool:

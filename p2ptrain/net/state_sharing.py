@@ -55,9 +55,11 @@ SKETCH_BURST = 8
 # a stalled witness (joining.py waits a few times as long as the first witness took)
 SKETCHES_QUEUED = 4
 # snapshots served: at most DOWNLOADS_AT_ONCE at a time (a request beyond is refused: the joiner tries another
-# donor), each within its `download_deadline_s` (a reader too slow is cut off), and to each peer at most
-# DOWNLOADS_PER_S (bursts of DOWNLOAD_BURST; beyond, "too_many_requests"). Served without bound, concurrent
-# requests (from any number of identities) each held a serialized copy of the whole state in memory
+# donor), one per peer (a second at once: "too_many_opens"), each within its `download_deadline_s` and each message
+# read within `transfer_s` of its bytes (a reader too slow or idle is cut off, "slow_send"), and to each peer at
+# most DOWNLOADS_PER_S (bursts of DOWNLOAD_BURST; beyond, "too_many_requests"). Served without bound, concurrent
+# requests (from any number of identities) each held a serialized copy of the whole state in memory; with slots but
+# no per-peer bound and no offence, one identity held both slots of 3 donors for 85 s, and a joiner trained alone
 DOWNLOADS_AT_ONCE = 2
 DOWNLOADS_PER_S = 0.5
 DOWNLOAD_BURST = 8
@@ -217,7 +219,7 @@ class StateServer(ServicerBase):
         self._sketches_waiting = 0  # requests computing or waiting for the lock
         self.sketch_limit = RateLimit(SKETCHES_PER_S, SKETCH_BURST)
         self.download_limit = RateLimit(DOWNLOADS_PER_S, DOWNLOAD_BURST)
-        self._serving: set[asyncio.Task[Any]] = set()  # the downloads being served (their stream handlers' tasks)
+        self._serving: dict[asyncio.Task[Any], str] = {}  # the downloads being served: stream handler task -> peer
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -227,18 +229,33 @@ class StateServer(ServicerBase):
             return  # nothing to share (yet, with this peer, or now): the caller tries another peer
         task = asyncio.current_task()  # the handler's: cancelled at the deadline, even while a write waits on a reader
         assert task is not None
-        deadline = asyncio.get_running_loop().call_later(download_deadline_s(snapshot.nbytes, self.chunk_timeout_s),
-                                                         task.cancel)
-        self._serving.add(task)
+        loop = asyncio.get_running_loop()
+
+        def cut_off(why: str) -> None:
+            self.penalise(peer, "slow_send", why)
+            task.cancel()
+
+        total_s = download_deadline_s(snapshot.nbytes, self.chunk_timeout_s)
+        deadline = loop.call_later(total_s, cut_off, f"a state download took longer than {total_s:.0f} s")
+        idle: asyncio.TimerHandle | None = None
+        self._serving[task] = peer
         try:
             metadata: bytes | None = encode_metadata(snapshot.metadata)
             for tensor in snapshot.tensors:  # serialized one at a time: one tensor's copy in memory, not the state's
                 for part in stream_parts([serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)]):
+                    # the generator resumes once the previous message is written: a reader that stops reading
+                    # holds this slot only as long as one message takes at the slowest link we serve
+                    part_s = min(total_s, transfer_s(len(part.buffer)))
+                    idle = loop.call_later(part_s, cut_off, f"a state download's reader took no message for "
+                                                            f"{part_s:.0f} s")
                     yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                    idle.cancel()
                     metadata = None
         finally:
             deadline.cancel()
-            self._serving.discard(task)
+            if idle is not None:
+                idle.cancel()
+            self._serving.pop(task, None)
 
     def _may_download(self, peer: str) -> bool:
         """Whether to serve `peer` a snapshot now: within its rate, and a slot free."""
@@ -246,7 +263,10 @@ class StateServer(ServicerBase):
             self.penalise(peer, "too_many_requests", f"more than {DOWNLOAD_BURST:g} state downloads at once or "
                                                      f"{DOWNLOADS_PER_S:g} a second")
             return False
-        self._serving = {t for t in self._serving if not t.done()}
+        self._serving = {t: p for t, p in self._serving.items() if not t.done()}
+        if peer in self._serving.values():
+            self.penalise(peer, "too_many_opens", "a second state download while its first is served")
+            return False
         return len(self._serving) < DOWNLOADS_AT_ONCE
 
     async def rpc_state_sketch(
