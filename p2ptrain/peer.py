@@ -149,7 +149,7 @@ class TrainingPeer:
         self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
-        self.services = start_services(self.p2p, self.loop, cfg.network)
+        self.services = start_services(self.p2p, self.loop, cfg.network, self.admission)
         self.routes = self.services.routes  # who reaches whom: read from the records every round
         state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise,
                                    cfg.sync.state_download_timeout_s)

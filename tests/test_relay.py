@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,13 @@ import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
 
+from p2ptrain.net.admission import (
+    AdmissionPolicy,
+    generate_organiser_key,
+    load_organiser_key,
+    load_signing_key,
+    sign_ticket,
+)
 from p2ptrain.net.exchange import ExchangeRefused, push_pull, serve_exchanges
 from p2ptrain.net.presence import PresenceAgent
 from p2ptrain.net.relay import NAMESPACE, ByteBudget, RelayEntry, RelayLimits, RelayServer, open_relayed, take_slot
@@ -42,12 +50,13 @@ def mixer(p2p: P2P, routes: Routes | None = None) -> ParamGossip:
                        routes=routes)
 
 
-async def three_nodes(limits: RelayLimits = RelayLimits()) -> tuple[P2P, P2P, P2P, RelayServer, RelayEntry]:
+async def three_nodes(limits: RelayLimits = RelayLimits(), policy: AdmissionPolicy | None = None
+                      ) -> tuple[P2P, P2P, P2P, RelayServer, RelayEntry]:
     """A relay, a target that holds a slot on it (its `RelayEntry` admits the relay), and an initiator."""
     relay = await P2P.create(**OPTIONS)
     target = await P2P.create(initial_peers=await relay.get_visible_maddrs(), **OPTIONS)
     initiator = await P2P.create(initial_peers=await relay.get_visible_maddrs(), **OPTIONS)
-    server = RelayServer(relay, NAMESPACE, limits)
+    server = RelayServer(relay, NAMESPACE, limits, policy)
     await server.add_p2p_handlers(relay, namespace=NAMESPACE)
     entry = RelayEntry()
     await entry.add_p2p_handlers(target, namespace=NAMESPACE)
@@ -133,7 +142,8 @@ async def echo_service(requests: AsyncIterator[averaging_pb2.DownloadData],
         pass
 
 
-async def one_message(relay: P2P, initiator: P2P, target: P2P, kept: list[Any] | None = None) -> dict[str, Any]:
+async def one_message(relay: P2P, initiator: P2P, target: P2P, kept: list[Any] | None = None,
+                      ticket: str = "") -> dict[str, Any]:
     """The first answer to a relayed "echo:test" stream; the stream stays open while it is in `kept`."""
     hold = asyncio.Event()
 
@@ -141,7 +151,7 @@ async def one_message(relay: P2P, initiator: P2P, target: P2P, kept: list[Any] |
         yield averaging_pb2.DownloadData()
         await hold.wait()
 
-    stream = await open_relayed(initiator, Route(relay.peer_id.to_base58(), NAMESPACE), target.peer_id,
+    stream = await open_relayed(initiator, Route(relay.peer_id.to_base58(), NAMESPACE, ticket), target.peer_id,
                                 "echo:test", requests())
     first = await asyncio.wait_for(stream.__anext__(), 10)
     if kept is None:
@@ -240,5 +250,37 @@ def test_a_relayed_peer_moves_on_once_its_connection_to_the_relay_is_gone_not_at
             assert time.monotonic() - gone_at < 5.0 and entry.relays == set()
         finally:
             await shut(initiator, target)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
+def test_a_signed_runs_relay_gives_slots_and_circuits_only_to_peers_with_their_ticket(tmp_path: Path) -> None:
+    """Measured before: 65 unticketed identities from one host took all 64 relay slots of a signed run's bootstrap,
+    and 4 of them held all 16 circuits; no ticketed peer behind NAT could get a slot."""
+    key_path, public_path = generate_organiser_key(tmp_path / "organiser.key")
+    policy = AdmissionPolicy(RUN, load_organiser_key(public_path))
+
+    def ticket(p2p: P2P, run: str = RUN) -> str:
+        return sign_ticket(load_signing_key(key_path), run, p2p.peer_id.to_base58())
+
+    async def scenario() -> None:
+        relay, target, initiator, server, entry = await three_nodes(policy=policy)
+        try:
+            entry.add_service("echo:test", echo_service)
+            relay_id = relay.peer_id.to_base58()
+            for wrong in ("", ticket(initiator), ticket(target, run="another-run"), "not base64!"):
+                with pytest.raises(WireError, match="not admitted to this run"):
+                    await take_slot(target, relay_id, NAMESPACE, timeout_s=10, ticket=wrong)
+            assert not server.clients
+            await take_slot(target, relay_id, NAMESPACE, timeout_s=10, ticket=ticket(target))
+            entry.relays = {relay_id}
+            for wrong in ("", ticket(target)):  # none, or another peer's
+                refused = await one_message(relay, initiator, target, ticket=wrong)
+                assert "not admitted to this run" in refused["reason"]
+            answer = await one_message(relay, initiator, target, ticket=ticket(initiator))
+            assert answer["from"] == initiator.peer_id.to_base58()
+            assert server.refused == 2 and server.served == 1
+        finally:
+            await shut(initiator, target, relay)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=90))

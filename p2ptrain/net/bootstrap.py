@@ -33,7 +33,7 @@ class BootstrapNode:
             add_record_validators(self.dht, run_id, config.record_ttl_s, admission)
             self.maddrs = visible_maddrs(self.dht)
             self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=config.startup_timeout_s)
-            self.services = start_services(self.p2p, self.loop, config)
+            self.services = start_services(self.p2p, self.loop, config, admission)
         except BaseException:
             self.loop.stop()
             self.dht.shutdown()

@@ -77,7 +77,8 @@ class PresenceAgent:
     async def _take_any_slot(self) -> tuple[str, float]:
         for relay in self.relays():
             try:
-                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, self.ask_timeout_s)
+                lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace, self.ask_timeout_s,
+                                          self.routes.ticket)
             except Exception as e:  # refused, P2P errors, timeouts: the next relay
                 logger.debug(f"relay {relay} gave no slot: {e!r}")
                 continue
@@ -101,7 +102,7 @@ class PresenceAgent:
                 continue
             try:
                 lease_s = await take_slot(self.p2p, relay, self.routes.relay_namespace,
-                                          min(self.ask_timeout_s, lease_s))
+                                          min(self.ask_timeout_s, lease_s), self.routes.ticket)
             except Exception as e:
                 if not self.stopped.is_set():  # (a renewal cut short by our own shutdown is no news)
                     logger.info(f"relay {relay} is gone ({type(e).__name__}); looking for another")

@@ -12,9 +12,13 @@ connection, whatever its -relayDataLimit says), a size for hole punching, not fo
 
 What a relay grants (`RelayLimits`): a bounded number of slots, of circuits at once (in all and per peer), a rate
 for all relayed bytes together (a circuit beyond it waits: one relay is never saturated, and its own traffic keeps
-a share), and an idle bound per circuit. A relay is trusted by the peers that take its slots: it could claim any
-sender toward them (the offences of a relayed exchange are charged as if the sender had sent it), as any peer can
-send them what it likes; the bootstrap, run by the organiser, is every swarm's first relay.
+a share), and an idle bound per circuit. In a signed run, slots and circuits go only to peers whose request carries
+their ticket (the organiser's signature of their peer id, which libp2p authenticates): 65 unticketed identities
+from one host took all 64 slots of a bootstrap, and 4 of them all 16 circuits.
+
+A relay is trusted by the peers that take its slots: it could claim any sender toward them (the offences of a
+relayed exchange are charged as if the sender had sent it), as any peer can send them what it likes; the bootstrap,
+run by the organiser, is every swarm's first relay.
 """
 
 # No `from __future__ import annotations`: hivemind's ServicerBase reads the rpc_* annotations at runtime.
@@ -31,6 +35,7 @@ from typing import AsyncIterator  # noqa: UP035  (ServicerBase recognises typing
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto.averaging_pb2 import DownloadData
 
+from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.dht import NetworkConfig
 from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import WireError, decode_metadata, drain, encode_metadata, refusal
@@ -101,17 +106,22 @@ async def _paced(messages: AsyncIterator[DownloadData], idle_s: float, budget: B
 class RelayServer(ServicerBase):
     """A relay: slots for peers behind NAT, and the streams it passes between peers (see the module's doc)."""
 
-    def __init__(self, p2p: P2P, namespace: str, limits: RelayLimits = RelayLimits()):
+    def __init__(self, p2p: P2P, namespace: str, limits: RelayLimits = RelayLimits(),
+                 policy: AdmissionPolicy | None = None):
         self.p2p, self.namespace, self.limits = p2p, namespace, limits
+        self.policy = policy  # a signed run's: who may take a slot or open a circuit (None or open: anyone)
         self.clients: dict[str, float] = {}  # slot holder → when its lease ends (monotonic)
         self.circuits = collections.Counter[str]()  # open circuits per initiator
         self.budget = ByteBudget(limits.bytes_per_s)
         self.relayed_bytes = 0  # every byte passed, both directions
         self.served = self.refused = 0  # circuits opened, refused
 
-    async def rpc_register(self, _request: DownloadData, context: P2PContext) -> DownloadData:
+    async def rpc_register(self, request: DownloadData, context: P2PContext) -> DownloadData:
         """Take or renew a slot for the caller: {"status": "ok", "lease_s": s} or a refusal."""
         peer, now = context.remote_id.to_base58(), time.monotonic()
+        not_admitted = self._not_admitted(peer, request)
+        if not_admitted is not None:
+            return refusal(not_admitted)
         self.clients = {p: end for p, end in self.clients.items() if end > now}
         if peer not in self.clients and len(self.clients) >= self.limits.max_clients:
             return refusal(f"all {self.limits.max_clients} relay slots are taken")
@@ -127,7 +137,7 @@ class RelayServer(ServicerBase):
         except (StopAsyncIteration, asyncio.TimeoutError, WireError):
             return
         target, service = routing.get("to"), routing.get("service")
-        why_not = self._admit(source, target, service)
+        why_not = self._not_admitted(source, first) or self._admit(source, target, service)
         if why_not is not None:
             self.refused += 1
             yield refusal(why_not)
@@ -144,6 +154,17 @@ class RelayServer(ServicerBase):
             self.circuits[source] -= 1
             if not self.circuits[source]:
                 del self.circuits[source]
+
+    def _not_admitted(self, peer: str, request: DownloadData) -> str | None:
+        """Why the run refuses `peer` (a signed run: its request carries no valid ticket), or None."""
+        if self.policy is None or not self.policy.signed:
+            return None
+        try:
+            ticket = decode_metadata(request.metadata).get("ticket", "")
+        except WireError:
+            return "malformed relay request"
+        problem = self.policy.ticket_problem(peer, ticket if isinstance(ticket, str) else "")
+        return None if problem is None else f"not admitted to this run: {problem}"
 
     def _admit(self, source: str, target: object, service: object) -> str | None:
         if not isinstance(target, str) or not isinstance(service, str) or not SERVICE.fullmatch(service):
@@ -219,7 +240,8 @@ async def open_relayed(p2p: P2P, route: Route, target: PeerID, service: str,
                        requests: AsyncIterator[DownloadData]) -> AsyncIterator[DownloadData]:
     """A stream to `service` of `target` through `route`'s relay: what a direct stub call would return."""
     async def routed() -> AsyncIterator[DownloadData]:
-        yield DownloadData(metadata=encode_metadata({"to": target.to_base58(), "service": service}))
+        yield DownloadData(metadata=encode_metadata({"to": target.to_base58(), "service": service,
+                                                     "ticket": route.ticket}))
         async for message in requests:
             yield message
 
@@ -227,11 +249,12 @@ async def open_relayed(p2p: P2P, route: Route, target: PeerID, service: str,
     return await stub.rpc_forward(routed())
 
 
-async def take_slot(p2p: P2P, relay: str, namespace: str, timeout_s: float) -> float:
-    """Take or renew a slot on `relay`; its lease in seconds. Raises WireError when refused, P2P errors or
-    TimeoutError when the relay does not answer."""
+async def take_slot(p2p: P2P, relay: str, namespace: str, timeout_s: float, ticket: str = "") -> float:
+    """Take or renew a slot on `relay` (with our `ticket` in a signed run); its lease in seconds. Raises WireError
+    when refused, P2P errors or TimeoutError when the relay does not answer."""
     stub = RelayServer.get_stub(p2p, PeerID.from_base58(relay), namespace=namespace)
-    answer = decode_metadata((await stub.rpc_register(DownloadData(), timeout=timeout_s)).metadata)
+    request = DownloadData(metadata=encode_metadata({"ticket": ticket}))
+    answer = decode_metadata((await stub.rpc_register(request, timeout=timeout_s)).metadata)
     lease_s = answer.get("lease_s")
     if answer.get("status") != "ok" or not isinstance(lease_s, (int, float)) or not 1 <= lease_s <= 3600:
         raise WireError(f"relay {relay} gave no slot: {str(answer.get('reason', 'malformed answer'))[:200]}")

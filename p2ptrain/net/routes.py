@@ -47,14 +47,15 @@ class Route:
 
     relay: str
     namespace: str
+    ticket: str = ""  # ours, in a signed run: a relay passes streams only from peers the run admits
 
 
 class Routes:
     """The presence of every known peer (ours included) and what follows for opening streams. `update_` takes the
     swarm's records each round; `set_own_` our self-test's result. Without either, every peer counts as direct."""
 
-    def __init__(self, own_id: str, relay_namespace: str = ""):
-        self.own_id, self.relay_namespace = own_id, relay_namespace
+    def __init__(self, own_id: str, relay_namespace: str = "", ticket: str = ""):
+        self.own_id, self.relay_namespace, self.ticket = own_id, relay_namespace, ticket
         self.own = Presence()
         self.known: dict[str, Presence] = {}
 
@@ -88,7 +89,7 @@ class Routes:
         presence = self.presence(peer)
         if self.direct(self.own_id, peer) or presence.reach != RELAYED or not presence.relay_via:
             return None
-        return Route(presence.relay_via, self.relay_namespace)
+        return Route(presence.relay_via, self.relay_namespace, self.ticket)
 
     def pools(self, peers: Sequence[str]) -> list[list[str]]:
         """`peers` we can open streams to, best first: those we reach directly, then those behind relays (gossip

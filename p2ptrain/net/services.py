@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from hivemind.p2p import P2P
 
 from p2ptrain.net import reachability, relay
+from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import NetworkConfig, parse_maddr
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.presence import PresenceAgent
@@ -67,14 +68,18 @@ def peer_id_of(maddr: str) -> str:
     return str(parse_maddr(maddr)).rsplit("/p2p/", 1)[-1]
 
 
-def start_services(p2p: P2P, loop: BackgroundLoop, config: NetworkConfig) -> NodeServices:
-    """Register the dial-back server, the relay entry, and (with `config.relay`) a relay, on `p2p`."""
+def start_services(p2p: P2P, loop: BackgroundLoop, config: NetworkConfig,
+                   admission: Admission | None = None) -> NodeServices:
+    """Register the dial-back server, the relay entry, and (with `config.relay`) a relay, on `p2p`. In a signed run
+    (`admission`), our ticket goes with what we ask of relays, and our relay serves only peers with one."""
     relay_namespace = relay.NAMESPACE
-    services = NodeServices(Routes(p2p.peer_id.to_base58(), relay_namespace), RelayEntry())
+    ticket = admission.ticket if admission is not None else ""
+    services = NodeServices(Routes(p2p.peer_id.to_base58(), relay_namespace, ticket), RelayEntry())
     loop.run(DialBackServer(p2p).add_p2p_handlers(p2p, namespace=reachability.NAMESPACE),
              timeout=PATIENCE_S)
     loop.run(services.entry.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=PATIENCE_S)
     if config.relay:
-        services.relay = RelayServer(p2p, relay_namespace, RelayLimits.of(config))
+        services.relay = RelayServer(p2p, relay_namespace, RelayLimits.of(config),
+                                     admission.policy if admission is not None else None)
         loop.run(services.relay.add_p2p_handlers(p2p, namespace=relay_namespace), timeout=PATIENCE_S)
     return services
