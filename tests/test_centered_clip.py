@@ -47,7 +47,10 @@ def test_one_hostile_input_among_four_moves_the_mean_by_a_bounded_amount(factor)
     assert moved <= result.radius / 3 + 1e-6, (moved, result.radius)
     assert moved < 0.5 * norm(honest_mean)
     if abs(factor) >= 1000:
-        assert result.far_inputs() == [3]  # far beyond τ: an offence
+        assert result.far_inputs() == [3]  # far beyond τ: an offence, and past FAR_CLIP_FACTOR × τ a ban at once
+        assert result.offence_of(3) == "clipped_far"
+    if factor == -3.0:  # inside the bound, or a hard clip that costs 1 of the ban score: never a ban at once
+        assert all(result.offence_of(j) == "clipped" for j in result.far_inputs())
 
 
 def test_the_plain_mean_is_what_one_hostile_input_moves_without_bound():

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # what DDP uses
 
-from p2ptrain.maths.robust import HARD_CLIP_FACTOR
+from p2ptrain.maths.robust import FAR_CLIP_FACTOR, HARD_CLIP_FACTOR
 
 ITERATIONS = 8  # fixed (not "until converged"): every member runs the same arithmetic and lands on the same bits
 GRAM_ERROR = 4 * 2.0**-24  # × √d: how far off a squared distance from an fp32 Gram matrix can be (4× the typical)
@@ -49,6 +49,10 @@ class RobustMean:
     def far_inputs(self) -> list[int]:
         """Inputs so far from the mean that they were not disagreeing (> HARD_CLIP_FACTOR × τ): offences."""
         return [j for j, d in enumerate(self.distances) if self.radius > 0 and d > HARD_CLIP_FACTOR * self.radius]
+
+    def offence_of(self, j: int) -> str:
+        """The offence of far input `j`: `clipped_far` beyond FAR_CLIP_FACTOR × τ (a ban at once), else `clipped`."""
+        return "clipped_far" if self.distances[j] > FAR_CLIP_FACTOR * self.radius else "clipped"
 
 
 def centered_clip(inputs: Sequence[Sequence[torch.Tensor]], multiplier: float = 2.0,

@@ -38,6 +38,9 @@ MIN_PARTNERS_FOR_MEDIAN = 3  # below this many known partners, τ rests on own_s
 # to this × own_scale, so the median cannot ratchet τ up; HARD_CLIP_FACTOR × this is where an offence starts
 SPREAD = 2.0
 HARD_CLIP_FACTOR = 4.0
+# an input this many × τ from the robust mean is no one's disagreement but an attack (an honest Δ is at most a few τ
+# away; a ×−1000 Δ sat about 500 τ away): one such offence bans at once (`clipped_far`), where a hard clip costs 1
+FAR_CLIP_FACTOR = 64.0
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

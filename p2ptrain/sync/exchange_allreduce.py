@@ -383,8 +383,9 @@ class ExchangeAllReduce:
         for j in result.far_inputs():
             peer = inputs[j][0]
             if peer != self.own_id:
-                self.reputation.penalise(peer, "clipped", f"round {round_}: outer gradient {result.distances[j]:.3g} "
-                                                          f"from the group's robust mean (τ {result.radius:.3g})")
+                self.reputation.penalise(peer, result.offence_of(j),
+                                         f"round {round_}: outer gradient {result.distances[j]:.3g} from the group's "
+                                         f"robust mean (τ {result.radius:.3g})")
         return result.mean, result.lengths, result.distances, reduction
 
     # ---- what headers carry: our previous reduction (data stage), our digest (confirmation stage) ----------------

@@ -344,8 +344,9 @@ class ScatterAllReduce:
         result = self._chunk_mean(rows)
         for j in result.far_inputs() if self.config.robust else []:
             if members[j] != self.own_id:
-                self.reputation.penalise(members[j], "clipped", f"its chunk of our span is {result.distances[j]:.3g} "
-                                                                f"from the chunk's robust mean (τ {result.radius:.3g})")
+                self.reputation.penalise(members[j], result.offence_of(j),
+                                         f"its chunk of our span is {result.distances[j]:.3g} from the chunk's robust "
+                                         f"mean (τ {result.radius:.3g})")
         return result.mean[0], ChunkMean(result.radius, tuple(members), tuple(result.lengths), tuple(hashes))
 
     def _chunk_mean(self, rows: torch.Tensor) -> RobustMean:
