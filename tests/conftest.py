@@ -27,7 +27,7 @@ import psutil
 import pytest
 import torch
 from docker_utils import DOCKER_SETUP
-from early_jobs import TYPE_CHECK, remove_ended, start_wanted
+from early_jobs import TYPE_CHECK, remove_ended, start_wanted, wait_ended
 from subreaper import set_child_subreaper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,7 +154,10 @@ _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs."""
+    """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
+    machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
+    if _alone(item):
+        wait_ended([TYPE_CHECK, DOCKER_SETUP])
     if _share is not None:
         _share.enter(_alone(item))
     yield

@@ -89,6 +89,17 @@ class EarlyJob:
         return self.workdir / f"{step}.{kind}"
 
 
+def wait_ended(jobs: list[EarlyJob], timeout_s: float = 900) -> None:
+    """Wait until the jobs this run started have ended (at most `timeout_s`: then go on beside them). The tests that
+    count rounds in wall-clock time call this: beside a cold type check and a Docker build on 2 cores, a GASLoC
+    swarm started no exchange, and an overlapped DiLoCo peer fell a round behind and skipped it."""
+    give_up_at = time.monotonic() + timeout_s
+    for job in jobs:
+        while (job.workdir is not None and not (job.workdir / "ended").exists()
+               and time.monotonic() < give_up_at):
+            time.sleep(POLL_S)
+
+
 def remove_ended(jobs: list[EarlyJob]) -> None:
     """The files of the jobs this run started and that have ended (one still running keeps them until it ends)."""
     for job in jobs:

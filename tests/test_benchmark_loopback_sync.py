@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 
 from benchmarks import loopback_sync  # noqa: E402
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.alone]  # counts every peer's rounds in wall time
 
 
 def test_quick_run(tmp_path: Path) -> None:
@@ -33,7 +33,10 @@ def test_quick_run(tmp_path: Path) -> None:
         assert row["val_loss"] < 5.4, key  # trained: ln 257 = 5.55 for a uniform guess over bytes
         if key[0] != "reference":
             assert not row["errors"] and not row["timed_out"], (key, row["errors"])
-            assert row["rounds_measured"] == 2 * (settings.rounds - 1), key  # every peer, every round but the first
+            histories = [[(m["round"], m["peers_averaged"], m["joined"]) for m in history] for run in written["runs"]
+                         if run["setup"] == key[0] for history in run.get("histories", [])]
+            # every peer, every round but the first
+            assert row["rounds_measured"] == 2 * (settings.rounds - 1), (key, histories)
 
     exchange, hivemind = rows[("diloco-exchange", 2)], rows[("diloco-hivemind", 2)]
     assert exchange["group_size"] == 2 and exchange["full_groups"] == 1.0
