@@ -60,7 +60,8 @@ class PeerRecord(BaseModel):
     val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
     bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # own link, bits/s (0: unknown)
-    fingerprint: constr(max_length=64, strict=True) = ""  # type: ignore[valid-type]  # model fingerprint: peers of another architecture are ignored
+    # model fingerprint: peers of another architecture are ignored
+    fingerprint: constr(max_length=64, strict=True) = ""  # type: ignore[valid-type]
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat
     banned: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # peers it bans now (reputation)

@@ -229,11 +229,14 @@ class StateServer(ServicerBase):
             return  # nothing to share (yet, with this peer, or now): the caller tries another peer
         task = asyncio.current_task()  # the handler's: cancelled at the deadline, even while a write waits on a reader
         assert task is not None
-        loop = asyncio.get_running_loop()
+        loop, cut = asyncio.get_running_loop(), False
 
         def cut_off(why: str) -> None:
-            self.penalise(peer, "slow_send", why)
-            task.cancel()
+            nonlocal cut
+            if not cut:  # one offence per download, whichever deadline fires first
+                cut = True
+                self.penalise(peer, "slow_send", why)
+                task.cancel()
 
         total_s = download_deadline_s(snapshot.nbytes, self.chunk_timeout_s)
         deadline = loop.call_later(total_s, cut_off, f"a state download took longer than {total_s:.0f} s")
