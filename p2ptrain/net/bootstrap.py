@@ -30,7 +30,7 @@ class BootstrapNode:
         self.dht: SwarmDHT = start_dht(config)
         self.loop = BackgroundLoop("p2ptrain-bootstrap-loop")
         try:
-            add_record_validators(self.dht, run_id, config.record_ttl_s, admission)
+            add_record_validators(self.dht, run_id, config.record_ttl_s, admission, only_run_keys=False)
             self.maddrs = visible_maddrs(self.dht)
             self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=config.startup_timeout_s)
             self.services = start_services(self.p2p, self.loop, config, admission)

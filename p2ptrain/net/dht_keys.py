@@ -1,6 +1,6 @@
 """The keys a run stores in the DHT, and the validator by which a node of the run stores no other.
 
-A run's nodes (peers, the bootstrap, `status`) store and serve only:
+A run's peers (and `status`) store and serve only:
 - `{run_id}_peers`: the peer records (net/discovery.py);
 - with `sync.allreduce_transport: hivemind`, the group keys of hivemind's averagers: `{run_id}_{name}.0b{bits}`
   for each averager name (`AVERAGER_NAMES`) and every `ROUND_BITS`-bit string (net/allreduce.py writes the round
@@ -8,7 +8,8 @@ A run's nodes (peers, the bootstrap, `status`) store and serve only:
 Left to itself, a hivemind DHT node stores whatever another node sends it, under any key, as large and for as long
 as the sender says: 400 values of 1 MiB under random keys took 443 MB of one peer's memory. `RunKeysValidator`
 refuses a record under any other key, a value larger than `MAX_VALUE_BYTES`, and one set to expire more than
-`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys.
+`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys. A bootstrap does not install
+it: it may serve several runs (the testnets start theirs without a run id), so it stores any run's records.
 """
 
 from __future__ import annotations
@@ -61,13 +62,12 @@ class RunKeysValidator(RecordValidatorBase):
     MAX_LIFETIME_S (plus the clock skew allowed between peers). Plain data: hivemind pickles validators into its DHT
     process."""
 
+    # only the id travels to hivemind's process, where the key ids are listed: its pipe breaks on messages of tens
+    # of KiB, and the pickled list is 12 KB
     run_id: str
 
-    def __post_init__(self) -> None:
-        self.key_ids = run_key_ids(self.run_id)
-
     def validate(self, record: DHTRecord) -> bool:
-        return (record.key in self.key_ids and len(record.value) <= MAX_VALUE_BYTES
+        return (record.key in run_key_ids(self.run_id) and len(record.value) <= MAX_VALUE_BYTES
                 and record.expiration_time <= get_dht_time() + MAX_LIFETIME_S + MAX_CLOCK_SKEW_S)
 
     @property
