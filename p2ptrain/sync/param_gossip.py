@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 PARAM_CODECS_ADAPTIVE = ("fp16", "int8")  # parameters: dense codecs only (top-k of θ − θ_0 loses too much)
 PARAM_CODECS = ("none", "fp16", "int8")  # the codecs an offer of parameters may name
 # an exchange that blocks training for less than this fraction of the inner phase is worth waiting for, however it
-# compares with our own link: peers on equally fast links can measure speeds 30 % apart from CPU load alone, and
-# ranking them by that noise would leave fast peers without partners
+# compares with our own link: peers on equally fast links can measure speeds up to 1.9x apart from CPU load alone,
+# and ranking them by that noise would leave fast peers without partners
 NEGLIGIBLE_BLOCKING_FRACTION = 0.1
 # a partner is too slow to wait for when an exchange with it would take more than this many times one on our own
 # link: equal loopback links measured up to 1.9x apart under CPU load (at 1.25, a fast peer excluded all three others
