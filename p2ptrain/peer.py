@@ -338,7 +338,8 @@ class TrainingPeer:
                                         self.reputation.is_banned)  # a liar's round must not unsettle us
         here_or_ahead = [r for r in trusted if r.round >= round_]
         others_here = max(synced.context.same_round_peers, len(here_or_ahead))
-        self.state.record_step_(synced.result.group_size, others_here, synced.result.in_step)
+        if not synced.result.nothing_due:
+            self.state.record_step_(synced.result.group_size, others_here, synced.result.in_step)
         self.state.round += 1
         evaluated = self._evaluates_this_round()  # every run.eval_every rounds; in between, the latest loss
         self.val_loss = self.inner.evaluate(self.val_batches) if evaluated else self.val_loss

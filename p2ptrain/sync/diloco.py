@@ -114,7 +114,9 @@ class DilocoSync:
             self.outer.restore_anchor_()
         else:
             self.outer.step_(applied)
-        return round_sync_of(previous, self.config.grad_codec, refused) if previous else RoundSync()
+        if previous is None:
+            return RoundSync(nothing_due=applied is None)
+        return round_sync_of(previous, self.config.grad_codec, refused)
 
     def _collect_previous(self) -> tuple[AveragingResult | None, bool]:
         """The checked average of the previous round's Δ (None in the first round)."""

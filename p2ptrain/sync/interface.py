@@ -67,6 +67,9 @@ class RoundSync:
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
     mix2_group_size: int = 0  # Factored: peers Mix2 averaged this round, ourselves included (0: no Mix2 landed)
     in_step: bool | None = None  # DiLoCo: whether our state was our group's, by its samples (None: unknown)
+    # overlap's first round (plain delay): no mean was due and the state went back to its anchor, so the round
+    # leaves us as in step as we were (not alone: nobody averaged)
+    nothing_due: bool = False
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
         """Count one completed exchange that we started."""
@@ -102,6 +105,8 @@ class RoundSync:
 
 def why_alone(context: RoundContext, result: RoundSync) -> str:
     """Why a round combined nothing but our own contribution, from what the round saw."""
+    if result.nothing_due:
+        return "nothing to average yet (an overlapped run's first round applies no mean)"
     if not context.live_peers:
         return "no other peer of the run is live"
     if not context.round_peers:
