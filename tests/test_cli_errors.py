@@ -1,8 +1,9 @@
 """The CLI as a volunteer meets it: user mistakes exit 2 with one `error:` line and never a traceback.
 
-Every command runs as a subprocess (`python -m p2ptrain.cli`). The runs that do not touch the network start
-together in one module fixture, so the suite pays the interpreter start-up (torch, transformers, hivemind) once
-in wall-clock time rather than once per case.
+Every command runs in a process of its own, as `python -m p2ptrain.cli` runs it. The runs that do not touch the
+network start together in one module fixture, forked from a process that has imported torch, transformers and
+hivemind once (tests/cli_zygote.py); the cases of REAL_PROCESSES start a fresh interpreter, as a volunteer's shell
+does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_zygote import ZygoteChild, zygote
 
 from p2ptrain import __version__
 from p2ptrain.checkpoint import TrainingCheckpoint, save_checkpoint
@@ -48,16 +50,20 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def start_cli(args: list[str], workdir: Path, name: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """Start `python -m p2ptrain.cli ARGS` in `workdir`, its output going to files (no pipe can fill up)."""
+def start_cli(args: list[str], workdir: Path, name: str,
+              fresh: bool = False) -> tuple[subprocess.Popen[bytes] | ZygoteChild, Path, Path]:
+    """Run `python -m p2ptrain.cli ARGS` in `workdir`, its output going to files (no pipe can fill up): forked from
+    the zygote, or with `fresh`, in a new interpreter."""
     out, err = workdir / f"{name}.stdout", workdir / f"{name}.stderr"
+    if not fresh:
+        return zygote(cli_env()).start({"module": "p2ptrain.cli"}, args, workdir, out, err), out, err
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "p2ptrain.cli", *args], cwd=workdir, env=cli_env(),
                                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
     return process, out, err
 
 
-def finish(process: subprocess.Popen[bytes], out: Path, err: Path) -> Outcome:
+def finish(process: subprocess.Popen[bytes] | ZygoteChild, out: Path, err: Path) -> Outcome:
     try:
         returncode = process.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -67,8 +73,8 @@ def finish(process: subprocess.Popen[bytes], out: Path, err: Path) -> Outcome:
     return Outcome(returncode, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
-def run_cli(args: list[str], workdir: Path, name: str) -> Outcome:
-    return finish(*start_cli(args, workdir, name))
+def run_cli(args: list[str], workdir: Path, name: str, fresh: bool = False) -> Outcome:
+    return finish(*start_cli(args, workdir, name, fresh))
 
 
 def save_tiny_checkpoint(directory: Path, vocab_size: int = 257) -> None:
@@ -129,6 +135,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "sample without a prompt": (lambda d: ["sample", str(d / "other-model-ckpt")], "--prompt"),
 }
 HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"], ["export"], ["sample"]]
+# in a fresh interpreter: a flag mistake (answered before torch loads) and one that builds the config
+REAL_PROCESSES = {"bad flag", "wrong config key"}
 
 
 def test_the_cli_builds_its_flags_without_torch_transformers_or_hivemind() -> None:
@@ -142,7 +150,8 @@ def test_the_cli_builds_its_flags_without_torch_transformers_or_hivemind() -> No
 def outcomes(workdir: Path) -> dict[str, Outcome]:
     """Run every case and every --help at once; keyed by case name, or 'help <command>'."""
     before = {name: snapshot(workdir / name) for name in ("corrupt-ckpt", "other-model-ckpt", "empty-ckpt")}
-    runs = {name: start_cli(args(workdir), workdir, name.replace(" ", "_")) for name, (args, _) in CASES.items()}
+    runs = {name: start_cli(args(workdir), workdir, name.replace(" ", "_"), fresh=name in REAL_PROCESSES)
+            for name, (args, _) in CASES.items()}
     for command in HELP_COMMANDS:
         runs[f"help {' '.join(command)}"] = start_cli([*command, "--help"], workdir, f"help_{'_'.join(command)}")
     runs["no arguments"] = start_cli([], workdir, "no_arguments")
