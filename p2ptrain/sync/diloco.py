@@ -115,7 +115,7 @@ class DilocoSync:
         else:
             self.outer.step_(applied)
         if previous is None:
-            return RoundSync(nothing_due=applied is None)
+            return RoundSync(nothing_due=True)
         return round_sync_of(previous, self.config.grad_codec, refused)
 
     def _collect_previous(self) -> tuple[AveragingResult | None, bool]:

@@ -67,8 +67,8 @@ class RoundSync:
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
     mix2_group_size: int = 0  # Factored: peers Mix2 averaged this round, ourselves included (0: no Mix2 landed)
     in_step: bool | None = None  # DiLoCo: whether our state was our group's, by its samples (None: unknown)
-    # overlap's first round (plain delay): no mean was due and the state went back to its anchor, so the round
-    # leaves us as in step as we were (not alone: nobody averaged)
+    # overlap's first round: no mean was due, and the state moved by nothing but our own unsettled share (none with
+    # plain delay), which the next mean takes back; the round leaves us as in step as we were
     nothing_due: bool = False
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
