@@ -83,17 +83,23 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist's `--dist loadgroup`, the machine-wide tests come first in the collection (the docker ones last of
-    them), so their worker starts them at once; a grouped test whose id does not name its group stops the run: the
-    groups would spread over the workers unnoticed (pytest 9 with xdist 3.8 did)."""
-    if not getattr(config.option, "loadgroup", False):  # one process (CI): the collection's own order
+    """In one process (CI), the machine-wide tests come last (the docker ones last of them): the early jobs run
+    beside the others, and are over before the first test that must wait for them (a serial run whose fifth test
+    waited for the cold type check left a core idle for minutes).
+
+    Under xdist's `--dist loadgroup`, they come first, so their worker starts them at once; a grouped test whose id
+    does not name its group stops the run: the groups would spread over the workers unnoticed (pytest 9 with
+    xdist 3.8 did). Either way each part keeps its order (the sorts are stable)."""
+    if not getattr(config.option, "loadgroup", False):
+        items.sort(key=lambda item: (_machine_wide_group(item) is not None,
+                                     item.get_closest_marker("docker") is not None))
         return
     ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
     if ungrouped:
         raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                 f"pytest and pytest-xdist versions (setup.cfg)")
-    # stable: each part keeps its order; the docker tests last in the group, so the background set-up of their
-    # engine and images (early_jobs.py) has the netns tests' minutes to finish while the group holds the machine
+    # the docker tests last in the group, so the background set-up of their engine and images (early_jobs.py) has
+    # the netns tests' minutes to finish while the group holds the machine
     items.sort(key=lambda item: (_machine_wide_group(item) is None, item.get_closest_marker("docker") is not None))
 
 
