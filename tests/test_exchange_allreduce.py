@@ -323,7 +323,7 @@ def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
     first = start_peer(config_)
     members = [first] + [start_peer(config_, first.maddrs) for _ in range(3)]
     equivocate(members[-1].sync.averager.exchange)  # type: ignore[attr-defined]
-    threads, histories = run_peers(members)
+    threads, histories = run_peers(members, attackers=1)
     final = [t.params_after_round[5] for t in threads[:3]]
     for history in histories[:3]:
         print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history],

@@ -347,7 +347,7 @@ def run_attacked_swarm(factor: float, **sync: object) -> tuple[list[list[RoundMe
     members = [first] + [start_peer(config, first.maddrs) for _ in range(HONEST)]
     attacker = members[-1]
     attacker.sync.averager = TamperingAverager(attacker.sync.averager, factor)  # type: ignore[attr-defined]
-    threads, histories = run_peers(members)
+    threads, histories = run_peers(members, attackers=1)
     for history in histories[:HONEST]:  # rounds and joins too: CI once saw two honest peers lose a round and the
         print(f"{sync} ×{factor}: val loss {[round(m.val_loss, 3) for m in history]}, "  # third average alone
               f"group {[m.peers_averaged for m in history]}, banned {history[-1].banned_peers}, "

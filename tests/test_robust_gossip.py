@@ -524,7 +524,7 @@ def run_gasloc_swarm(run_id: str, attackers: int, robust: bool,
     with monkeypatch.context() as patch:
         patch.setattr(build, "ParamGossip", SendsMinusSeven)
         peers += [start_peer(config, peers[0].maddrs) for _ in range(attackers)]
-    _threads, histories = run_peers(peers)
+    _threads, histories = run_peers(peers, attackers=attackers)
     return peers, histories
 
 

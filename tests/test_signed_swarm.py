@@ -44,7 +44,7 @@ def signed_swarm(tmp_path: Path, mode: str, intruder_inner: dict[str, object] | 
                      alice.maddrs)
     intruder_rounds = {**rounds, "sync": {**rounds["sync"], **(intruder_sync or {})}}
     intruder = start_peer(tiny_config(RUN, **intruder_rounds, inner=intruder_inner or {}), alice.maddrs)  # no ticket
-    _threads, histories = run_peers([alice, bob, intruder], timeout_s=240)
+    _threads, histories = run_peers([alice, bob, intruder], timeout_s=240, attackers=1)
     return {alice.peer_id, bob.peer_id}, histories, alice
 
 
