@@ -281,6 +281,7 @@ class TrainingPeer:
             return None
         synced = self._sync(phase)
         evaluated = self._settle(round_, synced)
+        self.reputation.note_round_s(time.monotonic() - started)
         return self._report(round_, started, phase, synced, evaluated)
 
     def _catch_up(self, view: SwarmView) -> None:

@@ -20,7 +20,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import exchange
 from p2ptrain.net.frame_cap import MAX_FRAME_BYTES, FrameTooLarge, receive_bounded
-from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.reputation import ROUNDS_PER_BAN, Reputation, ReputationConfig
 from p2ptrain.net.responder_limits import ResponderLimits
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
 
@@ -302,3 +302,27 @@ def test_a_banned_peer_is_refused_at_once_and_others_are_served() -> None:
             assert handler.opened == [honest.peer_id.to_base58()] == handler.applied
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+@pytest.mark.parametrize("round_s", [1.0, 300.0])
+def test_an_offence_once_a_round_ends_in_a_ban_that_outlasts_the_next_round(round_s: float) -> None:
+    """One hard clip a round (weight 1 of the ban score 4): on a swarm of 5-minute rounds, with bans and scores
+    in seconds alone (60 s; halving every 120 s), the score settled at 1.2 and the attacker was never banned. Bans
+    and scores now last at least ROUNDS_PER_BAN of our rounds."""
+    now = [0.0]
+    reputation = Reputation(clock=lambda: now[0])
+    for _ in range(3):
+        reputation.note_round_s(round_s)
+    rounds_to_ban = None
+    for round_ in range(1, 9):
+        now[0] += round_s
+        if reputation.penalise("attacker", "clipped", f"round {round_}"):
+            rounds_to_ban = round_
+            break
+    assert rounds_to_ban is not None and rounds_to_ban <= 5, reputation.score("attacker")
+    now[0] += round_s
+    assert reputation.is_banned("attacker")  # still out of its next round
+    left = reputation.banned()["attacker"]
+    assert left == pytest.approx(max(ReputationConfig().ban_s, ROUNDS_PER_BAN * round_s) - round_s)
+    reputation.note_round_s(float("nan"))  # a length that is not one changes nothing
+    assert reputation.round_s == pytest.approx(round_s)

@@ -6,6 +6,10 @@ commits); the score halves every `half_life_s`, so honest peers that fail now an
 threshold; a peer that does is refused for `ban_s`, doubled at each repeat up to `max_ban_s` (a repeat offender
 pays more), and the ban is logged once. Keyed by libp2p peer id: what libp2p authenticated, never what a message
 claims. Thread-safe: the event loop and the round loop both report offences.
+
+Many offences come once a round (a clipped input, an equivocation), so a ban and the memory of offences last at
+least ROUNDS_PER_BAN of our rounds, whatever `ban_s` says: on a swarm of 5-minute rounds a 60 s ban ended before
+the attacker's next round, and a score halving every 120 s never summed one clip a round up to a ban.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from collections.abc import Callable
 from p2ptrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+ROUNDS_PER_BAN = 4  # a first ban lasts at least this many of our rounds (and scores halve every twice that)
+ROUND_S_SMOOTHING = 0.2  # the weight of the latest round in our rounds' typical length
 
 # offence → weight. A ban takes `ReputationConfig.ban_score` (default 4): four malformed payloads or hard clips, two
 # oversize streams, one lying state snapshot or two out of step, but eight timeouts within a half-life.
@@ -88,6 +95,7 @@ class Reputation:
         self.config = config or ReputationConfig()
         self.clock = clock
         self.admitted = admitted  # the run's admission (net/admission.py): a signed run refuses peers without ticket
+        self.round_s = 0.0  # our rounds' typical wall time (`note_round_s`; 0: none yet)
         self._standing: dict[str, _Standing] = {}
         self._lock = threading.Lock()
 
@@ -104,11 +112,22 @@ class Reputation:
                 return True
             if standing.score < self.config.ban_score:
                 return False
-            ban_s = min(self.config.max_ban_s, self.config.ban_s * 2 ** standing.bans)
+            ban_s = min(self.config.max_ban_s, self.config.ban_s * 2 ** standing.bans) * self.stretch()
             standing.banned_until, standing.bans, standing.score = now + ban_s, standing.bans + 1, 0.0
             offences = ", ".join(f"{n}× {o}" for o, n in sorted(standing.offences.items()))
         logger.warning(f"banning peer {peer} for {ban_s:.0f} s ({offences}{'; last: ' + detail if detail else ''})")
         return True
+
+    def note_round_s(self, seconds: float) -> None:
+        """Tell the length of the round that just ended (the round loop's wall time)."""
+        if math.isfinite(seconds) and seconds > 0:
+            self.round_s = seconds if self.round_s == 0 else (
+                (1 - ROUND_S_SMOOTHING) * self.round_s + ROUND_S_SMOOTHING * seconds)
+
+    def stretch(self) -> float:
+        """How many times longer than configured bans and scores last: ROUNDS_PER_BAN of our rounds over the first
+        ban (`reputation.ban_s`), at least 1."""
+        return max(1.0, ROUNDS_PER_BAN * self.round_s / self.config.ban_s)
 
     def refuses(self, peer: str) -> bool:
         """Whether to refuse `peer` anything (an exchange, our state): banned, or not admitted to the run."""
@@ -136,7 +155,8 @@ class Reputation:
             return {p: dict(s.offences) for p, s in self._standing.items() if s.offences}
 
     def _decayed(self, standing: _Standing, now: float) -> float:
-        return standing.score * math.pow(0.5, max(0.0, now - standing.scored_at) / self.config.half_life_s)
+        half_life_s = self.config.half_life_s * self.stretch()
+        return standing.score * math.pow(0.5, max(0.0, now - standing.scored_at) / half_life_s)
 
     def _standing_of(self, peer: str, now: float) -> _Standing:
         standing = self._standing.get(peer)
