@@ -93,9 +93,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def test_a_node_trains_in_a_swarm_and_stops_cleanly_when_a_worker_dies(tmp_path: Path) -> None:
-    """A one-process peer founds the run; a 2-process node joins it and they average every round (DiLoCo). Then
-    rank 1 of the node is killed: rank 0 writes a checkpoint, leaves the swarm and says so in one line, and the
-    other peer trains on alone."""
+    """A one-process peer founds the run; a 2-process node joins it and, once in step, they average together
+    (DiLoCo). Then rank 1 of the node is killed: rank 0 writes a checkpoint, leaves the swarm and says so in one
+    line, and the other peer trains on alone."""
     config = tiny_config("node-swarm", sync={"allreduce_timeout_s": 10.0})  # rounds 0: until stopped
     founder = PeerThread(start_peer(config)).start()
     metrics = tmp_path / "node.jsonl"
@@ -105,7 +105,7 @@ def test_a_node_trains_in_a_swarm_and_stops_cleanly_when_a_worker_dies(tmp_path:
                                          "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: len(read_metrics(metrics)) >= 5, 240, "5 rounds of the node")
+        wait_until(lambda: len(read_metrics(metrics)) >= 8, 240, "8 rounds of the node")
         rank_1_of(node).kill()
         _out, err = node.communicate(timeout=120)
     finally:
@@ -119,8 +119,13 @@ def test_a_node_trains_in_a_swarm_and_stops_cleanly_when_a_worker_dies(tmp_path:
         assert "Traceback" not in err
         saved = load_checkpoint(tmp_path / "ckpt")
         assert saved.round >= node_rounds[-1]["round"]  # the round it had reached, not an older one
-        averaged = [m for m in node_rounds if m["peers_averaged"] == 2]
-        assert len(averaged) >= len(node_rounds) // 2, [m["peers_averaged"] for m in node_rounds]
+        # Once in step, it averages with the founder. A CI run saw its first 4 rounds after the join alone and the
+        # 5th together ([1, 1, 1, 1, 2]; 5 of 5 together here, with or without 3 busy loops beside it): the later
+        # half of its rounds is what is judged, and the node's own lines say why a round was alone
+        later = node_rounds[len(node_rounds) // 2:]
+        alone = [line for line in err.splitlines() if "averaged alone" in line or "joined round" in line]
+        assert sum(m["peers_averaged"] == 2 for m in later) >= len(later) // 2, (
+            [(m["round"], m["peers_averaged"], m["joined"]) for m in node_rounds], alone[-10:])
         # it trained with the swarm: far below a fresh model's loss (ln 257 = 5.55), whatever it joined at
         assert max(m["val_loss"] for m in node_rounds) < math.log(257) - 1.0, [m["val_loss"] for m in node_rounds]
         node_id = node_rounds[0]["peer_id"]
