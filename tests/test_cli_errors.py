@@ -73,8 +73,8 @@ def finish(process: subprocess.Popen[bytes] | ZygoteChild, out: Path, err: Path)
     return Outcome(returncode, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
-def run_cli(args: list[str], workdir: Path, name: str, fresh: bool = False) -> Outcome:
-    return finish(*start_cli(args, workdir, name, fresh))
+def run_cli(args: list[str], workdir: Path, name: str) -> Outcome:
+    return finish(*start_cli(args, workdir, name))
 
 
 def save_tiny_checkpoint(directory: Path, vocab_size: int = 257) -> None:
