@@ -92,7 +92,7 @@ class EarlyJob:
 def wait_ended(jobs: list[EarlyJob], timeout_s: float = 900) -> None:
     """Wait until the jobs this run started have ended (at most `timeout_s`: then go on beside them). The tests that
     count rounds in wall-clock time call this: beside a cold type check and a Docker build on 2 cores, a GASLoC
-    swarm started no exchange, and an overlapped DiLoCo peer fell a round behind and skipped it."""
+    swarm started no exchange."""
     give_up_at = time.monotonic() + timeout_s
     for job in jobs:
         while (job.workdir is not None and not (job.workdir / "ended").exists()
