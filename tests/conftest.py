@@ -6,9 +6,9 @@ to pytest and still counts as ours; daemons of other programs on the machine are
 Tiers (tests/README.md): a test that starts a process or opens a TCP/UDP socket carries a marker (slow, network,
 netns or docker); one that does so unmarked fails, so the fast tier (none of the four) stays in-process.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, optional: tests/README.md), the netns, docker and `alone` tests form
-one group that one worker runs first, and while one of them runs no other test runs beside it (`MachineShare`): each
-loads the whole machine, or counts rounds in wall-clock time. The other tests run two at a time.
+Under pytest-xdist (setup.cfg: `-n 2 --dist loadgroup --no-loadscope-reorder`), the netns, docker and `alone` tests
+form one group that one worker runs last, and while one of them runs no other test runs beside it (`MachineShare`):
+each loads the whole machine, or counts rounds in wall-clock time. The other tests run two at a time before it.
 """
 
 from __future__ import annotations
@@ -83,24 +83,18 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In one process (CI), the machine-wide tests come last (the docker ones last of them): the early jobs run
-    beside the others, and are over before the first test that must wait for them (a serial run whose fifth test
-    waited for the cold type check left a core idle for minutes).
+    """The machine-wide tests come last, the docker ones last of them: the early jobs (type check, Docker set-up)
+    run beside the other tests and are over before the first test that must wait for them. Under xdist this needs
+    `--no-loadscope-reorder` (setup.cfg), which keeps the groups in this order; the default puts the largest first.
 
-    Under xdist's `--dist loadgroup`, they come first, so their worker starts them at once; a grouped test whose id
-    does not name its group stops the run: the groups would spread over the workers unnoticed (pytest 9 with
-    xdist 3.8 did). Either way each part keeps its order (the sorts are stable)."""
-    if not getattr(config.option, "loadgroup", False):
-        items.sort(key=lambda item: (_machine_wide_group(item) is not None,
-                                     item.get_closest_marker("docker") is not None))
-        return
-    ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
-    if ungrouped:
-        raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
-                                f"pytest and pytest-xdist versions (setup.cfg)")
-    # the docker tests last in the group, so the background set-up of their engine and images (early_jobs.py) has
-    # the netns tests' minutes to finish while the group holds the machine
-    items.sort(key=lambda item: (_machine_wide_group(item) is None, item.get_closest_marker("docker") is not None))
+    Under `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would spread
+    over the workers unnoticed (pytest 9 with xdist 3.8 did). Each part keeps its order (the sort is stable)."""
+    if getattr(config.option, "loadgroup", False):
+        ungrouped = [item.nodeid for item in items if _machine_wide_group(item) and "@" not in item.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
+                                    f"pytest and pytest-xdist versions (setup.cfg)")
+    items.sort(key=lambda item: (_machine_wide_group(item) is not None, item.get_closest_marker("docker") is not None))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
