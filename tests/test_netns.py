@@ -18,7 +18,8 @@ from netns_utils import stop_and_clean_up
 
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.testnet import netns
-from p2ptrain.testnet.netns import HostSpec, list_namespaces, tbf_args
+from p2ptrain.testnet.forkserver import ForkServer
+from p2ptrain.testnet.netns import NETNS_RUN_DIR, HostSpec, list_namespaces, tbf_args
 
 pytestmark = pytest.mark.netns
 
@@ -179,6 +180,32 @@ def test_partition_blocks_between_groups_and_heal_restores(testbed: netns.Testbe
     testbed.heal_partition()
     _wait_until(lambda: _can_reach(testbed, "shaped", "c"), deadline_s=10, what="shaped -> c after heal")
     assert _can_reach(testbed, "b", "c")
+
+
+def test_a_forked_process_runs_in_its_hosts_namespace_and_teardown_stops_it(testbed: netns.Testbed,
+                                                                               tmp_path: Path) -> None:
+    (tmp_path / "nsprobe.py").write_text(
+        "import socket, sys, time\n"
+        "with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10) as conn:\n"
+        "    print(conn.recv(4).decode(), flush=True)\n"
+        "time.sleep(120)\n")
+    server = ForkServer(dict(os.environ, PYTHONPATH=str(tmp_path)), ("json",))
+    try:
+        pong = testbed.popen("c", [sys.executable, "-c", PONG_SERVER], stdout=subprocess.PIPE, text=True)
+        assert _read_line(pong, timeout_s=10) == "ready"
+        log = tmp_path / "probe.log"
+        probe = testbed.fork("b", server, "nsprobe", [testbed.address("c"), str(PORT)], log)
+        _wait_until(lambda: "pong" in log.read_text() or probe.poll() is not None, 30, "the probe's pong")
+        assert log.read_text() == "pong\n" and probe.poll() is None
+        in_namespace = os.stat(f"/proc/{probe.pid}/ns/net").st_ino
+        assert in_namespace == os.stat(NETNS_RUN_DIR / testbed.namespace("b")).st_ino != os.stat(
+            "/proc/self/ns/net").st_ino
+        assert os.getpgid(probe.pid) == probe.pid  # a session of its own, which teardown signals whole
+        testbed.teardown()
+        assert probe.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        testbed.teardown()  # stops the probe, so that the server can end
+        server.close()
 
 
 def _root_links_and_qdiscs() -> tuple[str, str]:

@@ -11,15 +11,13 @@ is shared with every host at the same path, so metrics, checkpoints and logs are
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import signal
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from p2ptrain.checkpoint import latest_checkpoint
 from p2ptrain.config import build_config, read_config_file
 from p2ptrain.errors import CheckpointError, ConfigError, UserError, one_line
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet.hosttools import HostControl, wait_exit
+from p2ptrain.testnet.hosttools import HostControl, handling_signals, interrupt, wait_exit
 from p2ptrain.testnet.loopback import RED_TEAM, PeerSummary, format_summary
 from p2ptrain.testnet.plan import RunPlan, Timeline, plan_run
 from p2ptrain.testnet.report import (
@@ -310,24 +308,6 @@ def merged_peer_config(options: ScenarioOptions, plan: RunPlan, workdir: Path) -
     return path, config.data.num_shards
 
 
-@contextlib.contextmanager
-def _signals(handler: Any) -> Iterator[None]:
-    """Install ``handler`` for SIGINT/SIGTERM/SIGHUP for the block (main thread only), then restore the old ones."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def prepare_run(options: ScenarioOptions, check_backend: Callable[[RunPlan], None]) -> tuple[RunPlan, Path,
                                                                                      dict[str, float | None]]:
     """The plan, the workdir and every host's rate (bootstrap unshaped); the scenario is checked first, then the
@@ -353,7 +333,7 @@ def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, wo
                f"scripted + {len(plan.churn_events)} churn events, logs in {workdir}")
     events: list[EventRecord] = []
     outcome, error, started, script = "error", None, time.time(), Timeline(plan.events)
-    with _signals(_interrupt):
+    with handling_signals(interrupt):
         try:
             hosts.create()
             fleet.start_bootstrap()
@@ -364,7 +344,7 @@ def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, wo
         except BaseException as e:  # KeyboardInterrupt (Ctrl-C, SIGTERM, SIGHUP) included: report, then re-raise
             outcome, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "error"), e
         finally:
-            with _signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the teardown short
+            with handling_signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the teardown short
                 click.echo("testnet: stopping peers and tearing down the testbed")
                 try:
                     fleet.stop_all()

@@ -4,13 +4,16 @@ guards that tear a testbed down after its owner."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from p2ptrain.errors import ConfigError, UserError
 from p2ptrain.timing import SLOW_POLL_S
@@ -24,6 +27,11 @@ def child_env(**extra: str) -> dict[str, str]:
     """Our environment plus ``extra``, with this p2ptrain first on PYTHONPATH (for `python -m p2ptrain...`)."""
     path = os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def process_env() -> dict[str, str]:
+    """The environment of a testnet's bootstrap and peers: unbuffered logs, one torch thread, no hub downloads."""
+    return child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
 class HostControl(Protocol):
@@ -114,3 +122,23 @@ def wait_for_exit(pid: int, start_ticks: int) -> None:
         os.close(pidfd)
     while process_start_ticks(pid) == start_ticks:
         time.sleep(SLOW_POLL_S)  # owner-liveness poll where pidfd_open is unavailable
+
+
+@contextlib.contextmanager
+def handling_signals(handler: Any) -> Iterator[None]:
+    """Install ``handler`` for SIGINT/SIGTERM/SIGHUP for the block (main thread only), then restore the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def interrupt(signum: int, _frame: object) -> None:
+    """A handler for ``handling_signals``: a launcher stopped politely (Ctrl-C, SIGTERM, SIGHUP) unwinds, and so
+    stops the processes it started."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)

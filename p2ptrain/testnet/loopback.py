@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -22,6 +21,8 @@ import click
 
 from p2ptrain.errors import UserError
 from p2ptrain.metrics import read_metrics
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer
+from p2ptrain.testnet.hosttools import handling_signals, interrupt, process_env
 from p2ptrain.timing import SLOW_POLL_S
 
 
@@ -54,21 +55,24 @@ class PeerSummary:
 
 
 class ProcessGroup:
-    """Child processes in their own sessions, so that a stop kills each one with everything it spawned."""
+    """Child processes in their own sessions, so that a stop kills each one with everything it spawned; forked from
+    one ``ForkServer`` (forkserver.py), which imports the peer's libraries once for all of them."""
 
     def __init__(self) -> None:
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, ForkedProcess] = {}
+        self.server: ForkServer | None = None
 
-    def start(self, name: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    def start(self, name: str, module_and_args: tuple[str, list[str]], log_path: Path) -> ForkedProcess:
+        if self.server is None:
+            self.server = ForkServer(process_env())
+        module, args = module_and_args
+        process = self.server.start({"module": module}, args, Path.cwd(), log_path, session=True)
         self.children[name] = process
         return process
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM each main process (not its group: the peer must shut its own DHT down and checkpoint), then
-        SIGKILL whatever is left of each group."""
+        SIGKILL whatever is left of each group; then the server ends."""
         for process in self.children.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -80,9 +84,11 @@ class ProcessGroup:
                 pass
             _signal_group(process, signal.SIGKILL)  # also reaps p2pd daemons left in the group
             process.wait()
+        if self.server is not None:
+            self.server.close()
 
 
-def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+def _signal_group(process: ForkedProcess, signum: int) -> None:
     try:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
@@ -95,17 +101,17 @@ LOG_LEVELS = ("debug", "info", "warning", "error")  # `p2ptrain --log-level`, wh
 RED_TEAM = "red-team"  # the command of a hostile peer: `python -m p2ptrain.testnet.red_team`, not the p2ptrain CLI
 
 
-def cli_argv(command: str, *args: str) -> list[str]:
-    """The command line of a testnet process at our own log level: `p2ptrain COMMAND ARGS` (bootstrap, peer), or
-    the red team's peer for RED_TEAM."""
+def cli_module(command: str, *args: str) -> tuple[str, list[str]]:
+    """What a testnet process runs at our own log level, as a module and its arguments: `p2ptrain COMMAND ARGS`
+    (bootstrap, peer), or the red team's peer for RED_TEAM."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     log_level = ["--log-level", level if level in LOG_LEVELS else "info"]
     if command == RED_TEAM:
-        return [sys.executable, "-m", "p2ptrain.testnet.red_team", *log_level, *args]
-    return [sys.executable, "-m", "p2ptrain.cli", *log_level, command, *args]
+        return "p2ptrain.testnet.red_team", [*log_level, *args]
+    return "p2ptrain.cli", [*log_level, command, *args]
 
 
-def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:
+def wait_for_file(path: Path, process: ForkedProcess, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists() and path.read_text().strip():
@@ -116,18 +122,19 @@ def wait_for_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float
     raise UserError(f"the bootstrap node did not start within {timeout_s:.0f} s; see {path.parent}")
 
 
-def peer_argv(options: TestnetOptions, index: int, bootstrap_maddr: str, run_id: str, workdir: Path) -> list[str]:
-    argv = cli_argv("peer", "--loopback", "--initial-peers", bootstrap_maddr, "--run-id", run_id,
-                    "--rounds", str(options.resolved_rounds), "--shard-index", str(index), "--torch-threads", "1",
-                    "--metrics", str(workdir / f"peer{index}.jsonl"), "--no-progress", "--device", "cpu",
-                    "--min-peers", str(options.num_peers))  # launched together: they begin round 0 together
+def peer_command(options: TestnetOptions, index: int, bootstrap_maddr: str, run_id: str,
+                 workdir: Path) -> tuple[str, list[str]]:
+    args = ["--loopback", "--initial-peers", bootstrap_maddr, "--run-id", run_id,
+            "--rounds", str(options.resolved_rounds), "--shard-index", str(index), "--torch-threads", "1",
+            "--metrics", str(workdir / f"peer{index}.jsonl"), "--no-progress", "--device", "cpu",
+            "--min-peers", str(options.num_peers)]  # launched together: they begin round 0 together
     if options.config_path:
-        argv += ["--config", options.config_path]
+        args += ["--config", options.config_path]
     if options.model:
-        argv += ["--model", options.model]
+        args += ["--model", options.model]
     if options.sync:
-        argv += ["--sync", options.sync]
-    return argv + list(options.extra_peer_args)
+        args += ["--sync", options.sync]
+    return cli_module("peer", *args, *options.extra_peer_args)
 
 
 def run_testnet(options: TestnetOptions) -> bool:
@@ -140,15 +147,17 @@ def run_testnet(options: TestnetOptions) -> bool:
     group = ProcessGroup()
     click.echo(f"testnet: bootstrap + {options.num_peers} peers on loopback, {options.resolved_rounds} rounds each, "
                f"sync {options.sync or 'from config'}, logs in {workdir}")
-    try:
-        bootstrap = group.start("bootstrap", cli_argv("bootstrap", "--loopback", "--address-file",
-                                                      str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
-        maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
-        peers = {f"peer{i}": group.start(f"peer{i}", peer_argv(options, i, maddr, run_id, workdir),
-                                         workdir / f"peer{i}.log") for i in range(options.num_peers)}
-        _follow_until_done(peers, workdir, options.timeout_s)
-    finally:
-        group.stop_all()
+    with handling_signals(interrupt):  # a SIGTERM too stops the peers: they lead sessions of their own
+        try:
+            bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--address-file",
+                                                            str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
+            maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
+            peers = {f"peer{i}": group.start(f"peer{i}", peer_command(options, i, maddr, run_id, workdir),
+                                             workdir / f"peer{i}.log") for i in range(options.num_peers)}
+            _follow_until_done(peers, workdir, options.timeout_s)
+        finally:
+            with handling_signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the stop short
+                group.stop_all()
     summaries = [PeerSummary(name, process.returncode, _read_rounds(workdir / f"{name}.jsonl"))
                  for name, process in peers.items()]
     click.echo(format_summary(summaries))
@@ -162,7 +171,7 @@ def _read_rounds(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.exists() else []
 
 
-def _follow_until_done(peers: dict[str, subprocess.Popen[bytes]], workdir: Path, timeout_s: float) -> None:
+def _follow_until_done(peers: dict[str, ForkedProcess], workdir: Path, timeout_s: float) -> None:
     """Print each round as peers report it, until all peers exit or the timeout passes."""
     seen = dict.fromkeys(peers, 0)
     deadline = time.monotonic() + timeout_s

@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer, ForkServerError
 from p2ptrain.testnet.homes import Home, attach_host, build_router, plan_homes, require_nat_support
 from p2ptrain.testnet.hosttools import check_rate, child_env, process_start_ticks, run_tool, tbf_args, wait_for_exit
 from p2ptrain.timing import BRIEF_S
 
 STATE_DIR = Path("/run/p2ptrain-netns")
+NETNS_RUN_DIR = Path("/run/netns")  # where `ip netns add` mounts each namespace, by name
 NAMESPACE_MARKER = "p2pt-"  # every namespace a testbed creates starts with this, so --cleanup can find orphans
 SUBNET_PREFIX = "10.213.0."  # hosts get .1, .2, ... /24; the subnet exists only inside the testbed's namespaces
 MAX_HOSTS = 250
@@ -174,7 +176,7 @@ class Testbed:
                                  {i: f"{SUBNET_PREFIX}{i + 1}" for i in range(len(hosts))})
         for host in self._hosts.values():
             host.home = self._homes.get(host.spec.home) if host.spec.home is not None else None
-        self._processes: list[subprocess.Popen[Any]] = []
+        self._processes: list[subprocess.Popen[Any] | ForkedProcess] = []
         self._guard: subprocess.Popen[bytes] | None = None
         self._state: dict[str, Any] = {}
         self._created = False
@@ -306,8 +308,21 @@ class Testbed:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+                with contextlib.suppress(ForkServerError):
+                    proc.wait()
+            except ForkServerError:  # its exit code is lost; deleting the namespace kills what is left of it
+                _signal_group(proc.pid, signal.SIGKILL)
         self._processes.clear()
+
+    def fork(self, host: str, server: ForkServer, module: str, args: list[str], log: Path) -> ForkedProcess:
+        """Run ``module`` as ``python -m`` would, forked from ``server`` into the host's namespace, in a new
+        session (process group) that teardown kills; its output is appended to ``log``."""
+        if not self._created:
+            raise UserError("testbed is not created: call create() or use `with Testbed(...)` first")
+        proc = server.start({"module": module}, args, Path.cwd(), log, append=True, session=True,
+                            netns=str(NETNS_RUN_DIR / self.namespace(host)))
+        self._processes.append(proc)
+        return proc
 
     def popen(self, host: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside the host's namespace in a new session (process group) that teardown kills."""

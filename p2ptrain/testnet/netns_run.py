@@ -11,14 +11,14 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, merged_peer_config, prepare_run, run_scenario
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer
 from p2ptrain.testnet.homes import require_nat_support
-from p2ptrain.testnet.hosttools import child_env
-from p2ptrain.testnet.loopback import cli_argv
+from p2ptrain.testnet.hosttools import process_env
+from p2ptrain.testnet.loopback import cli_module
 from p2ptrain.testnet.netns import HostSpec, Testbed, require_netns_support
 from p2ptrain.testnet.plan import RunPlan
 from p2ptrain.timing import POLL_S
@@ -29,7 +29,8 @@ NetnsTestnetOptions = ScenarioOptions  # the name callers of the netns backend k
 
 
 class NetnsHosts:
-    """Hosts as network namespaces of one ``Testbed``, each running one ``p2ptrain`` process (and its children)."""
+    """Hosts as network namespaces of one ``Testbed``, each running one ``p2ptrain`` process (and its children),
+    forked from one ``ForkServer`` that imported the peer's libraries once (forkserver.py)."""
 
     kind = "netns"
     poll_s = POLL_S
@@ -39,23 +40,27 @@ class NetnsHosts:
         self.workdir = workdir
         specs = [HostSpec(host, rate, (homes or {}).get(host)) for host, rate in rates_mbit.items()]
         self.testbed = Testbed(name_prefix, specs)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # the current process of each host
+        self.procs: dict[str, ForkedProcess] = {}  # the current process of each host
+        self.server: ForkServer | None = None
 
     def create(self) -> None:
+        # started first: its imports overlap the building of the namespaces
+        self.server = ForkServer(process_env())
         self.testbed.create()
 
     def teardown(self) -> None:
         self.testbed.teardown()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     def address(self, host: str) -> str:
         return self.testbed.address(host)
 
     def start(self, host: str, command: str, args: list[str], log: Path) -> int:
-        argv = cli_argv(command, *args, "--host-maddrs", f"/ip4/{self.address(host)}/tcp/{PORT}")
-        env = child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        with open(log, "ab") as out:
-            proc = self.testbed.popen(host, argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT)
+        assert self.server is not None, "create() first"
+        module, module_args = cli_module(command, *args, "--host-maddrs", f"/ip4/{self.address(host)}/tcp/{PORT}")
+        proc = self.testbed.fork(host, self.server, module, module_args, log)
         self.procs[host] = proc
         (self.workdir / "processes.json").write_text(json.dumps({h: p.pid for h, p in self.procs.items()}))
         return proc.pid
@@ -93,7 +98,7 @@ class NetnsHosts:
         self.testbed.heal_partition()
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(proc: ForkedProcess, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 

@@ -1,0 +1,74 @@
+"""`p2ptrain testnet` on loopback, the README's first command, end to end at a small size: a bootstrap and two
+peers forked from the fork server train together, every peer's loss falls, and the stop leaves no process, a
+SIGTERM to the launcher included."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from p2ptrain.metrics import read_metrics
+from p2ptrain.testnet.loopback import TestnetOptions, run_testnet
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]
+
+
+def test_a_loopback_testnet_trains_together_and_leaves_no_process(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    assert run_testnet(TestnetOptions(num_peers=2, rounds=4, model="tiny", workdir=str(tmp_path), timeout_s=300))
+    printed = capsys.readouterr().out
+    assert "every peer trained" in printed and "peer1 round   3" in printed, printed[-2000:]
+    for peer in ("peer0", "peer1"):
+        rows = read_metrics(tmp_path / f"{peer}.jsonl")
+        assert [row["round"] for row in rows] == [0, 1, 2, 3]
+        assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+        assert max(row["peers_averaged"] for row in rows) == 2, [row["peers_averaged"] for row in rows]
+    left = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    assert not _still_alive(left, 30)
+
+
+def test_a_sigterm_to_the_launcher_stops_every_process_it_started(tmp_path: Path) -> None:
+    """The peers lead sessions of their own (a stop kills each with its daemons), so no signal reaches them from
+    the launcher's: it must stop them itself, on SIGTERM as on Ctrl-C."""
+    launcher = subprocess.Popen([sys.executable, "-m", "p2ptrain.cli", "testnet", "--peers", "2", "--model", "tiny",
+                                 "--rounds", "500", "--workdir", str(tmp_path)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not all(read_metrics(path) if path.exists() else [] for path in
+                      (tmp_path / "peer0.jsonl", tmp_path / "peer1.jsonl")):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the peers logged no round"
+            time.sleep(0.2)
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(started) >= 3  # the fork server, the bootstrap, the peers (and their daemons)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) != 0
+        assert not _still_alive(started, 30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _still_alive(processes: list[psutil.Process], within_s: float) -> list[str]:
+    """The names of those still running after `within_s` (torch's shared-memory managers end once their clients
+    have: a moment after the peers)."""
+    deadline = time.monotonic() + within_s
+    while (alive := [process for process in processes if _alive(process)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [process.name() for process in alive]
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie: an orphan that exited waits as a zombie of the suite (a child subreaper)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
