@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -37,6 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DATA_HOME = os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="p2ptrain-tests-data-")
 
 REAP_GRACE_S = 10.0
+EARLY_WAIT_NOTED_S = 2.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
 MACHINE_WIDE_MARKERS = ("docker", "netns", "alone")  # their tests form one xdist group, run in turn by one worker
 MACHINE_WIDE_GROUP = "machine-wide"
@@ -157,7 +159,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
     machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
     if _alone(item):
+        started = time.monotonic()
         wait_ended([TYPE_CHECK, DOCKER_SETUP])
+        waited_s = time.monotonic() - started
+        if waited_s > EARLY_WAIT_NOTED_S:  # in the warnings summary, which xdist forwards: the run's idle time
+            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs (type check, Docker set-up)"))
     if _share is not None:
         _share.enter(_alone(item))
     yield
