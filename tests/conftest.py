@@ -22,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -31,6 +33,8 @@ from docker_utils import DOCKER_SETUP
 from early_jobs import TYPE_CHECK, remove_ended, start_wanted, wait_ended
 from subreaper import set_child_subreaper
 
+from p2ptrain.testnet.forkserver import import_time_locks, renew_locks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DATA_HOME = os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="p2ptrain-tests-data-")
 
 REAP_GRACE_S = 10.0
+HELD_LOCK_S = 2.0  # an import-time lock still held this long after a test's processes are gone is held by a dead one
 EARLY_WAIT_NOTED_S = 2.0
 TIER_MARKERS = ("slow", "network", "netns", "docker")
 MACHINE_WIDE_MARKERS = ("docker", "netns", "alone")  # their tests form one xdist group, run in turn by one worker
@@ -224,6 +229,30 @@ def reap_children():
     if leftovers:
         _gone, alive = psutil.wait_procs(leftovers, timeout=0.5)
         _terminate(alive)
+    _free_import_time_locks()
+
+
+_scanned: tuple[int, list[tuple[object, str, Any]]] = (0, [])  # len(sys.modules) then, and what was found
+
+
+def _free_import_time_locks() -> None:
+    """hivemind's MPFuture pipe lock is one semaphore for this process and every DHT or averager it forks; one killed
+    while holding it (a test's kill, or the reaping above) blocks every later DHT's start in this worker (stop 36's
+    ci9: 24 tests, each "did not start within 30 s"). Such a lock is renewed, with a warning naming the test."""
+    global _scanned
+    if _scanned[0] != len(sys.modules):  # a scan takes ~0.2 s; modules are added by the first tests only
+        _scanned = (len(sys.modules), import_time_locks())
+    held = []
+    for owner, name, lock in _scanned[1]:
+        if lock.acquire(timeout=HELD_LOCK_S):
+            lock.release()
+        else:
+            held.append((owner, name, lock))
+    if held:
+        renew_locks(held)
+        _scanned = (0, [])
+        warnings.warn(pytest.PytestWarning(f"renewed {[name for _owner, name, _lock in held]}: held by a process "
+                                           "that this test killed or left"), stacklevel=1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -85,6 +85,37 @@ def test_children_draw_their_own_random_numbers(server: ForkServer, tmp_path: Pa
     assert first[0] != second[0] and first[1] != second[1], (first, second)
 
 
+def test_a_child_killed_holding_an_import_time_lock_leaves_it_free_for_the_others(tmp_path: Path) -> None:
+    """hivemind makes its MPFuture pipe's lock at import: one semaphore for the server and every child, unless each
+    child makes its own. A peer killed while its DHT held it used to block every other peer's updates for good."""
+    write_module(tmp_path, "heldlock", "import multiprocessing\nclass Shared:\n    lock = multiprocessing.Lock()\n")
+    write_module(tmp_path, "holder", "import time, heldlock\nheldlock.Shared.lock.acquire()\n"
+                 "print('held', flush=True)\ntime.sleep(60)\n")
+    write_module(tmp_path, "taker", "import heldlock\nprint('acquired', heldlock.Shared.lock.acquire(timeout=5))\n")
+    server = ForkServer(dict(os.environ, PYTHONPATH=str(tmp_path)), (*LIGHT, "heldlock"))
+    try:
+        log = tmp_path / "holder.log"
+        holder = server.start({"script": str(tmp_path / "holder.py")}, [], tmp_path, log)
+        deadline = time.monotonic() + 60
+        while "held" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        holder.kill()
+        assert holder.wait(timeout=60) == -signal.SIGKILL
+        taker_log = tmp_path / "taker.log"
+        assert server.start({"script": str(tmp_path / "taker.py")}, [], tmp_path, taker_log).wait(timeout=60) == 0
+        assert taker_log.read_text() == "acquired True\n"
+    finally:
+        server.close()
+
+
+def test_a_preload_with_a_multiprocessing_object_a_child_cannot_remake_is_refused(tmp_path: Path) -> None:
+    write_module(tmp_path, "withevent", "import multiprocessing\nSTARTED = multiprocessing.Event()\n")
+    done = subprocess.run([sys.executable, "-m", "p2ptrain.testnet.forkserver", "json", "withevent"],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1 and "a child cannot remake: ['withevent.STARTED']" in done.stderr, done.stderr
+
+
 def test_a_closed_server_refuses_in_one_error(tmp_path: Path) -> None:
     server = ForkServer(dict(os.environ), LIGHT)
     server.close()

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet.loopback import TestnetOptions, run_testnet
+from p2ptrain.testnet.loopback import TestnetOptions as LoopbackOptions
+from p2ptrain.testnet.loopback import run_testnet
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.network]
 def test_a_loopback_testnet_trains_together_and_leaves_no_process(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    assert run_testnet(TestnetOptions(num_peers=2, rounds=4, model="tiny", workdir=str(tmp_path), timeout_s=300))
+    assert run_testnet(LoopbackOptions(num_peers=2, rounds=4, model="tiny", workdir=str(tmp_path), timeout_s=300))
     printed = capsys.readouterr().out
     assert "every peer trained" in printed and "peer1 round   3" in printed, printed[-2000:]
     for peer in ("peer0", "peer1"):

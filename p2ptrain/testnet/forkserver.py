@@ -20,6 +20,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import runpy
 import select
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,48 @@ def _redirect(request: Mapping[str, Any]) -> None:
     os.dup2(out if request["stderr"] == request["stdout"] else os.open(request["stderr"], flags, 0o644), 2)
 
 
+def import_time_locks() -> list[tuple[Any, str, Any]]:
+    """The multiprocessing locks that loaded modules made at import, as module globals or class attributes:
+    (owner, name, lock). hivemind keeps its MPFuture pipe's lock so. Such a lock is one semaphore for the process
+    and everything forked from it; a forked child that dies holding it (a peer killed while its DHT sends an update)
+    leaves it held for all the others, whose sends then block for good."""
+    found = []
+    with warnings.catch_warnings():  # a deprecated name warns when looked at (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):
+            found += _locks_of(module)
+    return found
+
+
+MULTIPROCESSING_OBJECTS = (multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Condition,
+                           multiprocessing.synchronize.Event, multiprocessing.synchronize.Barrier)
+
+
+def _locks_of(module: Any) -> list[tuple[Any, str, Any]]:
+    """The multiprocessing objects among a module's globals and the attributes of the classes it defines."""
+    try:
+        names = vars(module)
+    except TypeError:
+        return []
+    owners = [module] + [value for value in list(names.values())
+                         if isinstance(value, type) and value.__module__ == names.get("__name__")]
+    return [(owner, name, value) for owner in owners for name, value in list(vars(owner).items())
+            if isinstance(value, MULTIPROCESSING_OBJECTS)]
+
+
+def renew_locks(locks: Sequence[tuple[Any, str, Any]]) -> None:
+    """Give this process its own, unlocked, copy of each lock (what a fresh interpreter's imports would make)."""
+    for owner, name, lock in locks:
+        recursive = isinstance(lock, multiprocessing.synchronize.RLock)
+        setattr(owner, name, multiprocessing.RLock() if recursive else multiprocessing.Lock())
+
+
+def _unrenewable(locks: Sequence[tuple[Any, str, Any]]) -> list[str]:
+    """Those of `locks` that `renew_locks` cannot remake as they were (a semaphore's count, an event's state)."""
+    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}" for owner, name, lock in locks
+            if type(lock) not in (multiprocessing.synchronize.Lock, multiprocessing.synchronize.RLock)]
+
+
 def _reseed() -> None:
     """A fresh interpreter seeds numpy's global generator from the OS; a forked child would share the server's.
     (Python's `random` reseeds itself after a fork; torch's default generator starts from a fixed seed anyway.)"""
@@ -75,8 +120,9 @@ def _reseed() -> None:
         numpy.random.seed()
 
 
-def _run_child(request: Mapping[str, Any]) -> int:
+def _run_child(request: Mapping[str, Any], locks: Sequence[tuple[Any, str, Any]]) -> int:
     """In the forked child: set up as the request says, run its target as `__main__`; the exit code."""
+    renew_locks(locks)
     if request.get("session"):
         os.setsid()
     if request.get("netns"):
@@ -121,6 +167,10 @@ def serve(preloaded: Sequence[str]) -> None:
         __import__(name)
     if threading.active_count() != 1:  # a thread would not exist in the children, and its locks could be held
         raise SystemExit(f"importing {list(preloaded)} started threads: {threading.enumerate()}")
+    locks = import_time_locks()
+    if _unrenewable(locks):
+        raise SystemExit(f"importing {list(preloaded)} made multiprocessing objects a child cannot remake: "
+                         f"{_unrenewable(locks)}")
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the server by closing its stdin
@@ -142,7 +192,7 @@ def serve(preloaded: Sequence[str]) -> None:
                 try:
                     replies.close()  # the pipe is the server's: a child holding it would keep the launcher reading
                     signal.signal(signal.SIGINT, signal.default_int_handler)
-                    code = _run_child(request)
+                    code = _run_child(request, locks)
                 finally:
                     os._exit(code)
             running[pid] = request["id"]
