@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from p2ptrain.testnet.forkserver import PRELOADED, ForkServer, ForkServerError
@@ -114,6 +115,61 @@ def test_a_preload_with_a_multiprocessing_object_a_child_cannot_remake_is_refuse
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
                           env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert done.returncode == 1 and "a child cannot remake: ['withevent.STARTED']" in done.stderr, done.stderr
+
+
+LAUNCHER = """
+import os, sys
+from pathlib import Path
+from p2ptrain.testnet.forkserver import ForkServer
+workdir = Path(sys.argv[1])
+server = ForkServer(dict(os.environ), ("json",))
+polite = server.start({"script": str(workdir / "polite.py")}, [], workdir, workdir / "polite.log", session=True)
+stubborn = server.start({"script": str(workdir / "stubborn.py")}, [], workdir, workdir / "stubborn.log", session=True)
+print(polite.pid, stubborn.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_children_of_a_launcher_that_died_are_stopped_politely_then_killed(tmp_path: Path) -> None:
+    """A launcher killed by SIGKILL closes the server's stdin: the server SIGTERMs each child it started (a peer
+    then checkpoints and stops its DHT), SIGKILLs the session of one still there after the grace, and ends."""
+    write_module(tmp_path, "polite", "import signal, sys, time\n"
+                 "def stop(*_):\n    print('stopped by SIGTERM', flush=True)\n    sys.exit(3)\n"
+                 "signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(120)\n")
+    write_module(tmp_path, "stubborn", "import signal, subprocess, time\n"
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nsubprocess.Popen(['sleep', '120'])\n"
+                 "print('up', flush=True)\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        deadline = time.monotonic() + 60
+        while not all("up" in _text(tmp_path / f"{name}.log") for name in ("polite", "stubborn")):
+            assert time.monotonic() < deadline, "the children did not start"
+            time.sleep(0.05)
+        stubborn_session = [p for p in psutil.process_iter() if _session(p.pid) == pids[1]]
+        assert len(stubborn_session) == 2  # it and its sleep
+        launcher.kill()
+        launcher.wait()
+        gone, alive = psutil.wait_procs([psutil.Process(pids[0]), *stubborn_session], timeout=40)
+        assert not alive, alive
+        assert "stopped by SIGTERM" in _text(tmp_path / "polite.log")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def test_a_closed_server_refuses_in_one_error(tmp_path: Path) -> None:

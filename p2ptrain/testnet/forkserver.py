@@ -18,6 +18,7 @@ its exit code (negative for a signal, as Popen's).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import multiprocessing
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,6 +43,7 @@ PRELOADED = ("torch", "transformers", "transformers.models.llama.modeling_llama"
              "p2ptrain.peer_command", "p2ptrain.testnet.adversary")
 RUN_AS_MAIN = ("p2ptrain.cli", "p2ptrain.testnet.red_team")
 CLONE_NEWNET = 0x40000000
+ORPHAN_GRACE_S = 10.0  # a child left when the launcher has gone: SIGTERM, and SIGKILL this long after
 REPLY_TIMEOUT_S = 60.0  # the server answers a request with the child's pid once it has forked
 
 
@@ -158,8 +161,9 @@ def _run_child(request: Mapping[str, Any], locks: Sequence[tuple[Any, str, Any]]
 
 
 def serve(preloaded: Sequence[str]) -> None:
-    """The server's loop: fork a child per request line, answer its pid, report each exit; ends when stdin closes
-    and its children have exited."""
+    """The server's loop: fork a child per request line, answer its pid, report each exit. When its stdin closes
+    (the launcher has finished, or died) it stops the children still running, SIGTERM then, after
+    `ORPHAN_GRACE_S`, SIGKILL to each one's session, and ends once they have exited."""
     clash = set(preloaded) & set(RUN_AS_MAIN)
     if clash:
         raise SystemExit(f"the fork server must not preload {sorted(clash)}: they run as __main__")
@@ -171,17 +175,17 @@ def serve(preloaded: Sequence[str]) -> None:
     if _unrenewable(locks):
         raise SystemExit(f"importing {list(preloaded)} made multiprocessing objects a child cannot remake: "
                          f"{_unrenewable(locks)}")
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    replies = _Replies(os.fdopen(os.dup(1), "w", buffering=1))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the server by closing its stdin
-    running: dict[int, int] = {}
-    pending, stdin_open = b"", True
+    running: dict[int, Mapping[str, Any]] = {}  # pid: its request
+    pending, stdin_open, orphaned_at = b"", True, None
     while stdin_open or running:
         readable, _, _ = select.select([0] if stdin_open else [], [], [], 0.05)
         if readable:
             chunk = os.read(0, 1 << 16)
             stdin_open, pending = bool(chunk), pending + chunk
-        while b"\n" in pending:
+        while b"\n" in pending and not replies.gone:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
             sys.stdout.flush()
@@ -190,19 +194,52 @@ def serve(preloaded: Sequence[str]) -> None:
             if pid == 0:
                 code = 1
                 try:
-                    replies.close()  # the pipe is the server's: a child holding it would keep the launcher reading
+                    replies.file.close()  # the server's: a child holding it would keep the launcher reading
                     signal.signal(signal.SIGINT, signal.default_int_handler)
                     code = _run_child(request, locks)
                 finally:
                     os._exit(code)
-            running[pid] = request["id"]
-            replies.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+            running[pid] = request
+            replies.send({"id": request["id"], "pid": pid})
         while running:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            replies.write(json.dumps({"id": running.pop(pid), "returncode": os.waitstatus_to_exitcode(status)})
-                          + "\n")
+            replies.send({"id": running.pop(pid)["id"], "returncode": os.waitstatus_to_exitcode(status)})
+        if (not stdin_open or replies.gone) and running:
+            orphaned_at = _stop_orphans(running, orphaned_at)
+            stdin_open = False
+
+
+class _Replies:
+    """The server's answers on its stdout; a launcher that has gone reads none, and that is not an error."""
+
+    def __init__(self, file: Any):
+        self.file, self.gone = file, False
+
+    def send(self, reply: Mapping[str, Any]) -> None:
+        if not self.gone:
+            try:
+                self.file.write(json.dumps(reply) + "\n")
+            except BrokenPipeError:
+                self.gone = True
+
+
+def _stop_orphans(running: Mapping[int, Mapping[str, Any]], since: float | None) -> float:
+    """Children left when the launcher has gone: SIGTERM each (a peer checkpoints and shuts its DHT down), then
+    SIGKILL each one's session (its DHT process and p2pd too) once `ORPHAN_GRACE_S` has passed; not yet reaped,
+    so each pid is still that child's."""
+    now = time.monotonic()
+    if since is None or now - since >= ORPHAN_GRACE_S:
+        sig = signal.SIGTERM if since is None else signal.SIGKILL
+        for pid, request in running.items():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if sig == signal.SIGKILL and request.get("session"):
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+        return now if since is None else now - ORPHAN_GRACE_S + 1.0  # SIGKILL again each second until reaped
+    return since
 
 
 # ---- the launcher's side -------------------------------------------------------------------------------------------
@@ -304,7 +341,8 @@ class ForkServer:
         return ForkedProcess(self, request_id, [*target.values(), *args])
 
     def close(self) -> None:
-        """Close its stdin: it ends once its children have (the caller stops those)."""
+        """Close its stdin: it stops the children still running (SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`) and
+        ends."""
         if self.process.poll() is None:
             assert self.process.stdin is not None
             self.process.stdin.close()
