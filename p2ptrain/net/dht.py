@@ -11,6 +11,7 @@ import signal
 from collections.abc import Sequence
 
 import hivemind
+import torch.multiprocessing
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
@@ -113,6 +114,7 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
         if "p2p" not in maddr.protocols() and "/p2p/" not in str(maddr):
             raise UserError(f"initial peer {str(maddr)!r} lacks its /p2p/<peer id> part: copy the full address the "
                             f"bootstrap printed")
+    _share_memory_by_descriptor()
     identity_path = config.identity_path or fresh_identity_path()
     try:
         dht = _launch(config, [str(p) for p in peers], identity_path, dht_kwargs)
@@ -125,6 +127,14 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
         if not config.identity_path:  # a throwaway identity lives on in memory only
             shutil.rmtree(os.path.dirname(identity_path), ignore_errors=True)
     return dht
+
+
+def _share_memory_by_descriptor() -> None:
+    """hivemind sets torch's tensor sharing to `file_system` when imported, and the first shared tensor then starts
+    a torch_shm_manager process: 60 MiB of a tiny-model peer's 290 (benchmarks/peer_memory.py). File descriptors
+    need no such process. A strategy named in HIVEMIND_MEMORY_SHARING_STRATEGY is the user's, and stays."""
+    if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import json
 import multiprocessing
 import multiprocessing.synchronize
@@ -175,6 +176,7 @@ def serve(preloaded: Sequence[str]) -> None:
     if _unrenewable(locks):
         raise SystemExit(f"importing {list(preloaded)} made multiprocessing objects a child cannot remake: "
                          f"{_unrenewable(locks)}")
+    gc.freeze()  # the collector never walks (so never writes) the preloaded objects: their pages stay shared
     replies = _Replies(os.fdopen(os.dup(1), "w", buffering=1))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the server by closing its stdin
