@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from p2ptrain.metrics import read_metrics  # noqa: E402
-from p2ptrain.testnet.forkserver import ForkServer  # noqa: E402
-from p2ptrain.testnet.hosttools import process_env  # noqa: E402
-from p2ptrain.testnet.loopback import TestnetOptions, cli_module, peer_command, wait_for_file  # noqa: E402
+from p2ptrain.testnet.loopback import (  # noqa: E402
+    ProcessGroup,
+    TestnetOptions,
+    TestnetProcess,
+    start_swarm,
+)
 
 RESULTS_PATH = REPO / "benchmarks" / "results" / "peer_memory.json"
 MODES = ("forked", "fresh")
@@ -57,58 +59,6 @@ def parse_args() -> argparse.Namespace:
     if min(args.peers) < 2 or args.rounds_before < 1 or args.timeout <= 0:
         parser.error("--peers must be >= 2, --rounds-before >= 1, --timeout > 0")
     return args
-
-
-class Launcher:
-    """Starts testnet processes in new sessions, forked from one server or as fresh interpreters."""
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.server = ForkServer(process_env()) if mode == "forked" else None
-        self.processes: list[Any] = []
-
-    def start(self, module_and_args: tuple[str, list[str]], log: Path) -> Any:
-        module, args = module_and_args
-        if self.server is not None:
-            process = self.server.start({"module": module}, args, Path.cwd(), log, session=True)
-        else:
-            with open(log, "wb") as out:
-                process = subprocess.Popen([sys.executable, "-m", module, *args], env=process_env(),
-                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-        self.processes.append(process)
-        return process
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(15)
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            for leftover in _session_of(process.pid):
-                leftover.kill()
-        if self.server is not None:
-            self.server.close()
-
-
-def _session_of(sid: int) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.pid != sid and _sid(process.pid) == sid:
-                found.append(process)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _sid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[4])
 
 
 def smaps_rollup(pid: int) -> dict[str, int]:
@@ -156,26 +106,21 @@ def total(by_kind: dict[str, dict[str, int]], key: str) -> int:
 
 
 @contextmanager
-def swarm(mode: str, peers: int, workdir: Path) -> Iterator[tuple[Launcher, Any, list[Any]]]:
-    launcher = Launcher(mode)
+def swarm(mode: str, peers: int, workdir: Path) -> Iterator[tuple[ProcessGroup, TestnetProcess, list[TestnetProcess]]]:
+    group = ProcessGroup(fresh=mode == "fresh")
     try:
-        bootstrap = launcher.start(cli_module("bootstrap", "--loopback", "--address-file",
-                                              str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
-        maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 120).split()[0]
         options = TestnetOptions(num_peers=peers, rounds=100_000, model="tiny")
-        run_id = f"mem-{uuid.uuid4().hex[:8]}"
-        started = [launcher.start(peer_command(options, i, maddr, run_id, workdir), workdir / f"peer{i}.log")
-                   for i in range(peers)]
-        yield launcher, bootstrap, started
+        bootstrap, started = start_swarm(group, options, f"mem-{uuid.uuid4().hex[:8]}", workdir)
+        yield group, bootstrap, list(started.values())
     finally:
-        launcher.stop()
+        group.stop_all()
 
 
 def measure(mode: str, peers: int, rounds_before: int, timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="p2ptrain-mem-") as tmp:
         workdir = Path(tmp)
         began = time.monotonic()
-        with swarm(mode, peers, workdir) as (launcher, bootstrap, started):
+        with swarm(mode, peers, workdir) as (group, bootstrap, started):
             while True:
                 logged = [len(read_metrics(path)) if (path := workdir / f"peer{i}.jsonl").exists() else 0
                           for i in range(peers)]
@@ -195,7 +140,7 @@ def measure(mode: str, peers: int, rounds_before: int, timeout_s: float) -> dict
                     now = peer_memory(process.pid)
                     if total(now, "pss") > total(best[i], "pss"):
                         best[i] = now
-            server_pss = smaps_rollup(launcher.server.process.pid).get("Pss", 0) if launcher.server else 0
+            server_pss = smaps_rollup(group.server.process.pid).get("Pss", 0) if group.server else 0
             bootstrap_pss = total(peer_memory(bootstrap.pid), "pss")
     per_peer_pss = [total(b, "pss") for b in best]
     kinds = sorted({kind for b in best for kind in b})

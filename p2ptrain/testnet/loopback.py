@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -54,19 +55,31 @@ class PeerSummary:
                 and self.rounds[-1]["val_loss"] < self.rounds[0]["val_loss"])
 
 
+TestnetProcess = ForkedProcess | subprocess.Popen[bytes]
+
+
 class ProcessGroup:
     """Child processes in their own sessions, so that a stop kills each one with everything it spawned; forked from
-    one ``ForkServer`` (forkserver.py), which imports the peer's libraries once for all of them."""
+    one ``ForkServer`` (forkserver.py), which imports the peer's libraries once for all of them, or with `fresh`, each
+    a new interpreter, as a volunteer's shell starts it (benchmarks/peer_memory.py compares the two)."""
 
-    def __init__(self) -> None:
-        self.children: dict[str, ForkedProcess] = {}
+    def __init__(self, fresh: bool = False) -> None:
+        self.fresh = fresh
+        self.children: dict[str, TestnetProcess] = {}
         self.server: ForkServer | None = None
 
-    def start(self, name: str, module_and_args: tuple[str, list[str]], log_path: Path) -> ForkedProcess:
-        if self.server is None:
-            self.server = ForkServer(process_env())
+    def start(self, name: str, module_and_args: tuple[str, list[str]], log_path: Path) -> TestnetProcess:
         module, args = module_and_args
-        process = self.server.start({"module": module}, args, Path.cwd(), log_path, session=True)
+        process: TestnetProcess
+        if self.fresh:
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen([sys.executable, "-m", module, *args], env=process_env(),
+                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        else:
+            if self.server is None:
+                self.server = ForkServer(process_env())
+            process = self.server.start({"module": module}, args, Path.cwd(), log_path, session=True)
         self.children[name] = process
         return process
 
@@ -88,7 +101,7 @@ class ProcessGroup:
             self.server.close()
 
 
-def _signal_group(process: ForkedProcess, signum: int) -> None:
+def _signal_group(process: TestnetProcess, signum: int) -> None:
     try:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
@@ -111,7 +124,7 @@ def cli_module(command: str, *args: str) -> tuple[str, list[str]]:
     return "p2ptrain.cli", [*log_level, command, *args]
 
 
-def wait_for_file(path: Path, process: ForkedProcess, timeout_s: float) -> str:
+def wait_for_file(path: Path, process: TestnetProcess, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists() and path.read_text().strip():
@@ -137,6 +150,17 @@ def peer_command(options: TestnetOptions, index: int, bootstrap_maddr: str, run_
     return cli_module("peer", *args, *options.extra_peer_args)
 
 
+def start_swarm(group: ProcessGroup, options: TestnetOptions, run_id: str,
+                workdir: Path) -> tuple[TestnetProcess, dict[str, TestnetProcess]]:
+    """The bootstrap, once it has written its address, then the peers `peer0`... that join through it."""
+    bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--address-file",
+                                                    str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
+    maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
+    peers = {f"peer{i}": group.start(f"peer{i}", peer_command(options, i, maddr, run_id, workdir),
+                                     workdir / f"peer{i}.log") for i in range(options.num_peers)}
+    return bootstrap, peers
+
+
 def run_testnet(options: TestnetOptions) -> bool:
     """Run the testnet to completion; True when every peer trained."""
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="p2ptrain-testnet-"))
@@ -149,11 +173,7 @@ def run_testnet(options: TestnetOptions) -> bool:
                f"sync {options.sync or 'from config'}, logs in {workdir}")
     with handling_signals(interrupt):  # a SIGTERM too stops the peers: they lead sessions of their own
         try:
-            bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--address-file",
-                                                            str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
-            maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
-            peers = {f"peer{i}": group.start(f"peer{i}", peer_command(options, i, maddr, run_id, workdir),
-                                             workdir / f"peer{i}.log") for i in range(options.num_peers)}
+            _bootstrap, peers = start_swarm(group, options, run_id, workdir)
             _follow_until_done(peers, workdir, options.timeout_s)
         finally:
             with handling_signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the stop short
@@ -171,7 +191,7 @@ def _read_rounds(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.exists() else []
 
 
-def _follow_until_done(peers: dict[str, ForkedProcess], workdir: Path, timeout_s: float) -> None:
+def _follow_until_done(peers: dict[str, TestnetProcess], workdir: Path, timeout_s: float) -> None:
     """Print each round as peers report it, until all peers exit or the timeout passes."""
     seen = dict.fromkeys(peers, 0)
     deadline = time.monotonic() + timeout_s
