@@ -548,9 +548,20 @@ def test_an_offer_a_moment_early_is_held_until_the_member_gets_there_and_crosses
     async def scenario(transports: list[ExchangeAllReduce]) -> None:
         opener, late = sorted(transports, key=lambda t: t.own_id)
         seen = count_opens(late)
+        held = asyncio.Event()
+        plain_wait_for = late.driver.gate.wait_for
+
+        async def wait_for(round_: int, hold_s: float) -> float:
+            held.set()
+            return await plain_wait_for(round_, hold_s)
+
+        late.driver.gate.wait_for = wait_for  # type: ignore[method-assign]
 
         async def late_gather() -> Any:
-            await asyncio.sleep(1.0)  # still computing when the opener's offer arrives
+            # still computing when the opener's offer arrives (seen, not timed: a second's sleep raced a loaded
+            # machine's offer in a CI run), and for a second after, far longer than the small payloads' transfer
+            await asyncio.wait_for(held.wait(), 30)
+            await asyncio.sleep(1.0)
             return await late.gather(deltas(1), [opener.own_id], 0, 3.0)
 
         results = await asyncio.gather(opener.gather(deltas(0), [late.own_id], 0, 3.0), late_gather())
