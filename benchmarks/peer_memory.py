@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -117,31 +118,31 @@ def swarm(mode: str, peers: int, workdir: Path) -> Iterator[tuple[ProcessGroup, 
 
 
 def measure(mode: str, peers: int, rounds_before: int, timeout_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="p2ptrain-mem-") as tmp:
-        workdir = Path(tmp)
-        began = time.monotonic()
-        with swarm(mode, peers, workdir) as (group, bootstrap, started):
-            while True:
-                logged = [len(read_metrics(path)) if (path := workdir / f"peer{i}.jsonl").exists() else 0
-                          for i in range(peers)]
-                if min(logged) >= rounds_before:
-                    break
-                exited = [i for i, process in enumerate(started) if process.poll() is not None]
-                if exited or time.monotonic() - began > timeout_s:
-                    raise SystemExit(f"{mode} {peers}: peers {exited} exited or no {rounds_before} rounds within "
-                                     f"{timeout_s:.0f} s (logged {logged}); see the logs in {workdir}")
-                time.sleep(1.0)
-            ready_s = time.monotonic() - began
-            best: list[dict[str, dict[str, int]]] = [{} for _ in started]
-            for sample in range(SAMPLES):
-                if sample:
-                    time.sleep(SAMPLE_GAP_S)
-                for i, process in enumerate(started):
-                    now = peer_memory(process.pid)
-                    if total(now, "pss") > total(best[i], "pss"):
-                        best[i] = now
-            server_pss = smaps_rollup(group.server.process.pid).get("Pss", 0) if group.server else 0
-            bootstrap_pss = total(peer_memory(bootstrap.pid), "pss")
+    workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-mem-"))  # kept when the swarm fails: its logs say why
+    began = time.monotonic()
+    with swarm(mode, peers, workdir) as (group, bootstrap, started):
+        while True:
+            logged = [len(read_metrics(path)) if (path := workdir / f"peer{i}.jsonl").exists() else 0
+                      for i in range(peers)]
+            if min(logged) >= rounds_before:
+                break
+            exited = [i for i, process in enumerate(started) if process.poll() is not None]
+            if exited or time.monotonic() - began > timeout_s:
+                raise SystemExit(f"{mode} {peers}: peers {exited} exited or no {rounds_before} rounds within "
+                                 f"{timeout_s:.0f} s (logged {logged}); see the logs in {workdir}")
+            time.sleep(1.0)
+        ready_s = time.monotonic() - began
+        best: list[dict[str, dict[str, int]]] = [{} for _ in started]
+        for sample in range(SAMPLES):
+            if sample:
+                time.sleep(SAMPLE_GAP_S)
+            for i, process in enumerate(started):
+                now = peer_memory(process.pid)
+                if total(now, "pss") > total(best[i], "pss"):
+                    best[i] = now
+        server_pss = smaps_rollup(group.server.process.pid).get("Pss", 0) if group.server else 0
+        bootstrap_pss = total(peer_memory(bootstrap.pid), "pss")
+    shutil.rmtree(workdir, ignore_errors=True)
     per_peer_pss = [total(b, "pss") for b in best]
     kinds = sorted({kind for b in best for kind in b})
     return {
