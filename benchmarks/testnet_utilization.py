@@ -42,6 +42,12 @@ VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param
             "factored-eager": {"mode": "factored", "overlap": "eager"},  # that, and its own Δ applied at once
             "factored-local": {"mode": "factored", "overlap": "local"},  # all its own Δ at once, the mean a round late
             "factored-local-gossip": {"mode": "factored", "overlap": "local", "mix2_transport": "gossip"},
+            # compressed outer-gradient gossip overlapped with the next inner phase: partners of its round only, or of
+            # rounds up to 2 away (sync.mix2_round_gap)
+            "factored-gossip": {"mode": "factored", "overlap": "delayed", "mix2_transport": "gossip",
+                                "grad_codec": "sparse"},
+            "factored-gossip-gap2": {"mode": "factored", "overlap": "delayed", "mix2_transport": "gossip",
+                                     "grad_codec": "sparse", "mix2_round_gap": 2},
             "diloco-overlap": {"mode": "diloco", "overlap": "delayed"},
             "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"},  # its exchanges during the next inner phase
             "diloco-g0": {"mode": "diloco", "outer": {"momentum": 0.0}}}  # DiLoCo without outer momentum
@@ -84,7 +90,15 @@ def peer_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
             "val_loss": rows[-1]["val_loss"], "rounds": len(rows),
             "phase_s": sum(r["compute_s"] for r in rows) / len(rows),
             "inner_steps": sum(r["inner_steps"] for r in rows),
-            "bytes_sent": float(sum(r["bytes_sent"] for r in rows))}
+            "bytes_sent": float(sum(r["bytes_sent"] for r in rows)), "alone": alone_fraction(rows)}
+
+
+def alone_fraction(rows: list[dict[str, Any]]) -> float:
+    """The fraction of a peer's averaging rounds that averaged with nobody: Factored's Mix2 (rounds that applied
+    one), the other modes' round average."""
+    sizes = [r["mix2_averaged"] if r.get("sync") == "factored" else r["peers_averaged"] for r in rows]
+    averaged = [size for size in sizes if size >= 1]
+    return sum(size == 1 for size in averaged) / len(averaged) if averaged else float("nan")
 
 
 def summarise(mode: str, report: dict[str, Any], straggler: str) -> dict[str, Any]:
@@ -100,6 +114,7 @@ def summarise(mode: str, report: dict[str, Any], straggler: str) -> dict[str, An
         "median_phase_s": statistics.median(f["phase_s"] for f in figures.values()),
         "mean_inner_steps": statistics.fmean(f["inner_steps"] for f in figures.values()),
         "bytes_sent_per_peer": statistics.fmean(f["bytes_sent"] for f in figures.values()),
+        "alone": statistics.fmean(f["alone"] for f in figures.values()),
         "peers": figures,
     }
 
@@ -118,14 +133,14 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
 def table(rows: list[dict[str, Any]]) -> str:
     diloco = next((r for r in rows if r["mode"] == "diloco"), None)
     lines = ["| algorithm | median utilisation | ÷ DiLoCo | straggler utilisation | mean val loss | rounds (mean) "
-             "| inner steps ÷ DiLoCo | inner phase s (median) | MB sent per peer |", "|---" * 9 + "|"]
+             "| inner steps ÷ DiLoCo | inner phase s (median) | MB sent per peer | averaged alone |", "|---" * 10 + "|"]
     for r in rows:
         ratio = r["median_utilisation"] / diloco["median_utilisation"] if diloco else float("nan")
         steps = r["mean_inner_steps"] / diloco["mean_inner_steps"] if diloco else float("nan")
         lines.append(f"| {r['mode']} | {r['median_utilisation']:.3f} | {ratio:.2f}× | "
                      f"{r['straggler_utilisation']:.3f} | {r['mean_val_loss']:.4f} | {r['mean_rounds']:.1f} | "
                      f"{steps:.2f}× | {r['median_phase_s']:.2f} | "
-                     f"{r['bytes_sent_per_peer'] / 1e6:.2f} |")
+                     f"{r['bytes_sent_per_peer'] / 1e6:.2f} | {r['alone']:.0%} |")
     return "\n".join(lines)
 
 

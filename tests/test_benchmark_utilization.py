@@ -51,8 +51,10 @@ def test_a_row_runs_its_own_overlap_and_outer_momentum(mode: str, overlap: str, 
 
 
 def test_utilisation_is_compute_over_the_peers_own_wall_clock() -> None:
-    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100},
-            {"time": 16.0, "round_s": 6.0, "compute_s": 3.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60}]
+    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100,
+             "peers_averaged": 2},
+            {"time": 16.0, "round_s": 6.0, "compute_s": 3.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60,
+             "peers_averaged": 2}]
     figures = bench.peer_figures(rows)
     assert figures["utilisation"] == pytest.approx(6.0 / 10.0)  # wall from 10 − 4 = 6 s to 16 s
     assert figures["val_loss"] == 2.5 and figures["rounds"] == 2 and figures["bytes_sent"] == 10
@@ -60,8 +62,10 @@ def test_utilisation_is_compute_over_the_peers_own_wall_clock() -> None:
 
 
 def test_a_peers_phase_is_its_mean_compute_per_round() -> None:
-    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100},
-            {"time": 16.0, "round_s": 6.0, "compute_s": 5.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60}]
+    rows = [{"time": 10.0, "round_s": 4.0, "compute_s": 3.0, "val_loss": 3.0, "bytes_sent": 5, "inner_steps": 100,
+             "peers_averaged": 1},
+            {"time": 16.0, "round_s": 6.0, "compute_s": 5.0, "val_loss": 2.5, "bytes_sent": 5, "inner_steps": 60,
+             "peers_averaged": 2}]
     assert bench.peer_figures(rows)["phase_s"] == pytest.approx(4.0)
 
 
@@ -84,8 +88,17 @@ def test_step_timing_measures_trainers_at_once_and_reports_a_failed_one() -> Non
 def test_the_table_gives_each_row_against_diloco_in_utilisation_and_in_steps() -> None:
     def row(mode: str, utilisation: float, steps: float) -> dict[str, object]:
         return {"mode": mode, "median_utilisation": utilisation, "straggler_utilisation": 0.1, "mean_val_loss": 2.0,
-                "mean_rounds": 3.0, "mean_inner_steps": steps, "median_phase_s": 2.0, "bytes_sent_per_peer": 1e6}
+                "mean_rounds": 3.0, "mean_inner_steps": steps, "median_phase_s": 2.0, "bytes_sent_per_peer": 1e6,
+                "alone": 0.25}
 
     lines = bench.table([row("diloco", 0.4, 800), row("factored-overlap", 0.6, 1200)]).splitlines()
     assert lines[2].startswith("| diloco | 0.400 | 1.00× |") and "| 1.00× |" in lines[2]
     assert lines[3].startswith("| factored-overlap | 0.600 | 1.50× |") and "| 1.50× | 2.00 |" in lines[3]
+    assert lines[3].endswith("| 1.00 | 25% |")
+
+
+def test_rounds_alone_count_factoreds_mix2_and_the_other_modes_round_average() -> None:
+    """Factored's rows count the Mix2 they applied (0: none that round, not counted); the others their average."""
+    factored = [{"sync": "factored", "mix2_averaged": size, "peers_averaged": 3} for size in (0, 1, 2, 1, 3)]
+    assert bench.alone_fraction(factored) == 0.5
+    assert bench.alone_fraction([{"sync": "diloco", "peers_averaged": s} for s in (1, 4, 4, 4)]) == 0.25

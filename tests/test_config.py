@@ -176,6 +176,8 @@ def test_null_section_and_null_optional_take_defaults() -> None:
         ({"sync": {"mix2_transport": "carrier-pigeon"}}, "sync.mix2_transport"),
         ({"sync": {"mix2_transport": "gossip"}}, "sync.mix2_transport"),  # diloco has no Mix2
         ({"sync": {"mode": "gasloc", "mix2_transport": "gossip"}}, "sync.mix2_transport"),
+        ({"sync": {"mode": "factored", "mix2_round_gap": 2}}, "sync.mix2_round_gap"),  # an all-reduce Mix2
+        ({"sync": {"mode": "factored", "mix2_transport": "gossip", "mix2_round_gap": "2"}}, "sync.mix2_round_gap"),
         ({"sync": {"grad_codec": "int8"}}, "sync.grad_codec"),
         # hivemind's butterfly sums dense parts; gasloc sends no outer gradients
         ({"sync": {"grad_codec": "sparse", "allreduce_transport": "hivemind"}}, "sync.grad_codec"),

@@ -59,6 +59,9 @@ class HalvingMix2:
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         pass
 
+    def stop_(self) -> None:
+        pass
+
 
 def done(coroutine) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -121,7 +124,8 @@ class ExactMeanMix2:
             mean = [(a + b) / 2 for a, b in zip(self.deltas[0], self.deltas[1], strict=True)]
             self.barrier.wait()  # both have read before the next round's deltas land
             return mean, RoundSync(group_size=2)
-        return types.SimpleNamespace(mix=mix, state_tensors=list, load_state_tensors_=lambda tensors: None)
+        return types.SimpleNamespace(mix=mix, state_tensors=list, load_state_tensors_=lambda tensors: None,
+                                     stop_=lambda: None)
 
 
 def test_local_overlap_mix1_gossips_the_point_its_mix2_group_shares():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
@@ -23,6 +24,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 from swarm_utils import run_swarm, shutdown, start_p2ps, tiny_config
 
+from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.net import exchange
@@ -145,6 +147,18 @@ def test_rounds_refuse_other_rounds_and_a_closed_round_refuses_late_commits() ->
     assert same(rnd.mixed, rnd.sent) and rnd.done == []
 
 
+def test_a_round_gap_takes_partners_of_nearby_rounds_only() -> None:
+    rnd = Mix2Round(3, "A", deltas(0), [], "none", 4, round_gap=1)
+    assert rnd.accept_("B", 5, math.inf) == Refusal.WRONG_ROUND and rnd.accept_("B", 1, math.inf) == Refusal.ROUND_OVER
+    assert [rnd.accept_(p, r, math.inf) for p, r in (("B", 2), ("C", 3), ("D", 4))] == [None, None, None]
+    exchange_driver.same_round(rnd, {"round": 4})  # an answer of a round within the gap is taken
+    for claimed in (5, 1, "4", True, None):
+        with pytest.raises(ValueError, match="not 3 ± 1"):
+            exchange_driver.same_round(rnd, {"round": claimed})
+    with pytest.raises(ValueError, match="not 3"):
+        exchange_driver.same_round(Mix2Round(3, "A", deltas(0), [], "none", 1), {"round": 4})
+
+
 class FakeP2P:
     def __init__(self, name: str):
         self.peer_id = PeerID(name.encode())
@@ -202,6 +216,63 @@ def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pyt
                                                                                      stats.exchanges]
     for got, want in zip(total([m for m, _ in mixed]), total(list(sent_by.values())), strict=True):
         assert torch.allclose(got, want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("gap", [0, 2])
+def test_peers_rounds_apart_mix_only_within_the_round_gap(monkeypatch: pytest.MonkeyPatch, gap: int) -> None:
+    """Two peers whose rounds drifted 2 apart (a slow link): with a gap of 2 they mix, the pair's sum preserved;
+    round-locked (gap 0) each keeps its own Δ and its error feedback."""
+    peers = {name: GradGossip(FakeP2P(name), RUN, FINGERPRINT, deltas(0),  # type: ignore[arg-type]
+                              gossip_config(mix2_round_gap=gap), seed=i) for i, name in enumerate(("fast", "slow"))}
+    ids = {name: PeerID(name.encode()).to_base58() for name in peers}
+    fake_network(monkeypatch, {ids[name]: g for name, g in peers.items()})
+    own = {"fast": deltas(20), "slow": deltas(21)}
+
+    async def scenario() -> dict[str, tuple[list[torch.Tensor], RoundSync]]:
+        fast = peers["fast"].mix(own["fast"], [ids["slow"]], 7, patience_s=0.3)
+        slow = peers["slow"].mix(own["slow"], [ids["fast"]], 5, patience_s=0.3)
+        return dict(zip(peers, await asyncio.gather(fast, slow), strict=True))
+
+    results = asyncio.run(scenario())
+    if gap == 0:
+        assert all(same(results[n][0], own[n]) and results[n][1].group_size == 1 for n in peers)
+        assert all(same(g.feedback.residual, [torch.zeros(s) for s in SHAPES]) for g in peers.values())
+        return
+    sent = {n: g.current.sent for n, g in peers.items() if g.current is not None}
+    assert all(results[n][1].group_size == 2 for n in peers), {n: r[1] for n, r in results.items()}
+    for n, g in peers.items():
+        assert g.current is not None and same(results[n][0], expected_mix(g.current, {ids[m]: sent[m] for m in sent}))
+    for got, want in zip(total([results[n][0] for n in peers]), total(list(sent.values())), strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-9)
+
+
+def test_an_overlapped_mix2_answers_a_late_partner_until_it_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overlapped Mix2 keeps answering after its own offers found nobody (here: it knew of no live peer), so a
+    partner that ends its inner phase later still mixes with it; once stopped (collected), it closes."""
+    early, late = (GradGossip(FakeP2P(n), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=i)  # type: ignore[arg-type]
+                   for i, n in enumerate(("early", "late")))
+    fake_network(monkeypatch, {early.own_id: early, late.own_id: late})
+    stop = threading.Event()
+
+    async def scenario() -> tuple[tuple[list[torch.Tensor], RoundSync], ...]:
+        first = asyncio.create_task(early.mix(deltas(30), [], 4, patience_s=60.0, stop=stop))
+        while early.current is None:
+            await asyncio.sleep(POLL_S)
+        second = await late.mix(deltas(31), [early.own_id], 4, patience_s=0.0)
+        assert not first.done()  # one slot of two used: still answering
+        stop.set()
+        return await asyncio.wait_for(first, 10.0), second
+
+    results = asyncio.run(scenario())
+    assert [r.group_size for _, r in results] == [2, 2]
+    assert early.current is not None and early.current.slots.closed and early.current.done == [late.own_id]
+
+
+def test_a_round_gap_is_for_gossip_mix2_only() -> None:
+    with pytest.raises(ConfigError, match="mix2_round_gap"):
+        SyncConfig(mode="factored", mix2_round_gap=1)
+    with pytest.raises(ConfigError, match="mix2_round_gap"):
+        gossip_config(mix2_round_gap=-1)
 
 
 def test_error_feedback_buffers_are_outer_state_after_the_momentum() -> None:

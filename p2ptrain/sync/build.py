@@ -68,7 +68,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
                             routes=routes, conduct=conduct)
         loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=PATIENCE_S)
-        return FactoredSync(outer, mixer, GossipMix2(gossip, loop), loop, config)
+        return FactoredSync(outer, mixer, GossipMix2(gossip, loop, overlapped=config.overlap != "none"), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)
     return FactoredSync(outer, mixer, AllReduceMix2(mix2_averager, config.grad_codec, mean_check(config)), loop, config,
                         closers=[mix2_averager.shutdown])

@@ -72,6 +72,9 @@ class SyncConfig:
     # n / this many groups by hash, so a group holds 1 to twice this many
     mix2_group_size: int = 3
     mix2_transport: str = "allreduce"  # allreduce (exact mean of the group) | gossip (push-pull, grad_gossip.py)
+    # gossip Mix2: a partner's outer gradient may be of a round up to this many from ours (0: of ours only). Peers
+    # on different links drift rounds apart; a gap lets them keep mixing (docs/algorithms.md §3)
+    mix2_round_gap: int = 0
     topk_density: float = 1 / 32  # grad_codec topk and sparse: fraction of each chunk's entries sent
     topk_chunk_size: int = 4096  # grad_codec topk and sparse: elements per chunk (64×64), each with its own scale
     sparse_bits: int = 2  # grad_codec sparse: bits per kept value (sign included): 2 at 2 % is 1/148 of fp32 bytes
@@ -121,6 +124,9 @@ class SyncConfig:
     def _check_gossip_mix2(self) -> None:
         if self.mix2_transport == "gossip" and self.mode != "factored":
             raise ConfigError("sync.mix2_transport gossip applies to sync.mode factored only")
+        if self.mix2_round_gap < 0 or (self.mix2_round_gap > 0 and self.mix2_transport != "gossip"):
+            raise ConfigError(f"sync.mix2_round_gap must be >= 0 rounds, and applies to sync.mix2_transport gossip "
+                              f"only (an all-reduce's group is of one round), got {self.mix2_round_gap}")
         if self.grad_codec in SPARSE_GRAD_CODECS:
             if self.mode == "gasloc":
                 raise ConfigError(f"sync.grad_codec {self.grad_codec} compresses outer gradients, which gasloc does "

@@ -57,10 +57,11 @@ class RoundClosed(RuntimeError):
 class RoundSlots:
     """The driver's bookkeeping of one round's exchanges: who we mixed with, who is in flight, whether it closes.
 
-    Each partner holds at most one slot of `degree_cap` (ours or its offer) and mixes once per round."""
+    Each partner holds at most one slot of `degree_cap` (ours or its offer) and mixes once per round. `round_gap`:
+    how many rounds a partner's may be from ours and still be taken (0: ours only)."""
 
-    def __init__(self, round_: int, own_id: str, degree_cap: int):
-        self.round, self.own_id, self.degree_cap = round_, own_id, degree_cap
+    def __init__(self, round_: int, own_id: str, degree_cap: int, round_gap: int = 0):
+        self.round, self.own_id, self.degree_cap, self.round_gap = round_, own_id, degree_cap, round_gap
         self.done: list[str] = []  # partners whose mix is applied, in the order it was
         self.opened: set[str] = set()  # partners whose offer we accepted this round (one each, committed or not)
         self.outgoing: set[str] = set()  # our offers in flight
@@ -88,9 +89,9 @@ class RoundSlots:
         """Take a slot for `sender`'s offer, or return why not. One exchange per pair and round: when both offer
         to each other at once, the offer of the lower peer id is the one accepted; a second offer from a partner
         whose first one we accepted (and it did not commit) is one too many."""
-        if round_ > self.round:
+        if round_ > self.round + self.round_gap or (self.closing and round_ > self.round):
             return Refusal.WRONG_ROUND  # it is ahead of us: it asks again when we have reached its round
-        if round_ < self.round or self.closing:
+        if round_ < self.round - self.round_gap or self.closing:
             return Refusal.ROUND_OVER
         if sender == self.own_id or sender in self.done or sender in self.incoming or (
                 sender in self.outgoing and not sender < self.own_id):
@@ -103,6 +104,10 @@ class RoundSlots:
         self.incoming[sender] = gives_up_at
         self.idle.clear()
         return None
+
+    def takes_round(self, round_: int) -> bool:
+        """Whether a partner's value of round `round_` may be mixed with ours (within `round_gap` of our round)."""
+        return abs(round_ - self.round) <= self.round_gap
 
     def may_apply(self, partner: str) -> bool:
         """Whether a commit from `partner` may still be applied (not after `close_`, not twice)."""
@@ -225,9 +230,12 @@ class ExchangePolicy(Protocol):
 
 
 def same_round(rnd: OfferingRound, header: dict[str, Any]) -> None:
-    """ValueError unless the partner's answer is for our round (a stage's exchanges are of that stage only)."""
-    if header.get("round") != rnd.round:
-        raise ValueError(f"partner answered for round {header.get('round')}, not {rnd.round}")
+    """ValueError unless the partner's answer is for a round we take (a stage's exchanges are of that stage only;
+    a gossip Mix2 may take rounds within its `round_gap`)."""
+    their_round = header.get("round")
+    if type(their_round) is not int or not rnd.slots.takes_round(their_round):
+        raise ValueError(f"partner answered for round {their_round}, not {rnd.round}"
+                         + (f" ± {rnd.slots.round_gap}" if rnd.slots.round_gap else ""))
 
 
 def transfer_s(answer: dict[str, Any], seconds: float) -> float | None:
@@ -299,6 +307,9 @@ class ExchangeDriver:
         round_, hold_s = header.get("round"), offered_hold_s(header, self.config.matchmaking_s)
         if not self.holds_offers or type(round_) is not int or hold_s <= 0 or not self.gate.may_hold(round_):
             return None
+        slots = self.current.slots if self.current is not None else None
+        if slots is not None and not slots.closing and slots.takes_round(round_):
+            return None  # our open round takes it now
         return self.gate.wait_for(round_, hold_s)
 
     def open(self, header: dict[str, Any]) -> OpenExchange | str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -49,16 +51,29 @@ class AllReduceMix2:
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         self.averager.forget_()  # a state adopted: the last Mix2's report is not ours any more
 
+    def stop_(self) -> None:
+        """Nothing to stop: the all-reduce ends with its group."""
+
 
 class GossipMix2:
-    """`GradGossip` behind the blocking `Mix2` interface; waits for partners up to `matchmaking_s`."""
+    """`GradGossip` behind the `Mix2` interface. Blocking, it waits for partners up to `matchmaking_s`; overlapped
+    (`overlapped`), it offers and answers for up to the next inner phase, until `stop_` (its result collected)."""
 
-    def __init__(self, gossip: GradGossip, loop: BackgroundLoop):
-        self.gossip, self.loop = gossip, loop
+    def __init__(self, gossip: GradGossip, loop: BackgroundLoop, overlapped: bool = False):
+        self.gossip, self.loop, self.overlapped = gossip, loop, overlapped
+        self.stopped = threading.Event()
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round,
-                                             patience_s=self.gossip.config.matchmaking_s))
+        patience_s = self.gossip.config.matchmaking_s
+        if not self.overlapped:
+            return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s))
+        if math.isfinite(context.inner_phase_s):
+            patience_s = max(patience_s, context.inner_phase_s)
+        self.stopped.clear()
+        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, self.stopped))
+
+    def stop_(self) -> None:
+        self.stopped.set()
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.gossip.state_tensors()
@@ -157,6 +172,7 @@ class FactoredSync:
         pending, self.pending = self.pending, None
         if pending is None:
             return None, RoundSync()
+        self.mix2.stop_()
         try:
             return pending.result()
         except Exception as e:  # a transport failure is a round mixed with nobody, as in the blocking path
@@ -182,6 +198,7 @@ class FactoredSync:
         if self.mix1 is not None:
             self.mix1.cancel()
         if self.pending is not None:
+            self.mix2.stop_()
             with contextlib.suppress(Exception):
                 self.pending.result(timeout=self.config.allreduce_timeout_s)
         if self._mix2_thread is not None:

@@ -1,4 +1,5 @@
-"""Factored's Mix2 as gossip: each peer swaps one compressed outer gradient with 1–2 random peers of its round.
+"""Factored's Mix2 as gossip: each peer swaps one compressed outer gradient with 1–2 random peers of its round
+(or, with `sync.mix2_round_gap`, of a round that near).
 
 At the end of round t peer i computes, once, s_i = decode(codec(β·e_i + Δ_i)) (error feedback's prepare step)
 and keeps the encoded payload: every partner gets the same bytes and decodes them with the same function, so
@@ -31,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +53,7 @@ from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlot
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.tensor_layout import norm
+from p2ptrain.timing import POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +67,9 @@ class Mix2Round:
     measures_link = True  # its exchanges carry a payload
 
     def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
-                 degree_cap: int, own_scale: float | None = None):
+                 degree_cap: int, own_scale: float | None = None, round_gap: int = 0):
         self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
-        self.slots = RoundSlots(round_, own_id, degree_cap)
+        self.slots = RoundSlots(round_, own_id, degree_cap, round_gap)
         self.weight = uniform_weight(degree_cap)
         self.own_scale = own_scale if own_scale is not None else norm(sent)  # τ's yardstick: ‖s_i‖
         self.mixed = [s.clone() for s in sent]
@@ -104,6 +108,13 @@ class Mix2Round:
         return self.mixed if self.done else None
 
 
+async def _give_up_when_set(rnd: Mix2Round, stop: threading.Event) -> None:
+    """Once `stop` is set, end the round's offers and its wait for partners (`slots.give_up_at`)."""
+    while not stop.is_set():
+        await asyncio.sleep(POLL_S)
+    rnd.slots.give_up_at = 0.0
+
+
 class GradGossip:
     """Mix2 over gossip for one peer: `mix` runs a round's Mix2 (async, on the event loop); its `driver` answers
     offers (`serve_exchanges(p2p, gossip.driver)`) and makes ours. It is the driver's policy for Mix2's values."""
@@ -129,10 +140,12 @@ class GradGossip:
 
     # ---- one round ------------------------------------------------------------------------------------------------
     async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
-                  patience_s: float) -> tuple[list[torch.Tensor], RoundSync]:
-        """Blocking Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost.
+                  patience_s: float, stop: threading.Event | None = None) -> tuple[list[torch.Tensor], RoundSync]:
+        """Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost.
 
-        Peers not yet in our round are asked again (`retry_delay_s`) for up to `patience_s` seconds."""
+        Peers not yet in our round are asked again (`retry_delay_s`) for up to `patience_s` seconds. With `stop`
+        (an overlapped Mix2) the round also keeps answering partners' offers until then, or until `stop` is set
+        (its result is being collected), or its slots are taken."""
         try:  # the codec's top-k over the whole model runs off the event loop, which keeps answering others
             payload, sent, scale = await asyncio.get_running_loop().run_in_executor(
                 None, prepare_payload, self.feedback, delta, self.outgoing)
@@ -140,9 +153,16 @@ class GradGossip:
             logger.warning(f"round {round_}: not mixing this outer gradient ({e})")
             return list(delta), RoundSync(codec=self.feedback.codec.name)
         rnd = self.driver.current = Mix2Round(round_, self.own_id, sent, payload, self.feedback.codec.name,
-                                              self.degree_cap, scale)
+                                              self.degree_cap, scale, self.config.mix2_round_gap)
         stats = RoundSync(codec=rnd.codec)
-        await self.driver.open_in_turn(rnd, list(live_peers), patience_s, stats, self.rng)
+        watcher = asyncio.create_task(_give_up_when_set(rnd, stop)) if stop is not None else None
+        try:
+            await self.driver.open_in_turn(rnd, list(live_peers), patience_s, stats, self.rng)
+            while stop is not None and rnd.slots.free_slots() > 0 and time.monotonic() < rnd.slots.give_up_at:
+                await asyncio.sleep(POLL_S)  # partners of nearby rounds may still offer theirs
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         mixed = await self.driver.close_round(rnd, stats)
         stats.group_size = 1 + len(rnd.done)
         if mixed is None:
@@ -151,8 +171,8 @@ class GradGossip:
         return mixed, stats
 
     def decode_partner(self, rnd: Mix2Round, header: dict[str, Any], payload: Payload) -> list[torch.Tensor]:
-        """The partner's s, or ValueError if it is of another round, does not decode, does not fit our shapes, or is
-        implausibly far."""
+        """The partner's s, or ValueError if it is of a round we do not take, does not decode, does not fit our
+        shapes, or is implausibly far."""
         same_round(rnd, header)
         theirs = [t.float() for t in decode_all(str(header.get("codec")), payload, like=rnd.sent)]
         distance = consensus_distance(rnd.sent, theirs)

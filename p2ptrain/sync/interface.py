@@ -163,6 +163,10 @@ class Mix2(Protocol):
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
+    def stop_(self) -> None:
+        """An overlapped mix's result is being collected: stop waiting for partners (thread-safe)."""
+        ...
+
 
 class OuterSync(Protocol):
     """An outer-sync strategy, and the traits of its mode that the round loop and the joiner ask of it."""
