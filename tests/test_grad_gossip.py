@@ -268,6 +268,26 @@ def test_an_overlapped_mix2_answers_a_late_partner_until_it_is_stopped(monkeypat
     assert early.current is not None and early.current.slots.closed and early.current.done == [late.own_id]
 
 
+@pytest.mark.parametrize("lost", ["ack", "payload"])
+def test_only_a_transfer_that_ran_out_of_time_bounds_the_links_speed(monkeypatch: pytest.MonkeyPatch,
+                                                                     lost: str) -> None:
+    """A missing ack after both payloads crossed says nothing of the link (taken for a bound, one lost ack made two
+    fast peers look slow to each other for good); a transfer that missed its deadline bounds it."""
+    gossip = GradGossip(FakeP2P("a"), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)  # type: ignore[arg-type]
+    partner = PeerID(b"b").to_base58()
+
+    async def failing_push_pull(*_args: Any, **_kwargs: Any) -> ExchangeOutcome:
+        if lost == "ack":
+            raise exchange.UnconfirmedMix("no ack within 5.0 s", ExchangeOutcome(lambda: None, {}, 0, 1, 0.0),
+                                          timed_out=True)
+        raise TimeoutError
+
+    monkeypatch.setattr(exchange_driver, "push_pull", failing_push_pull)
+    _, stats = asyncio.run(gossip.mix(deltas(1), [partner], 0, patience_s=0.0))
+    assert stats.failed == 1 and stats.group_size == 1
+    assert (partner in gossip.driver.links.measured()) == (lost == "payload")
+
+
 def test_a_round_gap_is_for_gossip_mix2_only() -> None:
     with pytest.raises(ConfigError, match="mix2_round_gap"):
         SyncConfig(mode="factored", mix2_round_gap=1)
