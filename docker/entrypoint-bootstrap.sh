@@ -17,6 +17,7 @@ if [ -n "${P2PTRAIN_ADDRESS_FILE:-}" ]; then
     rm -f "$P2PTRAIN_ADDRESS_FILE"  # a stale file from the last run could name an old container address
     set -- "$@" --address-file "$P2PTRAIN_ADDRESS_FILE"
 fi
+[ -n "${P2PTRAIN_RUN_ID:-}" ] && set -- "$@" --run-id "$P2PTRAIN_RUN_ID"
 set -- "$@" --no-nat-port-map
 i=0
 while [ "$i" -lt "$num_user_args" ]; do

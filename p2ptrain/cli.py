@@ -36,7 +36,8 @@ def cli(log_level: str) -> None:
 @cli.command()
 @network_options
 @click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
-@click.option("--run-id", default=None, help="Run whose peer records this node checks (default from config).")
+@click.option("--run-id", default=None, help="The run it serves: it stores that run's DHT records only (default from "
+              "config).")
 @click.option("--no-relay-service", is_flag=True, help="Do not serve as a relay for peers behind NAT.")
 def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bool, **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node (and relay) and print the address peers must pass as --initial-peers."""
@@ -54,7 +55,7 @@ def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bo
     try:
         click.echo("Bootstrap node running. Peers join with:")
         for maddr in node.maddrs:
-            click.echo(f"  p2ptrain peer --initial-peers {maddr}")
+            click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
         sys.stdout.flush()
         node.serve_until(stop)
     finally:

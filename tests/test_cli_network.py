@@ -32,12 +32,13 @@ def cli(*args: str) -> list[str]:
 def start_bootstrap(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
     """Start `p2ptrain bootstrap` and return it with the address it printed for peers."""
     process = subprocess.Popen(
-        cli("bootstrap", "--loopback", "--identity", str(tmp_path / "bootstrap.key"), "--address-file",
-            str(tmp_path / "bootstrap.addr")),
+        cli("bootstrap", "--loopback", "--run-id", "cli-test", "--identity", str(tmp_path / "bootstrap.key"),
+            "--address-file", str(tmp_path / "bootstrap.addr")),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     for line in process.stdout:  # blocks until the node prints; the global pytest timeout bounds it
         if "--initial-peers" in line:
+            assert "--run-id cli-test" in line, line  # the line to hand out names the run the bootstrap serves
             return process, line.split("--initial-peers", 1)[1].strip()
     raise AssertionError(f"bootstrap printed no address; stderr: {process.stderr.read() if process.stderr else ''}")
 

@@ -242,6 +242,8 @@ def test_bootstrap_entrypoint_execs_with_identity_and_fresh_address_file(tmp_pat
         "--address-file", str(address_file), "--no-nat-port-map",
     ]  # fmt: skip
     assert not address_file.exists(), "a stale address file must be removed before the bootstrap starts"
+    done = _run_entrypoint(BOOTSTRAP_ENTRYPOINT, tmp_path, {"P2PTRAIN_RUN_ID": "my-run"})
+    assert done.returncode == 0 and done.stdout.splitlines()[-3:] == ["--run-id", "my-run", "--no-nat-port-map"]
 
 
 def test_entrypoints_are_executable() -> None:

@@ -22,6 +22,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.net.admission import AdmissionPolicy
+from p2ptrain.net.bootstrap import BootstrapNode
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
 from p2ptrain.net.dht_keys import MAX_LIFETIME_S, MAX_VALUE_BYTES, RunKeysValidator, averager_prefix, round_group_bits
 from p2ptrain.net.discovery import (
@@ -270,3 +271,27 @@ def test_a_flood_under_foreign_keys_or_of_large_values_is_not_stored() -> None:
         assert store(group_key, size=1, subkey=b"peer")  # the run's own key: stored
         assert reader.run_coroutine(_stored_key_count) == 1
         assert reader.run_coroutine(functools.partial(_stored_subkeys, key=group_key)) == [b"peer"]
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_bootstrap_stores_only_its_runs_keys() -> None:
+    """The node every volunteer joins through checks keys as the run's peers do (it stored any key before)."""
+    bootstrap = BootstrapNode(NetworkConfig.loopback(), RUN)
+    attacker = start_node(bootstrap.maddrs)
+    try:
+        def store(key: str, size: int, subkey: bytes) -> bool:
+            return attacker.run_coroutine(functools.partial(_store_bytes, key=key, size=size, subkey=subkey,
+                                                            expiration_time=get_dht_time() + 600))
+
+        group_key = f"{averager_prefix(RUN, 'mix2')}.0b{round_group_bits(5)}"
+        for i in range(5):
+            store(f"junk-{i}", size=1 << 20, subkey=b"junk")
+        store(f"{averager_prefix('another-run', 'mix2')}.0b{round_group_bits(5)}", size=1, subkey=b"other-run")
+        store(group_key, size=MAX_VALUE_BYTES + 1, subkey=b"too-big")
+        assert bootstrap.dht.run_coroutine(_stored_key_count) == 0
+        assert store(group_key, size=1, subkey=b"peer")
+        assert bootstrap.dht.run_coroutine(functools.partial(_stored_subkeys, key=group_key)) == [b"peer"]
+    finally:
+        attacker.shutdown()
+        bootstrap.shutdown()

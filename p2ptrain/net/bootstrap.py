@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 class BootstrapNode:
     """Starts a DHT node that peers use to find each other; it trains nothing.
 
-    It stores peer records like any node, so it checks them as the peers of `run_id` do (the same validators; in
-    a signed run the organiser's key, but no ticket of its own): a forged record is not kept here either."""
+    It stores records like any node of `run_id`, so it checks them as the run's peers do (the same validators; in
+    a signed run the organiser's key, but no ticket of its own): a forged record, or one under a key outside the
+    run's (net/dht_keys.py), is not kept here either. One bootstrap serves one run."""
 
     def __init__(self, config: NetworkConfig, run_id: str, address_file: str | None = None):
         admission = Admission.from_config(config, run_id)  # a bad key file fails before the daemon starts
@@ -30,7 +31,7 @@ class BootstrapNode:
         self.dht: SwarmDHT = start_dht(config)
         self.loop = BackgroundLoop("p2ptrain-bootstrap-loop")
         try:
-            add_record_validators(self.dht, run_id, config.record_ttl_s, admission, only_run_keys=False)
+            add_record_validators(self.dht, run_id, config.record_ttl_s, admission)
             self.maddrs = visible_maddrs(self.dht)
             self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=config.startup_timeout_s)
             self.services = start_services(self.p2p, self.loop, config, admission)

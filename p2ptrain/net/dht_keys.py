@@ -8,8 +8,8 @@ A run's peers (and `status`) store and serve only:
 Left to itself, a hivemind DHT node stores whatever another node sends it, under any key, as large and for as long
 as the sender says: 400 values of 1 MiB under random keys took 443 MB of one peer's memory. `RunKeysValidator`
 refuses a record under any other key, a value larger than `MAX_VALUE_BYTES`, and one set to expire more than
-`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys. A bootstrap does not install
-it: it may serve several runs (the testnets start theirs without a run id), so it stores any run's records.
+`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys. Every node of a run
+installs it, its bootstrap included (started with the run's `--run-id`).
 """
 
 from __future__ import annotations

@@ -160,16 +160,14 @@ class PeerRecordValidator(RecordValidatorBase):
         return other == self  # the same check twice is one; another (e.g. stricter) one is applied as well
 
 
-def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float, admission: Admission | None = None,
-                          only_run_keys: bool = True) -> RSASignatureValidator:
-    """Install this run's validators (signature, schema, `PeerRecordValidator`, and with `only_run_keys` the run's
-    keys only: net/dht_keys.py); returns the signature validator, whose public key, that of the node's identity key
-    (`dht.signing_key`), is the subkey of our record. A bootstrap stores other runs' keys too: it may serve several
-    runs, and is started without a run id in the testnets."""
+def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float,
+                          admission: Admission | None = None) -> RSASignatureValidator:
+    """Install this run's validators (the run's keys only: net/dht_keys.py; signature, schema,
+    `PeerRecordValidator`); returns the signature validator, whose public key, that of the node's identity key
+    (`dht.signing_key`), is the subkey of our record."""
     policy = admission.policy if admission is not None else AdmissionPolicy(run_id)
     signature_validator = RSASignatureValidator(dht.signing_key)
-    dht.add_validators([*([RunKeysValidator(run_id)] if only_run_keys else []),
-                        SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
+    dht.add_validators([RunKeysValidator(run_id), SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
                         PeerRecordValidator(run_id, ttl_s, policy)])
     return signature_validator
 

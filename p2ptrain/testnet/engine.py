@@ -102,7 +102,7 @@ class Fleet:
         address_file.unlink(missing_ok=True)
         self._start("bootstrap", "bootstrap", [
             "--identity", str(self.workdir / "bootstrap.key"), "--address-file", str(address_file),
-            "--no-nat-port-map", "--no-auto-nat", "--no-relay"])
+            "--run-id", self.run_id, "--no-nat-port-map", "--no-auto-nat", "--no-relay"])
         deadline = time.monotonic() + LAUNCH_S
         while not (address_file.exists() and address_file.read_text().strip()):
             self.hosts.refresh()

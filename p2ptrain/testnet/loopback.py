@@ -153,7 +153,7 @@ def peer_command(options: TestnetOptions, index: int, bootstrap_maddr: str, run_
 def start_swarm(group: ProcessGroup, options: TestnetOptions, run_id: str,
                 workdir: Path) -> tuple[TestnetProcess, dict[str, TestnetProcess]]:
     """The bootstrap, once it has written its address, then the peers `peer0`... that join through it."""
-    bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--address-file",
+    bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--run-id", run_id, "--address-file",
                                                     str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
     maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
     peers = {f"peer{i}": group.start(f"peer{i}", peer_command(options, i, maddr, run_id, workdir),
