@@ -64,13 +64,13 @@ class GossipMix2:
         self.stopped = threading.Event()
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        patience_s = self.gossip.config.matchmaking_s
-        if not self.overlapped:
-            return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s))
-        if math.isfinite(context.inner_phase_s):
-            patience_s = max(patience_s, context.inner_phase_s)
-        self.stopped.clear()
-        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, self.stopped))
+        patience_s, stop = self.gossip.config.matchmaking_s, None
+        if self.overlapped:
+            if math.isfinite(context.inner_phase_s):
+                patience_s = max(patience_s, context.inner_phase_s)
+            self.stopped.clear()
+            stop = self.stopped
+        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, stop))
 
     def stop_(self) -> None:
         self.stopped.set()
