@@ -43,7 +43,7 @@ class RunConfig:
     min_peers: int = 1
     min_peers_wait_s: float = LAUNCH_S
     seed: int = 0  # model initialisation seed: the same for every peer of a run
-    shard_index: int = -1  # training-data shard; -1 = derived from the peer id
+    shard_index: int = -1  # read the data pieces of this shard (data.py); -1: pieces the swarm has not read yet
     device: str = "auto"  # auto | cpu | cuda | mps
     torch_threads: int = 0  # intra-op threads for this peer; 0 = torch's default
     checkpoint_dir: str = ""  # empty = no checkpoints

@@ -1,46 +1,46 @@
-"""Data stage: a corpus split by document into one shared validation split and disjoint training shards.
+"""Data stage: a shared, fixed validation set and a stream of training batches read one piece at a time.
 
-Every peer reads the same capped corpus in the same order and assigns each document by the sha1 of its text,
-so the validation split is identical on all peers and no document is in two places. A peer trains on one
-shard (an explicit index, or `shard_for_peer` of its key) and tokenizes only that shard and the validation
-split, lazily, caching the tokens in memory. Nothing here touches the network unless `dataset` is `hf:...`
-or `tokenizer` names a hub model.
+The dataset is cut into pieces (corpus.py). Validation is a fixed share of the first piece's documents, chosen by
+the sha1 of their text, so it is the same on every peer and never trained on. Training reads whole pieces in an
+order a `PieceOrder` gives: with `run.shard_index`, the pieces whose index is that shard modulo `data.num_shards`;
+otherwise the swarm's claims (net/data_claims.py), so that peers read pieces nobody has read yet. A piece's tokens
+are cut into seq_len windows, each used once in a shuffled order, before the next piece is read: a peer holds one
+piece (and the validation set), whatever the dataset's size.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import sysconfig
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from p2ptrain.corpus import HUB_PREFIX, STDLIB_DATASET, CorpusSource, Document, Piece, piece_table, read_piece
 from p2ptrain.errors import ConfigError, UserError, one_line
 
-STDLIB_DATASET = "stdlib"
-HUB_PREFIX = "hf:"
+logger = logging.getLogger(__name__)
+
 BYTE_TOKENIZER = "bytes"
-LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the text comes from, how it is tokenized, and how it is cut into samples and shards."""
+    """Where the text comes from, how it is tokenized, and how it is cut into samples and pieces."""
 
     dataset: str = STDLIB_DATASET  # "stdlib" (this Python's .py sources), a local file/dir, or "hf:<name>[:<config>]"
     text_field: str = "text"  # column holding the document text in .jsonl/.json/.parquet and hub datasets
     tokenizer: str = BYTE_TOKENIZER  # "bytes" (no download), else a hub id or local path for AutoTokenizer
     seq_len: int = 128  # tokens per sample
     batch_size: int = 8  # samples per inner step
-    max_corpus_bytes: int = 8_000_000  # UTF-8 bytes of text read from the dataset, in its order, before splitting
-    val_fraction: float = 0.02  # expected fraction of documents in the shared validation split, in (0, 1)
+    max_corpus_bytes: int = 0  # local and stdlib datasets: use only their first this many bytes (0: all of them)
+    piece_bytes: int = 4_000_000  # about this many bytes of text to a piece, the unit a peer claims and reads whole
+    val_fraction: float = 0.02  # share of the first piece's documents held out as the shared validation set, (0, 1)
     val_batches: int = 4  # batches returned by validation_batches(); 0 disables validation
-    num_shards: int = 64  # disjoint training shards, split by document
+    num_shards: int = 64  # with run.shard_index s: the peer reads the pieces whose index is s modulo this
 
     def __post_init__(self) -> None:
         for name in ("dataset", "text_field", "tokenizer"):
@@ -51,7 +51,8 @@ class DataConfig:
             raise ConfigError(f"data.dataset {self.dataset!r} names no hub dataset; write 'hf:<name>[:<config>]'")
         _require_int("seq_len", self.seq_len, 2)
         _require_int("batch_size", self.batch_size, 1)
-        _require_int("max_corpus_bytes", self.max_corpus_bytes, 1)
+        _require_int("max_corpus_bytes", self.max_corpus_bytes, 0)
+        _require_int("piece_bytes", self.piece_bytes, 1)
         _require_int("val_batches", self.val_batches, 0)
         _require_int("num_shards", self.num_shards, 1)
         fraction = self.val_fraction
@@ -152,126 +153,7 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     return PretrainedTokenizer(cfg.tokenizer, inner)
 
 
-# ----------------------------------------------------------------------------------------------- documents
-
-
-@dataclass(frozen=True)
-class Document:
-    """One unit of the split: a source file, a JSON record, a parquet row."""
-
-    name: str  # where it came from, for messages only
-    text: str
-
-
-def load_documents(cfg: DataConfig) -> list[Document]:
-    """Non-empty documents of `cfg.dataset` in the source's order, truncated at `cfg.max_corpus_bytes` bytes."""
-    documents: list[Document] = []
-    remaining_bytes = cfg.max_corpus_bytes
-    for document in _iter_documents(cfg):
-        if not document.text:
-            continue
-        encoded = document.text.encode("utf-8")
-        if len(encoded) > remaining_bytes:
-            text = encoded[:remaining_bytes].decode("utf-8", errors="ignore")
-            documents.append(Document(document.name, text))
-            break
-        documents.append(document)
-        remaining_bytes -= len(encoded)
-        if remaining_bytes == 0:
-            break
-    if not documents:
-        raise UserError(
-            f"dataset {cfg.dataset!r} holds no non-empty text in field {cfg.text_field!r}; "
-            "point data.dataset at text or set data.text_field"
-        )
-    return documents
-
-
-def _iter_documents(cfg: DataConfig) -> Iterator[Document]:
-    if cfg.dataset == STDLIB_DATASET:
-        return _iter_stdlib_documents()
-    if cfg.dataset.startswith(HUB_PREFIX):
-        return _iter_hub_documents(cfg)
-    return _iter_local_documents(cfg)
-
-
-def _iter_stdlib_documents() -> Iterator[Document]:
-    """This interpreter's standard-library .py files, by sorted relative path (other Pythons give other text)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    relative_paths: list[str] = []
-    for directory, subdirectories, files in os.walk(root):
-        subdirectories[:] = [d for d in subdirectories if d not in _SKIPPED_STDLIB_DIRS]
-        relative_dir = Path(directory).relative_to(root)
-        relative_paths.extend((relative_dir / f).as_posix() for f in files if f.endswith(".py"))
-    for relative_path in sorted(relative_paths):
-        text = (root / relative_path).read_bytes().decode("utf-8", errors="replace")
-        yield Document(f"stdlib/{relative_path}", text)
-
-
-def _local_files(path: Path) -> list[Path]:
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_BUILDERS)
-    supported = [p for p in files if p.suffix.lower() in LOCAL_BUILDERS]
-    if not supported:
-        raise UserError(f"no .txt/.jsonl/.json/.parquet files at '{path}'; point data.dataset at such files")
-    return supported
-
-
-def _iter_local_documents(cfg: DataConfig) -> Iterator[Document]:
-    """Files loaded with `datasets` (streamed, so no arrow cache is written); each .txt file is one document."""
-    path = Path(cfg.dataset).expanduser()
-    if not path.exists():
-        raise UserError(
-            f"dataset path '{path}' does not exist; use '{STDLIB_DATASET}', 'hf:<name>[:<config>]', "
-            "or an existing .txt/.jsonl/.json/.parquet file or directory"
-        )
-    files_by_builder: dict[str, list[str]] = {}
-    for file in _local_files(path):
-        files_by_builder.setdefault(LOCAL_BUILDERS[file.suffix.lower()], []).append(str(file))
-    for builder in sorted(files_by_builder):
-        extra = {"sample_by": "document"} if builder == "text" else {}
-        field = "text" if builder == "text" else cfg.text_field
-        rows = _stream_dataset(cfg.dataset, builder, None, data_files=files_by_builder[builder], **extra)
-        yield from _documents_from_rows(rows, field, f"{cfg.dataset}:{builder}")
-
-
-def _iter_hub_documents(cfg: DataConfig) -> Iterator[Document]:
-    name, _, config = cfg.dataset[len(HUB_PREFIX) :].partition(":")
-    rows = _stream_dataset(cfg.dataset, name, config or None)
-    yield from _documents_from_rows(rows, cfg.text_field, cfg.dataset)
-
-
-def _stream_dataset(label: str, path: str, config: str | None, **kwargs: Any) -> Iterator[dict[str, Any]]:
-    """Rows of the train split, streamed; loading and reading errors become one-line UserErrors."""
-    try:
-        import datasets
-
-        stream = datasets.load_dataset(path, config, split="train", streaming=True, **kwargs)
-        yield from stream
-    except UserError:
-        raise
-    except Exception as exc:  # datasets raises FileNotFoundError, ValueError, ConnectionError, arrow errors, ...
-        raise UserError(f"cannot read dataset {label!r}: {one_line(exc)}; check its name, path and format") from exc
-
-
-def _documents_from_rows(rows: Iterable[dict[str, Any]], field: str, label: str) -> Iterator[Document]:
-    for index, row in enumerate(rows):
-        if field not in row:
-            raise UserError(f"dataset {label!r} has no field {field!r} (fields: {sorted(row)}); set data.text_field")
-        text = row[field]
-        if not isinstance(text, str):
-            raise UserError(
-                f"dataset {label!r} field {field!r} holds {type(text).__name__}, not text; "
-                "set data.text_field to a string column"
-            )
-        yield Document(f"{label}#{index}", text)
-
-
-# ----------------------------------------------------------------------------------------------- splitting
-
-VALIDATION_SPLIT = -1  # the split id of validation documents; training shards are 0..num_shards-1
+# ----------------------------------------------------------------------------------------------- validation
 
 
 def _digest(text: str) -> bytes:
@@ -283,38 +165,37 @@ def _validation_score(digest: bytes) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def assign_splits(documents: list[Document], val_fraction: float, num_shards: int) -> list[int]:
-    """Split id per document: VALIDATION_SPLIT or a training shard, from the sha1 of the text alone.
-
-    If no document scores below `val_fraction` (a tiny corpus), the lowest-scoring one is validation, so
-    validation is never empty while training keeps the rest; the choice is still the same on every peer.
-    """
-    digests = [_digest(d.text) for d in documents]
-    scores = [_validation_score(d) for d in digests]
-    splits = [int.from_bytes(d[8:16], "big") % num_shards for d in digests]
-    validation = [i for i, score in enumerate(scores) if score < val_fraction]
-    if not validation:
-        validation = [min(range(len(scores)), key=scores.__getitem__)]
-    for index in validation:
-        splits[index] = VALIDATION_SPLIT
-    return splits
-
-
-def shard_for_peer(peer_key: str, num_shards: int) -> int:
-    """A stable training shard for a volunteer with no assigned index: sha1 of its key modulo num_shards."""
-    if not isinstance(peer_key, str) or not peer_key:
-        raise UserError(f"peer key must be a non-empty string to pick a data shard, got {peer_key!r}")
-    _require_int("num_shards", num_shards, 1)
-    return int.from_bytes(hashlib.sha1(peer_key.encode("utf-8")).digest()[:8], "big") % num_shards
+def choose_validation(documents: list[Document], val_fraction: float, min_chars: int = 0) -> list[Document]:
+    """The documents scoring below `val_fraction`, by the sha1 of their text alone, then the next-lowest scoring
+    ones while their text is shorter than `min_chars` (what the validation batches read), up to half of the
+    documents; at least the lowest-scoring one. The same on every peer, in the documents' order."""
+    if not documents:
+        return []
+    scores = [_validation_score(_digest(d.text)) for d in documents]
+    ranked = sorted(range(len(documents)), key=scores.__getitem__)
+    chosen: set[int] = set()
+    chars = 0
+    for rank, index in enumerate(ranked):
+        enough = scores[index] >= val_fraction and (chars >= min_chars or rank >= len(documents) // 2)
+        if chosen and enough:
+            break
+        chosen.add(index)
+        chars += len(documents[index].text)
+    return [d for i, d in enumerate(documents) if i in chosen]
 
 
-def tokenize_stream(documents: Iterable[Document], tokenizer: Tokenizer) -> torch.Tensor:
-    """All documents' tokens concatenated, each followed by EOS, as a 1-D int64 tensor."""
-    ids: list[int] = []
+def tokenize_stream(documents: Iterable[Document], tokenizer: Tokenizer,
+                    dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """All documents' tokens concatenated, each followed by EOS, as a 1-D tensor."""
+    parts: list[torch.Tensor] = []
+    eos = torch.tensor([tokenizer.eos_token_id], dtype=dtype)
     for document in documents:
-        ids.extend(tokenizer.encode(document.text))
-        ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.long)
+        if isinstance(tokenizer, ByteTokenizer):  # a fast path for the default: bytes are the ids
+            parts.append(torch.frombuffer(bytearray(document.text.encode("utf-8")), dtype=torch.uint8).to(dtype))
+        else:
+            parts.append(torch.tensor(tokenizer.encode(document.text), dtype=dtype))
+        parts.append(eos)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
 def _windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -323,10 +204,56 @@ def _windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.
     return stream[(starts.unsqueeze(1) + offsets) % stream.numel()]
 
 
-class TextShards:
-    """One peer's view of the corpus: its training shard and the shared validation split."""
+# ----------------------------------------------------------------------------------------------- piece order
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, shard_index: int) -> None:
+
+class PieceOrder(Protocol):
+    """Which piece a peer reads next, out of `num_pieces`."""
+
+    def next_piece(self) -> int: ...
+
+
+class StridedPieces:
+    """Pieces shard, shard + num_shards, shard + 2·num_shards, ..., then the same again: disjoint between shards."""
+
+    def __init__(self, num_pieces: int, shard_index: int, num_shards: int) -> None:
+        self.pieces = list(range(shard_index, num_pieces, num_shards))
+        if not self.pieces:
+            raise UserError(f"training shard {shard_index} of {num_shards} has no data: the dataset has only "
+                            f"{num_pieces} pieces; lower data.num_shards or data.piece_bytes")
+        self._next = 0
+
+    def next_piece(self) -> int:
+        piece = self.pieces[self._next % len(self.pieces)]
+        self._next += 1
+        return piece
+
+
+def shard_for_peer(peer_key: str, num_shards: int) -> int:
+    """A stable shard for a peer with no assigned index: sha1 of its key modulo num_shards."""
+    if not isinstance(peer_key, str) or not peer_key:
+        raise UserError(f"peer key must be a non-empty string to pick a data shard, got {peer_key!r}")
+    _require_int("num_shards", num_shards, 1)
+    return int.from_bytes(hashlib.sha1(peer_key.encode("utf-8")).digest()[:8], "big") % num_shards
+
+
+def _human_bytes(nbytes: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"
+
+
+# ----------------------------------------------------------------------------------------------- the stage
+
+
+class TextShards:
+    """One peer's view of the data: the shared validation set and training batches, one piece in memory at a time."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, shard_index: int,
+                 order_of: Callable[[int], PieceOrder] | None = None) -> None:
+        """`order_of(number of pieces)`: the order to read pieces in; by default the pieces of `shard_index`."""
         if isinstance(shard_index, bool) or not isinstance(shard_index, int) or not 0 <= shard_index < cfg.num_shards:
             raise UserError(
                 f"data shard index must be an integer in [0, {cfg.num_shards}), got {shard_index!r}; "
@@ -335,36 +262,69 @@ class TextShards:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.shard_index = shard_index
-        documents = load_documents(cfg)
-        splits = assign_splits(documents, cfg.val_fraction, cfg.num_shards)
-        self.train_documents = [d for d, s in zip(documents, splits, strict=True) if s == shard_index]
-        self.validation_documents = [d for d, s in zip(documents, splits, strict=True) if s == VALIDATION_SPLIT]
-        num_training = len(documents) - len(self.validation_documents)
-        if not self.train_documents:
-            raise UserError(
-                f"training shard {shard_index} of {cfg.num_shards} got no documents (the corpus has "
-                f"{num_training} training documents); lower data.num_shards or raise max_corpus_bytes"
-            )
-        self._train_stream: torch.Tensor | None = None
+        self.pieces: list[Piece] = piece_table(CorpusSource(cfg.dataset, cfg.text_field, cfg.max_corpus_bytes,
+                                                            cfg.piece_bytes, min_pieces=2 * cfg.num_shards))
+        first_piece = list(read_piece(self.pieces[0], cfg.text_field))
+        self.validation_documents = choose_validation(first_piece, cfg.val_fraction,
+                                                      min_chars=cfg.val_batches * cfg.batch_size * cfg.seq_len)
+        self._held_out = {_digest(d.text) for d in self.validation_documents}
+        if len(self.pieces) == 1 and len(first_piece) <= len(self.validation_documents):
+            raise UserError(f"dataset {cfg.dataset!r} holds {len(first_piece)} document(s), all of them validation; "
+                            "give it more documents (a .txt file splits at blank lines)")
+        self.order: PieceOrder = (order_of(len(self.pieces)) if order_of is not None
+                                  else StridedPieces(len(self.pieces), shard_index, cfg.num_shards))
+        self.pieces_read: list[int] = []  # every piece this stage has read for training, in order
         self._validation: list[torch.Tensor] | None = None
+        total = sum(p.nbytes for p in self.pieces)
+        logger.info(f"data {cfg.dataset}: {len(self.pieces)} pieces, {_human_bytes(total)} in all "
+                    f"(~{_human_bytes(total / len(self.pieces))} a piece); validation: "
+                    f"{len(self.validation_documents)} documents of the first piece")
 
-    def train_stream(self) -> torch.Tensor:
-        """This shard's tokens (documents joined by EOS), tokenized on first use and cached in memory."""
-        if self._train_stream is None:
-            self._train_stream = tokenize_stream(self.train_documents, self.tokenizer)
-        return self._train_stream
+    def piece_documents(self, index: int) -> list[Document]:
+        """The training documents of piece `index`: its documents less the validation set."""
+        return [d for d in read_piece(self.pieces[index], self.cfg.text_field) if _digest(d.text) not in self._held_out]
 
     def train_batches(self, seed: int) -> Iterator[torch.Tensor]:
-        """Endless [batch_size, seq_len] int64 batches of windows at random offsets; the same seed, the same batches."""
-        stream = self.train_stream()
-        num_starts = max(stream.numel() - self.cfg.seq_len + 1, 1)
+        """Endless [batch_size, seq_len] int64 batches: each piece's seq_len windows once, shuffled, then the next
+        piece. The same seed and the same piece order give the same batches."""
+        cfg = self.cfg
         generator = torch.Generator().manual_seed(seed)
+        carried = torch.zeros(0, cfg.seq_len, dtype=torch.int32)  # a piece's last rows, short of a batch
         while True:
-            starts = torch.randint(0, num_starts, (self.cfg.batch_size,), generator=generator)
-            yield _windows(stream, starts, self.cfg.seq_len)
+            stream, starts = self._read_next_piece(generator)
+            if carried.shape[0]:
+                needed = cfg.batch_size - carried.shape[0]
+                carried = torch.cat([carried, _windows(stream, starts[:needed], cfg.seq_len)])
+                starts = starts[needed:]
+                if carried.shape[0] == cfg.batch_size:
+                    yield carried.long()
+                    carried = carried[:0]
+            whole = starts.numel() // cfg.batch_size * cfg.batch_size
+            for first in range(0, whole, cfg.batch_size):
+                yield _windows(stream, starts[first:first + cfg.batch_size], cfg.seq_len).long()
+            carried = torch.cat([carried, _windows(stream, starts[whole:], cfg.seq_len)])
+            del stream, starts  # one piece in memory at a time: this one goes before the next is read
+
+    def _read_next_piece(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next piece's int32 tokens and the starts of its seq_len windows, shuffled."""
+        seq_len = self.cfg.seq_len
+        for _ in range(len(self.pieces) + 1):  # a piece with no training text (all validation): take another
+            index = self.order.next_piece()
+            documents = self.piece_documents(index)
+            self.pieces_read.append(index)
+            if documents:
+                break
+        else:
+            raise UserError(f"dataset {self.cfg.dataset!r} has no training text outside its validation set")
+        stream = tokenize_stream(documents, self.tokenizer, dtype=torch.int32)  # ids < 2**31: half of int64
+        del documents
+        logger.info(f"data: reading piece {index} of {len(self.pieces)} ({stream.numel():,} tokens)")
+        count = max(stream.numel() // seq_len, 1)
+        offset = int(torch.randint(0, max(stream.numel() - count * seq_len, 0) + 1, (1,), generator=generator))
+        return stream, offset + torch.randperm(count, generator=generator) * seq_len
 
     def validation_batches(self) -> list[torch.Tensor]:
-        """`val_batches` fixed batches of windows spread evenly over the validation split, the same on every peer."""
+        """`val_batches` fixed batches of windows spread evenly over the validation set, the same on every peer."""
         if self._validation is None:
             self._validation = self._build_validation_batches()
         return self._validation

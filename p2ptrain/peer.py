@@ -13,6 +13,7 @@ sharing, averaging). Each round runs over the peer's state (peer_state.py) in st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -36,6 +37,7 @@ from p2ptrain.maths.pacing import inner_steps_for_link
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.admission import Admission
+from p2ptrain.net.data_claims import ClaimedPieces
 from p2ptrain.net.dht import start_dht
 from p2ptrain.net.discovery import (
     BLOCKING_PUBLISH_HEARTBEATS,
@@ -124,7 +126,9 @@ class TrainingPeer:
                 raise
         shard = config.run.shard_index if config.run.shard_index >= 0 else shard_for_peer(
             self.peer_id, config.data.num_shards)
-        self.data = node_data(config, self.tokenizer, shard, self.node.world_size)
+        claims = None if config.run.shard_index >= 0 else functools.partial(
+            ClaimedPieces, self.dht, config.run.run_id, self.peer_id, seed=hash((config.run.seed, self.peer_id)))
+        self.data = node_data(config, self.tokenizer, shard, self.node.world_size, claims)
         self.batches = node_batches(config, self.data, shard)
         self.node.broadcast_object(NodeStart(shard, self.inner.state_dict() if checkpoint is not None else None))
         self.val_batches: list[torch.Tensor] = self.data.validation_batches()

@@ -145,7 +145,7 @@ def peer_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
                      help="Append per-round JSON lines here."),
         click.option("--shard-index", type=click.IntRange(min=0),
-                     help="Training-data shard (default: from the peer id)."),
+                     help="Read the data pieces of this shard (default: pieces the swarm has not read yet)."),
         click.option("--torch-threads", type=click.IntRange(min=0),
                      help="CPU threads for this peer (0: torch default)."),
         click.option("--no-progress", is_flag=True, help="No progress bar (logs only)."),

@@ -237,12 +237,11 @@ def _activation_note(settings: Settings, half: bool) -> str:
 
 
 def _data_bytes(config: PeerConfig) -> int:
-    """The corpus text, this peer's shard and the validation split as int64 tokens (bytes tokenizer: one token per
-    byte; a subword tokenizer: about one per four)."""
+    """One piece (data.py) as its text while it is tokenized and as its int32 tokens, and the validation set, a share
+    of one piece, as int64 (bytes tokenizer: one token per byte; a subword tokenizer: about one per four)."""
     data = config.data
     tokens_per_byte = 1.0 if data.tokenizer == BYTE_TOKENIZER else 0.25
-    share = 1 / data.num_shards + data.val_fraction
-    return int(data.max_corpus_bytes * (1 + 8 * tokens_per_byte * share))
+    return int(data.piece_bytes * (1 + 4 * tokens_per_byte + data.val_fraction * (1 + 8 * tokens_per_byte)))
 
 
 # ---- does it fit, and what would make it fit --------------------------------------------------------------------

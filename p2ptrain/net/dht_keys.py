@@ -2,6 +2,8 @@
 
 A run's peers (and `status`) store and serve only:
 - `{run_id}_peers`: the peer records (net/discovery.py);
+- `{run_id}_data.{block}`: the claims on the dataset's pieces (net/data_claims.py), `PIECES_PER_KEY` subkeys a key
+  (a subkey is the piece's place in its block, the value the claimant's id);
 - with `sync.allreduce_transport: hivemind`, the group keys of hivemind's averagers: `{run_id}_{name}.0b{bits}`
   for each averager name (`AVERAGER_NAMES`) and every `ROUND_BITS`-bit string (net/allreduce.py writes the round
   into the bits; hivemind reshuffles them after a group forms, within the same length).
@@ -19,7 +21,7 @@ import functools
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2ptrain.timing import MAX_CLOCK_SKEW_S
 
@@ -32,10 +34,17 @@ MAX_VALUE_BYTES = 16 * 1024
 # the farthest ahead a record may be set to expire (a peer record's TTL is checked, more tightly, by its own
 # validator; the averagers' group records live for one matchmaking, seconds)
 MAX_LIFETIME_S = 3600.0
+PIECES_PER_KEY = 64  # subkeys of one data claim key: reading a block is one small record set
+MAX_BLOCKS = 1024  # data claim keys of a run: 65,536 pieces (corpus.MAX_PIECES)
+MAX_CLAIMANT_CHARS = 128  # a claim's value, a peer id (52 characters)
 
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}_peers"
+
+
+def claims_key(run_id: str, block: int) -> str:
+    return f"{run_id}_data.{block}"
 
 
 def averager_prefix(run_id: str, name: str) -> str:
@@ -53,14 +62,30 @@ def run_key_ids(run_id: str) -> frozenset[bytes]:
     """The DHT ids (hashes) of every key the run stores."""
     keys = [peers_key(run_id)] + [f"{averager_prefix(run_id, name)}.0b{round_group_bits(r)}"
                                   for name in AVERAGER_NAMES for r in range(2**ROUND_BITS)]
-    return frozenset(DHTID.generate(source=key).to_bytes() for key in keys)
+    return frozenset(DHTID.generate(source=key).to_bytes() for key in keys) | claim_key_ids(run_id)
+
+
+@functools.lru_cache(maxsize=16)
+def claim_key_ids(run_id: str) -> frozenset[bytes]:
+    """The DHT ids of the run's data claim keys."""
+    return frozenset(DHTID.generate(source=claims_key(run_id, block)).to_bytes() for block in range(MAX_BLOCKS))
+
+
+def is_claim_record(record: DHTRecord) -> bool:
+    """Whether a record of a claim key has a claim's shape: a subkey in [0, PIECES_PER_KEY), a short string."""
+    try:
+        subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+    except Exception:  # msgpack raises many types; every one means a malformed record
+        return False
+    return (type(subkey) is int and 0 <= subkey < PIECES_PER_KEY
+            and isinstance(value, str) and 0 < len(value) <= MAX_CLAIMANT_CHARS)
 
 
 @dataclasses.dataclass
 class RunKeysValidator(RecordValidatorBase):
     """hivemind validator: only the run's keys, values of at most MAX_VALUE_BYTES, lifetimes of at most
-    MAX_LIFETIME_S (plus the clock skew allowed between peers). Plain data: hivemind pickles validators into its DHT
-    process."""
+    MAX_LIFETIME_S (plus the clock skew allowed between peers), data claims of a claim's shape. Plain data:
+    hivemind pickles validators into its DHT process."""
 
     # only the id travels to hivemind's process, where the key ids are listed: its pipe breaks on messages of tens
     # of KiB, and the pickled list is 12 KB
@@ -68,7 +93,8 @@ class RunKeysValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         return (record.key in run_key_ids(self.run_id) and len(record.value) <= MAX_VALUE_BYTES
-                and record.expiration_time <= get_dht_time() + MAX_LIFETIME_S + MAX_CLOCK_SKEW_S)
+                and record.expiration_time <= get_dht_time() + MAX_LIFETIME_S + MAX_CLOCK_SKEW_S
+                and (record.key not in claim_key_ids(self.run_id) or is_claim_record(record)))
 
     @property
     def priority(self) -> int:

@@ -13,13 +13,13 @@ import dataclasses
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from p2ptrain.config import PeerConfig
-from p2ptrain.data import TextShards, Tokenizer, build_tokenizer
+from p2ptrain.data import PieceOrder, TextShards, Tokenizer, build_tokenizer
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.models import build_model
@@ -35,10 +35,13 @@ class NodeStart:
     inner_state: dict[str, Any] | None  # the resumed inner optimizer state (None: a fresh start)
 
 
-def node_data(config: PeerConfig, tokenizer: Tokenizer, shard: int, world_size: int) -> TextShards:
-    """The node's data: batches of world_size × `data.batch_size` samples, which its ranks split between them."""
+def node_data(config: PeerConfig, tokenizer: Tokenizer, shard: int, world_size: int,
+              order_of: Callable[[int], PieceOrder] | None = None) -> TextShards:
+    """The node's data: batches of world_size × `data.batch_size` samples, which its ranks split between them;
+    `order_of` as in TextShards (a node of several ranks reads its shard's pieces: every rank makes the same
+    batches on its own)."""
     data_config = dataclasses.replace(config.data, batch_size=config.data.batch_size * world_size)
-    return TextShards(data_config, tokenizer, shard)
+    return TextShards(data_config, tokenizer, shard, order_of if world_size == 1 else None)
 
 
 def node_batches(config: PeerConfig, data: TextShards, shard: int) -> Iterator[torch.Tensor]:
