@@ -112,6 +112,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _share.remove()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """matplotlib lists the system's fonts with `fc-list` the first time it draws on a machine and keeps the list in
+    its cache: done here, before xdist starts workers, the fast tier's plot test finds the list made on a fresh
+    machine instead of starting `fc-list` itself (which an unmarked test may not)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import matplotlib.font_manager  # noqa: F401  (importing it makes or loads the font list)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The type check and, as root, the Docker set-up start now in the background if a selected test reads them."""
     if not session.config.option.collectonly:
