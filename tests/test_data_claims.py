@@ -16,7 +16,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2ptrain.data import ByteTokenizer, DataConfig, TextShards
-from p2ptrain.net.data_claims import ClaimedPieces
+from p2ptrain.net.data_claims import MAX_TRIES, ClaimedPieces
 from p2ptrain.net.dht import NetworkConfig, start_dht, visible_maddrs
 from p2ptrain.net.dht_keys import PIECES_PER_KEY, RunKeysValidator, claims_key
 from p2ptrain.net.discovery import add_record_validators
@@ -160,3 +160,24 @@ def test_three_peers_read_disjoint_pieces_of_64_mb_and_a_joiner_reads_unread_one
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_a_peer_that_overwrites_every_claim_costs_a_few_tries_not_a_stall() -> None:
+    dht = LastWriterDHT()
+
+    class Overwriter(LastWriterDHT):
+        stores = 0
+
+        def store(self, key: str, value: object, expiration_time: float, subkey: object = None,
+                  return_future: bool = False) -> concurrent.futures.Future:
+            Overwriter.stores += 1
+            dht.store(key, value, expiration_time, subkey)
+            return dht.store(key, "attacker", expiration_time + 1, subkey)  # every claim, at once
+
+        def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
+            return dht.get(key)
+
+    claimer = ClaimedPieces(Overwriter(), RUN, "honest", 10 * PIECES_PER_KEY, seed=2, settle_s=0.0)  # type: ignore[arg-type]
+    piece = claimer._pick()
+    assert 0 <= piece < 10 * PIECES_PER_KEY and Overwriter.stores == MAX_TRIES and not claimer.claimed
+    assert not claimer.first_pass_over  # free pieces remain: the next pick tries again

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 CLAIM_TTL_S = MAX_LIFETIME_S  # a claim's lifetime: the longest a run's node stores a record
 REFRESH_AFTER_S = CLAIM_TTL_S / 2  # a claim older than this is stored again when the peer next picks a piece
 SETTLE_S = 1.0  # between storing a claim and reading who holds it: longer than a store takes to reach the DHT
+# claims stored for one pick before a random piece is taken instead: a peer that overwrites every claim we make
+# costs us this many settles a piece, not a stall of the training
+MAX_TRIES = 8
 
 
 class ClaimedPieces:
@@ -51,6 +54,7 @@ class ClaimedPieces:
         self.claimed: dict[int, float] = {}  # piece → when we last stored our claim on it
         self.full_since: dict[int, float] = {}  # block → when we saw every piece of it claimed
         self.first_pass_over = False
+        self._tries_left = MAX_TRIES  # claims this pick may still store
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-data-claims")
         self._ahead: concurrent.futures.Future[int] | None = None
 
@@ -63,12 +67,13 @@ class ClaimedPieces:
         self._refresh_claims()
         if not self.first_pass_over:
             now = time.monotonic()
+            self._tries_left = MAX_TRIES
             for block in self.blocks:
                 if now - self.full_since.get(block, -math.inf) < REFRESH_AFTER_S:
                     continue  # full when we last looked: its claims outlive this wait
                 piece = self._claim_in(block)
                 if piece is None:
-                    break  # the DHT did not answer: a random piece this time, the first pass goes on
+                    break  # the DHT did not answer, or every try was lost: a random piece this time
                 if piece >= 0:
                     return piece
                 self.full_since[block] = now
@@ -80,16 +85,17 @@ class ClaimedPieces:
 
     def _claim_in(self, block: int) -> int | None:
         """A piece of `block` we now hold the claim on, -1 when every piece of it is claimed, None when the DHT did
-        not answer in time."""
+        not answer in time or this pick has used its tries."""
         first = block * PIECES_PER_KEY
         pieces = range(first, min(first + PIECES_PER_KEY, self.num_pieces))
-        for _ in range(len(pieces)):  # each lost race removes one candidate
+        while self._tries_left > 0:  # each lost race removes a candidate
             holders = self._holders(block)
             if holders is None:
                 return None
             free = [p for p in pieces if p - first not in holders]
             if not free:
                 return -1
+            self._tries_left -= 1
             piece = self.rng.choice(free)
             if not self._store(piece):
                 return None
@@ -100,7 +106,7 @@ class ClaimedPieces:
             if holders.get(piece - first) == self.claimant:
                 self.claimed[piece] = time.monotonic()
                 return piece
-        return -1
+        return None
 
     def _holders(self, block: int) -> dict[int, str] | None:
         """Piece offset → claimant of the block's live claims; None when the DHT does not answer in time."""
