@@ -225,7 +225,7 @@ def _host_lines(config: PeerConfig, buffers: Buffers, model_bytes: int, data: in
         Line(f"sync buffers kept ({config.sync.mode})", 0, int(buffers.kept * model_bytes), buffers.kept_note),
         Line("sync buffers in a round", 0, int(buffers.round * model_bytes), buffers.round_note),
         Line("snapshot for joiners", 0, int(buffers.snapshot * model_bytes), "anchor + outer-sync state"),
-        Line("data (text + token windows)", 0, data, "approximate"),
+        Line("data (one piece + validation)", 0, data, "approximate"),
         Line("process (Python, torch, hivemind, p2pd)", 0, PROCESS_BYTES, "imports: 0.4 GiB measured; approximate"),
     )
 
