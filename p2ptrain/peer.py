@@ -46,6 +46,7 @@ from p2ptrain.net.discovery import (
     PeerRecord,
     SwarmView,
     SwarmWatcher,
+    other_model_note,
     other_protocol_note,
 )
 from p2ptrain.net.event_loop import BackgroundLoop
@@ -67,7 +68,7 @@ from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers, why_alone
 
 logger = logging.getLogger(__name__)
-MAX_OTHER_PROTOCOL_NOTES = 64  # peers of another protocol a peer tells apart by name in its log
+MAX_TOLD_APART = 64  # peers of another protocol or model a peer tells apart by name in its log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ class TrainingPeer:
             config.outer, momentum=config.sync.outer_momentum(config.outer.momentum)))
         self.rounds_run, self.val_loss = 0, math.nan  # rounds this process ran; the latest validation loss
         self.alone_reason: str | None = None  # why the latest round averaged alone (None: it did not)
-        self.other_protocol_seen: set[str] = set()  # peers already told apart for their protocol (at most a bound)
+        self.told_apart: set[str] = set()  # peers already named for their protocol or model (at most a bound)
         # with run.rounds: the round at which we stop, counted from our first round (a round lost while joining is
         # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
@@ -191,18 +192,23 @@ class TrainingPeer:
         records = self.watcher.records(current=self.sync.needs_current_swarm,
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
-        self._note_other_protocols(records)
+        self._note_left_out(records)
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint
                                         and r.protocol == PROTOCOL_VERSION])
 
-    def _note_other_protocols(self, records: list[PeerRecord]) -> None:
-        """One line per peer of another protocol, the first time it is seen (identities are cheap: at most
-        MAX_OTHER_PROTOCOL_NOTES peers are remembered, then a run of them is said no more)."""
+    def _note_left_out(self, records: list[PeerRecord]) -> None:
+        """One line per peer of another protocol or model, the first time it is seen, so that a peer is never alone
+        without saying why (identities are cheap: at most MAX_TOLD_APART peers are remembered, then a run of them
+        is said no more)."""
         for record in records:
-            if record.protocol != PROTOCOL_VERSION and record.peer_id not in self.other_protocol_seen \
-                    and len(self.other_protocol_seen) < MAX_OTHER_PROTOCOL_NOTES:
-                self.other_protocol_seen.add(record.peer_id)
+            if record.peer_id in self.told_apart or len(self.told_apart) >= MAX_TOLD_APART:
+                continue
+            if record.protocol != PROTOCOL_VERSION:
+                self.told_apart.add(record.peer_id)
                 logger.warning(other_protocol_note(record, __version__))
+            elif record.fingerprint != self.fingerprint and record.peer_id != self.peer_id:
+                self.told_apart.add(record.peer_id)
+                logger.warning(other_model_note(record, self.fingerprint))
 
     def _round_start_view(self) -> SwarmView:
         """The swarm at a round's start: with overlap, the view read at the end of the round before if younger than

@@ -176,11 +176,11 @@ def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog:
     same = old.copy(update=dict(peer_id="12D3KooSame", protocol=PROTOCOL_VERSION, version="0.1.0"))
     newer = old.copy(update=dict(peer_id="12D3KooNew", protocol=PROTOCOL_VERSION + 1, version="0.3.0"))
     records = [old, same, newer]
-    me = SimpleNamespace(peer_id="12D3KooMe", fingerprint="", other_protocol_seen=set(), routes=SimpleNamespace(
+    me = SimpleNamespace(peer_id="12D3KooMe", fingerprint="", told_apart=set(), routes=SimpleNamespace(
         update_=lambda _records: None), config=SimpleNamespace(sync=SimpleNamespace(matchmaking_s=1.0)),
         sync=SimpleNamespace(needs_current_swarm=False),
         watcher=SimpleNamespace(records=lambda current, timeout_s: records))
-    me._note_other_protocols = lambda rs: TrainingPeer._note_other_protocols(me, rs)  # type: ignore[arg-type]
+    me._note_left_out = lambda rs: TrainingPeer._note_left_out(me, rs)  # type: ignore[arg-type]
     caplog.set_level("WARNING", logger="p2ptrain")
     for _ in range(3):
         view = TrainingPeer.swarm(me)  # type: ignore[arg-type]
@@ -191,3 +191,10 @@ def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog:
     assert "12D3KooNew runs p2ptrain 0.3.0" in lines[1] and "pip install -U 'p2ptrain==0.3.0'" in lines[1]
     assert other_protocol_note(newer.copy(update=dict(version="")), "0.1.0").endswith(
         "pip install -U 'p2ptrain' to train with it")
+    # a peer of our protocol that trains another model is left out too, and named once
+    records.append(same.copy(update=dict(peer_id="12D3KooGpt", fingerprint="f" * 64)))
+    for _ in range(2):
+        assert [r.peer_id for r in TrainingPeer.swarm(me).others] == ["12D3KooSame"]  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "12D3KooGpt trains another model (fingerprint ffffffffffff, ours )" in lines[2]
+    assert "same model settings" in lines[2]

@@ -115,6 +115,13 @@ def other_protocol_note(record: PeerRecord, own_version: str) -> str:
             f"left out of our rounds until it upgrades")
 
 
+def other_model_note(record: PeerRecord, own_fingerprint: str) -> str:
+    """One line for a peer left out because it trains another model than ours."""
+    return (f"peer {record.peer_id} trains another model (fingerprint {record.fingerprint[:12] or 'none'}, ours "
+            f"{own_fingerprint[:12]}): it is left out of our rounds; every peer of a run must start with the same "
+            f"model settings (model.*, data.tokenizer)")
+
+
 def present(records: list[PeerRecord]) -> list[PeerRecord]:
     """The records of peers still in the run: those that did not announce they left."""
     return [r for r in records if r.phase != LEFT]
