@@ -10,6 +10,7 @@ piece (and the validation set), whatever the dataset's size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -253,7 +254,8 @@ class TextShards:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, shard_index: int,
                  order_of: Callable[[int], PieceOrder] | None = None) -> None:
-        """`order_of(number of pieces)`: the order to read pieces in; by default the pieces of `shard_index`."""
+        """`order_of(number of pieces)`: the order to read pieces in, made anew by each `train_batches`; by default
+        the pieces of `shard_index`."""
         if isinstance(shard_index, bool) or not isinstance(shard_index, int) or not 0 <= shard_index < cfg.num_shards:
             raise UserError(
                 f"data shard index must be an integer in [0, {cfg.num_shards}), got {shard_index!r}; "
@@ -271,8 +273,9 @@ class TextShards:
         if len(self.pieces) == 1 and len(first_piece) <= len(self.validation_documents):
             raise UserError(f"dataset {cfg.dataset!r} holds {len(first_piece)} document(s), all of them validation; "
                             "give it more documents (a .txt file splits at blank lines)")
-        self.order: PieceOrder = (order_of(len(self.pieces)) if order_of is not None
-                                  else StridedPieces(len(self.pieces), shard_index, cfg.num_shards))
+        StridedPieces(len(self.pieces), shard_index, cfg.num_shards)  # a shard with no piece: refused now
+        self.order_of: Callable[[int], PieceOrder] = order_of or functools.partial(
+            StridedPieces, shard_index=shard_index, num_shards=cfg.num_shards)
         self.pieces_read: list[int] = []  # every piece this stage has read for training, in order
         self._validation: list[torch.Tensor] | None = None
         total = sum(p.nbytes for p in self.pieces)
@@ -289,9 +292,10 @@ class TextShards:
         piece. The same seed and the same piece order give the same batches."""
         cfg = self.cfg
         generator = torch.Generator().manual_seed(seed)
+        order = self.order_of(len(self.pieces))
         carried = torch.zeros(0, cfg.seq_len, dtype=torch.int32)  # a piece's last rows, short of a batch
         while True:
-            stream, starts = self._read_next_piece(generator)
+            stream, starts = self._read_next_piece(order, generator)
             if carried.shape[0]:
                 needed = cfg.batch_size - carried.shape[0]
                 carried = torch.cat([carried, _windows(stream, starts[:needed], cfg.seq_len)])
@@ -305,11 +309,11 @@ class TextShards:
             carried = torch.cat([carried, _windows(stream, starts[whole:], cfg.seq_len)])
             del stream, starts  # one piece in memory at a time: this one goes before the next is read
 
-    def _read_next_piece(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_next_piece(self, order: PieceOrder, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next piece's int32 tokens and the starts of its seq_len windows, shuffled."""
         seq_len = self.cfg.seq_len
         for _ in range(len(self.pieces) + 1):  # a piece with no training text (all validation): take another
-            index = self.order.next_piece()
+            index = order.next_piece()
             documents = self.piece_documents(index)
             self.pieces_read.append(index)
             if documents:
