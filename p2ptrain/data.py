@@ -289,12 +289,10 @@ class TextShards:
 
     def train_batches(self, seed: int) -> Iterator[torch.Tensor]:
         """Endless [batch_size, seq_len] int64 batches: each piece's seq_len windows once, shuffled, then the next
-        piece. The same seed and the same piece order give the same batches. The order is made now, not at the
-        first batch: a swarm's claim on the first piece is then under way while the peer joins."""
-        return self._batches(self.order_of(len(self.pieces)), torch.Generator().manual_seed(seed))
-
-    def _batches(self, order: PieceOrder, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        piece. The same seed and the same piece order give the same batches."""
         cfg = self.cfg
+        generator = torch.Generator().manual_seed(seed)
+        order = self.order_of(len(self.pieces))
         carried = torch.zeros(0, cfg.seq_len, dtype=torch.int32)  # a piece's last rows, short of a batch
         while True:
             stream, starts = self._read_next_piece(order, generator)

@@ -178,6 +178,6 @@ def test_a_peer_that_overwrites_every_claim_costs_a_few_tries_not_a_stall() -> N
             return dht.get(key)
 
     claimer = ClaimedPieces(Overwriter(), RUN, "honest", 10 * PIECES_PER_KEY, seed=2, settle_s=0.0)  # type: ignore[arg-type]
-    piece = claimer._ahead.result()  # the first pick, made in the background from the start
+    piece = claimer._pick()
     assert 0 <= piece < 10 * PIECES_PER_KEY and Overwriter.stores == MAX_TRIES and not claimer.claimed
     assert not claimer.first_pass_over  # free pieces remain: the next pick tries again

@@ -39,9 +39,8 @@ MAX_TRIES = 8
 
 
 class ClaimedPieces:
-    """`data.PieceOrder` for a volunteer: the next piece nobody in the swarm has claimed, then random ones. Claims
-    are made in the background, one ahead: the first from the start, each next one while the last handed out is
-    read, so training waits on the DHT only when a piece is used up faster than a claim settles."""
+    """`data.PieceOrder` for a volunteer: the next piece nobody in the swarm has claimed, then random ones. The piece
+    after the one handed out is claimed in the background meanwhile, so training does not wait on the DHT."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, claimant: str, num_pieces: int, seed: int,
                  timeout_s: float = BRIEF_S, settle_s: float = SETTLE_S) -> None:
@@ -49,7 +48,7 @@ class ClaimedPieces:
             raise ValueError(f"num_pieces must be in [1, {PIECES_PER_KEY * MAX_BLOCKS}], got {num_pieces}")
         self.dht, self.run_id, self.claimant = dht, run_id, claimant
         self.num_pieces, self.timeout_s, self.settle_s = num_pieces, timeout_s, settle_s
-        self.rng = random.Random(seed)  # used by the pool's one thread only
+        self.rng = random.Random(seed)  # used by one thread at a time: the caller's first pick, then the pool's
         self.blocks = list(range((num_pieces + PIECES_PER_KEY - 1) // PIECES_PER_KEY))
         self.rng.shuffle(self.blocks)
         self.claimed: dict[int, float] = {}  # piece → when we last stored our claim on it
@@ -57,10 +56,10 @@ class ClaimedPieces:
         self.first_pass_over = False
         self._tries_left = MAX_TRIES  # claims this pick may still store
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-data-claims")
-        self._ahead: concurrent.futures.Future[int] = self._pool.submit(self._pick)
+        self._ahead: concurrent.futures.Future[int] | None = None
 
     def next_piece(self) -> int:
-        piece = self._ahead.result()
+        piece = self._ahead.result() if self._ahead is not None else self._pick()
         self._ahead = self._pool.submit(self._pick)
         return piece
 
