@@ -238,14 +238,6 @@ def shard_for_peer(peer_key: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.sha1(peer_key.encode("utf-8")).digest()[:8], "big") % num_shards
 
 
-def _human_bytes(nbytes: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if nbytes < 1000 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return f"{nbytes:.1f} TB"
-
-
 # ----------------------------------------------------------------------------------------------- the stage
 
 
@@ -279,8 +271,8 @@ class TextShards:
         self.pieces_read: list[int] = []  # every piece this stage has read for training, in order
         self._validation: list[torch.Tensor] | None = None
         total = sum(p.nbytes for p in self.pieces)
-        logger.info(f"data {cfg.dataset}: {len(self.pieces)} pieces, {_human_bytes(total)} in all "
-                    f"(~{_human_bytes(total / len(self.pieces))} a piece); validation: "
+        logger.info(f"data {cfg.dataset}: {len(self.pieces)} pieces, {total / 1e6:.1f} MB in all "
+                    f"(~{total / len(self.pieces) / 1e6:.2f} MB a piece); validation: "
                     f"{len(self.validation_documents)} documents of the first piece")
 
     def piece_documents(self, index: int) -> list[Document]:
