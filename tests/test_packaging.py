@@ -4,6 +4,7 @@ metadata and the README), and carry the package, its console script, the license
 from __future__ import annotations
 
 import configparser
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,11 +24,20 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+# what a clean checkout does not hold (caches, environments, earlier builds)
+NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
+                                     ".mypy_cache", ".ruff_cache", ".pytest_cache")
+
+
 @pytest.fixture(scope="module")
 def artefacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("dist")
+    # Built from a copy: in the tree itself a CI run's sdist failed on a file that vanished between its listing and
+    # its copy (the Docker set-up's `pip download .` prepares the package's metadata in the tree beside the tests).
+    source = tmp_path_factory.mktemp("source") / "p2ptrain"
+    shutil.copytree(REPO, source, ignore=NOT_SOURCES)
     # the wheel is built from the sdist, as pip builds it for a user who installs the sdist
-    run("build", "--no-isolation", "--outdir", str(out), str(REPO))
+    run("build", "--no-isolation", "--outdir", str(out), str(source))
     (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
     return sdist, wheel
 
