@@ -90,9 +90,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The machine-wide tests come last, the docker ones last of them, then the type check's test: the early jobs
-    (type check, Docker set-up) run beside the other tests, on the CPU time those leave, and are over by the time a
-    test reads them, or nearly. Under xdist this needs
+    """The machine-wide tests come last, the docker ones last of them: the early jobs (type check, Docker set-up)
+    run beside the other tests and are over before the first test that must wait for them. Under xdist this needs
     `--no-loadscope-reorder` (setup.cfg), which keeps the groups in this order; the default puts the largest first.
 
     Under `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would spread
@@ -102,14 +101,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ungrouped:
             raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                     f"pytest and pytest-xdist versions (setup.cfg)")
-    items.sort(key=lambda item: (_reads_early_job(item), _machine_wide_group(item) is not None,
-                                 item.get_closest_marker("docker") is not None))
-
-
-def _reads_early_job(item: pytest.Item) -> bool:
-    """A test that only reads an early job's outcome (the type check) runs last, on a worker with nothing else to
-    do: the job runs at SCHED_IDLE on the CPU time the other tests leave."""
-    return TYPE_CHECK.reader in getattr(item, "fixturenames", ())
+    items.sort(key=lambda item: (_machine_wide_group(item) is not None, item.get_closest_marker("docker") is not None))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -177,16 +169,15 @@ _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs. A docker
-    test also waits for the Docker set-up to end. The early jobs run at SCHED_IDLE (early_jobs.py): the other tests,
-    machine-wide ones included, run beside them, and they take the CPU time those leave."""
-    if item.get_closest_marker("docker"):
+    """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
+    machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
+    if _alone(item):
         started = time.monotonic()
-        wait_ended([DOCKER_SETUP])
+        wait_ended([TYPE_CHECK, DOCKER_SETUP])
         waited_s = time.monotonic() - started
         if waited_s > EARLY_WAIT_NOTED_S:  # in the warnings summary, which xdist forwards: the run's idle time
             item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs (type check, Docker set-up)"))
-    if _share is not None and not _reads_early_job(item):  # such a test reads a file: it may run beside anything
+    if _share is not None:
         _share.enter(_alone(item))
     yield
     if _share is not None and not (nextitem is not None and _alone(item) and _alone(nextitem)):

@@ -17,7 +17,7 @@ STATE = Path("/run/p2ptrain-docker")
 PEER_IMAGE, BOOTSTRAP_IMAGE = "p2ptrain-peer:ci", "p2ptrain-bootstrap:ci"  # what `.ci/docker-env build` tags
 # install, start dockerd, base image and wheelhouse; then both images, as users build them (minutes on a fresh CI)
 DOCKER_SETUP = EarlyJob("docker", [("up", [str(DOCKER_ENV), "up"]), ("build", [str(DOCKER_ENV), "build"])],
-                        reader="docker_env", timeout_s=1800, idle=True)
+                        reader="docker_env", timeout_s=1800)
 WAS_UP = (STATE / "base-image").exists()  # before this session: then the session leaves it up
 
 

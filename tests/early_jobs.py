@@ -35,8 +35,6 @@ class EarlyJob:
     steps: list[tuple[str, list[str]]]
     reader: str  # the fixture that reads its outcome: a selected test using it starts the job early
     timeout_s: float
-    # SCHED_IDLE: the job takes only CPU time that no test wants; else nice 10, a share of the CPU beside the tests
-    idle: bool = False
     workdir: Path | None = None  # where a started job writes each step's output and exit status
     ran: dict[str, subprocess.CompletedProcess[str]] = dataclasses.field(default_factory=dict)  # steps run when read
 
@@ -52,11 +50,10 @@ class EarlyJob:
                  f"rc=$?; echo $rc >{self._file(step, 'rc')}.tmp; mv {self._file(step, 'rc')}.tmp "
                  f"{self._file(step, 'rc')}; [ $rc = 0 ] || exit" for step, argv in self.steps]
         script = f"cd {shlex.quote(str(REPO))} || exit\n(\n" + "\n".join(lines) + f"\n); touch {self.workdir / 'ended'}"
-        # the tests beside it count exchanges in wall-clock rounds (a GASLoC swarm started none beside a Docker
-        # set-up at nice 10); what the job starts (dockerd, its builds, its containers) inherits the policy
-        priority = ["chrt", "--idle", "0"] if self.idle else ["nice", "-n", "10"]
+        # niced: the tests beside it count exchanges in wall-clock rounds (a GASLoC swarm started none while dockerd
+        # started); what the job starts (dockerd, its builds) inherits the niceness
         with orphans_go_to_init():  # the shell exits at once; its backgrounded child goes to init
-            subprocess.run([*priority, "sh", "-c", f"( {script} ) >/dev/null 2>&1 &"], check=True, timeout=30)
+            subprocess.run(["nice", "-n", "10", "sh", "-c", f"( {script} ) >/dev/null 2>&1 &"], check=True, timeout=30)
 
     def outcome(self, step: str) -> subprocess.CompletedProcess[str]:
         """The step's exit status and output: waits for a started job; runs the steps up to this one otherwise."""
@@ -118,4 +115,4 @@ def start_wanted(jobs: list[EarlyJob], items: list[pytest.Item]) -> None:
 
 
 TYPE_CHECK = EarlyJob("mypy", [("check", [sys.executable, "-m", "mypy", "p2ptrain"])], reader="type_check",
-                      timeout_s=2400, idle=True)  # on the CPU time the rest of the suite leaves
+                      timeout_s=900)

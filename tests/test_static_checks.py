@@ -31,7 +31,6 @@ def type_check() -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(TYPE_CHECK.timeout_s)  # it runs last and may wait for the check to end (tests/conftest.py)
 def test_mypy_finds_nothing_in_the_package(type_check: subprocess.CompletedProcess[str]) -> None:
     result = type_check
     assert result.returncode == 0, result.stdout + result.stderr
