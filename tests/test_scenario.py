@@ -7,13 +7,14 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.testnet import netns_run
+from p2ptrain.testnet import netns_run, plots
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 from p2ptrain.testnet.plan import Timeline, churn_events, plan_run
 from p2ptrain.testnet.report import (
@@ -356,6 +357,28 @@ def test_report_json_and_plots(tmp_path: Path) -> None:
     assert [life["end_reason"] for life in report["peers"]["peer1"]["lives"]] == ["killed", "finished"]
     assert len(report["peers"]["peer0"]["rounds"]) == 10 and report["peers"]["peer1"]["rate_mbit"] == 5.0
     assert [e["description"] for e in report["events"]] == ["kill peer1", "restart peer1"]
+
+
+def test_plot_axes_read_as_values_and_bytes_start_at_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """13.2 MB a round, give or take a few kB: matplotlib alone draws ticks 0.006 to 0.008 under "+1.32e1"."""
+    record = kill_restart_record(tmp_path)
+    for index, row in enumerate(row for rows in record.rows.values() for row in rows):
+        row.update(bytes_sent=6_600_000 + 1_000 * (index % 3), bytes_received=6_600_000, val_loss=5.5 + 1e-4 * index)
+    drawn = {}
+
+    def keep(fig: Any, path: Path, plt: Any) -> Path:
+        fig.canvas.draw()
+        drawn[path.name] = [(ax.yaxis.get_offset_text().get_text(), ax.xaxis.get_offset_text().get_text(),
+                             ax.get_ylim()) for ax in fig.axes]
+        return save(fig, path, plt)
+
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", keep)
+    write_report(record, run_checks(record, ChecksSpec()), tmp_path / "report")
+    assert set(drawn) == {"loss.png", "utilisation.png", "bytes.png"}
+    assert all((y_offset, x_offset) == ("", "") for axes in drawn.values() for y_offset, x_offset, _ in axes), drawn
+    [(_, _, (bottom, top))] = drawn["bytes.png"]
+    assert bottom == 0 and top >= 13.2, drawn["bytes.png"]
 
 
 # ---- launcher entry points that need no root -----------------------------------------------------------------------

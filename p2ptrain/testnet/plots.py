@@ -50,6 +50,7 @@ def write_plots(data: PlotData, out: Path) -> list[Path]:
                 [(row["bytes_sent"] + row["bytes_received"]) / 1e6 for row in peer_rows],
                 marker=".", linestyle="", color=f"C{index % 10}", label=peer)
     ax.set(xlabel="round", ylabel="MB sent + received", title="bytes per round per peer")
+    ax.set_ylim(bottom=0)  # the same payload every round: an axis from zero shows it as level, not as noise
     ax.legend(loc="best", fontsize="small")
     written.append(_save(fig, out / "bytes.png", plt))
     return written
@@ -64,6 +65,8 @@ def _mark_events(ax: Any, data: PlotData) -> None:
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:
+    for ax in fig.axes:  # ticks that read as values: never "+1.32e1" over ticks of 0.006 to 0.008
+        ax.ticklabel_format(axis="both", style="plain", useOffset=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
