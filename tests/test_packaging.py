@@ -24,9 +24,10 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-# what a clean checkout does not hold (caches, environments, earlier builds)
+# what a clean checkout does not hold (caches, environments, earlier builds, a local run's checkpoints)
 NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
-                                     ".mypy_cache", ".ruff_cache", ".pytest_cache")
+                                     ".mypy_cache", ".ruff_cache", ".pytest_cache", "checkpoints", "*.safetensors",
+                                     "*.pt")
 
 
 @pytest.fixture(scope="module")
