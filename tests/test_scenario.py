@@ -364,7 +364,7 @@ def test_plot_axes_read_as_values_and_bytes_start_at_zero(tmp_path: Path, monkey
     record = kill_restart_record(tmp_path)
     for index, row in enumerate(row for rows in record.rows.values() for row in rows):
         row.update(bytes_sent=6_600_000 + 1_000 * (index % 3), bytes_received=6_600_000, val_loss=5.5 + 1e-4 * index)
-    drawn = {}
+    drawn, save = {}, plots._save
 
     def keep(fig: Any, path: Path, plt: Any) -> Path:
         fig.canvas.draw()
@@ -372,7 +372,6 @@ def test_plot_axes_read_as_values_and_bytes_start_at_zero(tmp_path: Path, monkey
                              ax.get_ylim()) for ax in fig.axes]
         return save(fig, path, plt)
 
-    save = plots._save
     monkeypatch.setattr(plots, "_save", keep)
     write_report(record, run_checks(record, ChecksSpec()), tmp_path / "report")
     assert set(drawn) == {"loss.png", "utilisation.png", "bytes.png"}
