@@ -176,9 +176,9 @@ def test_factored_mixes_with_peers_behind_one_nat_and_behind_a_shared_one(nat_ok
 
 
 def test_joiners_take_their_state_from_a_donor_behind_nat(nat_ok: None, tmp_path: Path) -> None:
-    _report, workdir = run(tmp_path, "natj", steps=60, mode="diloco", peers=1, rounds=24, nat=["peer0", "peer1"],
+    _report, workdir = run(tmp_path, "natj", steps=60, mode="diloco", peers=1, rounds=16, nat=["peer0", "peer1"],
                            events=[{"after_round": 2, "of": "peer0", "add_peer": None},  # peer1, behind NAT
-                                   {"after_round": 12, "of": "peer0", "add_peer": None}],  # peer2, public
+                                   {"after_round": 8, "of": "peer0", "add_peer": None}],  # peer2, public
                            checks={"loss_fell": False, "reachability": True})
     donors = {peer_id(workdir, p) for p in ("peer0", "peer1")}
     for joiner in ("peer1", "peer2"):
