@@ -360,17 +360,19 @@ def test_report_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_plot_axes_read_as_values_and_bytes_start_at_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """13.2 MB a round, give or take a few kB: matplotlib alone draws ticks 0.006 to 0.008 under "+1.32e1"."""
+    """13.2 MB a round, give or take a few kB, and a loss that moves in its fifth digit: matplotlib alone draws ticks
+    0.006 to 0.008 under "+1.32e1", and the loss's under "+5.5"."""
     record = kill_restart_record(tmp_path)
     for index, row in enumerate(row for rows in record.rows.values() for row in rows):
-        row.update(bytes_sent=6_600_000 + 1_000 * (index % 3), bytes_received=6_600_000, val_loss=5.5 + 1e-4 * index)
+        row.update(bytes_sent=6_600_000 + 1_000 * (index % 3), bytes_received=6_600_000, val_loss=5.5 + 1e-5 * index)
     drawn, save = {}, plots._save
 
     def keep(fig: Any, path: Path, plt: Any) -> Path:
-        fig.canvas.draw()
+        saved = save(fig, path, plt)
+        fig.canvas.draw()  # as saved: after the formatting
         drawn[path.name] = [(ax.yaxis.get_offset_text().get_text(), ax.xaxis.get_offset_text().get_text(),
                              ax.get_ylim()) for ax in fig.axes]
-        return save(fig, path, plt)
+        return saved
 
     monkeypatch.setattr(plots, "_save", keep)
     write_report(record, run_checks(record, ChecksSpec()), tmp_path / "report")
