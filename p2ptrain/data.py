@@ -187,10 +187,13 @@ def choose_validation(documents: list[Document], val_fraction: float, min_chars:
 
 def tokenize_stream(documents: Iterable[Document], tokenizer: Tokenizer,
                     dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """All documents' tokens concatenated, each followed by EOS, as a 1-D tensor."""
+    """All documents' tokens concatenated, each followed by EOS, as a 1-D tensor. An empty document (an empty
+    `__init__.py` of the stdlib corpus) holds nothing to learn and is left out."""
     parts: list[torch.Tensor] = []
     eos = torch.tensor([tokenizer.eos_token_id], dtype=dtype)
     for document in documents:
+        if not document.text:
+            continue
         if isinstance(tokenizer, ByteTokenizer):  # a fast path for the default: bytes are the ids
             parts.append(torch.frombuffer(bytearray(document.text.encode("utf-8")), dtype=torch.uint8).to(dtype))
         else:

@@ -337,3 +337,11 @@ def test_validation_holds_at_least_the_text_its_batches_read() -> None:
     assert sum(len(d.text) for d in chosen) >= 1000 and set(map(id, chosen)) == set(map(id, by_score[:len(chosen)]))
     assert len(choose_validation(documents, 1e-9, min_chars=10**9)) == 50  # never more than half
     assert choose_validation(documents[:1], 0.5, min_chars=10**9) == documents[:1]
+
+
+def test_an_empty_document_is_left_out_of_the_token_stream() -> None:
+    """The stdlib corpus holds empty files (`__init__.py`): a piece of them once crashed a node's worker."""
+    documents = [Document("a", "ab"), Document("empty", ""), Document("b", "c")]
+    eos = ByteTokenizer().eos_token_id
+    assert tokenize_stream(documents, ByteTokenizer()).tolist() == [97, 98, eos, 99, eos]
+    assert tokenize_stream([Document("empty", "")], ByteTokenizer()).numel() == 0
