@@ -38,24 +38,35 @@ def cli(log_level: str) -> None:
 @click.option("--address-file", type=click.Path(dir_okay=False), help="Also write the multiaddrs to this file.")
 @click.option("--run-id", default=None, help="The run it serves: it stores that run's DHT records only (default from "
               "config).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="The run's config (YAML or TOML): the bootstrap hands its manifest (model, data, sync) to "
+                   "volunteers, who then join with --initial-peers alone.")
 @click.option("--no-relay-service", is_flag=True, help="Do not serve as a relay for peers behind NAT.")
-def bootstrap(address_file: str | None, run_id: str | None, no_relay_service: bool, **kwargs: Any) -> None:
+def bootstrap(address_file: str | None, run_id: str | None, config_path: str | None, no_relay_service: bool,
+              **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node (and relay) and print the address peers must pass as --initial-peers."""
     from p2ptrain.config import load_config
+    from p2ptrain.manifest import founding_manifest, join_command
     from p2ptrain.net.bootstrap import BootstrapNode
 
     overrides = network_overrides(kwargs)
     overrides["network.relay"] = not no_relay_service
     if run_id:
         overrides["run.run_id"] = run_id
-    config = load_config(None, overrides)
-    node = BootstrapNode(config.network, config.run.run_id, address_file)
+    config = load_config(config_path, overrides)
+    manifest = founding_manifest(config) if config_path else None
+    node = BootstrapNode(config.network, config.run.run_id, address_file,
+                         manifest.to_document() if manifest is not None else None)
     stop = threading.Event()
     install_stop_handlers(stop.set)
     try:
+        if manifest is not None:
+            click.echo(f"Serving {manifest.summary()}")
         click.echo("Bootstrap node running. Peers join with:")
         for maddr in node.maddrs:
-            click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
+            join = join_command(config, maddr) if manifest is not None else \
+                f"p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}"
+            click.echo(f"  {join}")
         sys.stdout.flush()
         node.serve_until(stop)
     finally:

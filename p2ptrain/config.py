@@ -106,21 +106,31 @@ class PeerConfig:
 
     def changes_from_defaults(self) -> dict[str, Any]:
         """The settings that differ from PeerConfig()'s, as dotted keys (what the start-up line shows)."""
-        defaults = _flatten(PeerConfig().to_dict())
-        return {key: value for key, value in _flatten(self.to_dict()).items() if defaults.get(key, _MISSING) != value}
+        defaults = flatten_settings(PeerConfig().to_dict())
+        return {key: value for key, value in flatten_settings(self.to_dict()).items()
+                if defaults.get(key, _MISSING) != value}
 
 
 _MISSING = object()
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_settings(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: {"run": {"rounds": 2}} -> {"run.rounds": 2}."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_settings(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def nest_settings(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys as nested sections, the inverse of `flatten_settings`."""
+    values: dict[str, Any] = {}
+    for dotted_key, value in flat.items():
+        _set_dotted(values, dotted_key, value)
+    return values
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

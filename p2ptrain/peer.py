@@ -30,6 +30,7 @@ from p2ptrain.device import resolve_device
 from p2ptrain.errors import CheckpointError, UserError, one_line
 from p2ptrain.join_rules import split_by_quorum
 from p2ptrain.joining import Joiner
+from p2ptrain.manifest import RunManifest
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer, PhaseResult
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
@@ -52,6 +53,8 @@ from p2ptrain.net.discovery import (
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
 from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.run_manifest import NAMESPACE as MANIFEST_NAMESPACE
+from p2ptrain.net.run_manifest import ManifestServer
 from p2ptrain.net.services import start_services
 from p2ptrain.net.state_sharing import StateServer, StateSnapshot
 from p2ptrain.net.stream_bytes import Traffic, counter_of
@@ -160,6 +163,8 @@ class TrainingPeer:
                                    cfg.sync.state_download_timeout_s)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
+        manifest = ManifestServer(RunManifest.of(cfg, self.fingerprint).to_document())  # what a volunteer joins
+        self.loop.run(manifest.add_p2p_handlers(self.p2p, namespace=MANIFEST_NAMESPACE))
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,

@@ -109,13 +109,15 @@ class SectionedCommand(click.Command):
 
 PEER_SECTIONS = (
     ("Joining a run (what a volunteer types)", ("initial_peers", "run_id", "config_path", "device")),
-    ("Training", ("model", "sync", "rounds", "min_peers", "eval_every", "shard_index", "torch_threads", "workers")),
+    ("Training", ("model", "dataset", "sync", "rounds", "min_peers", "eval_every", "shard_index", "torch_threads",
+                  "workers")),
     ("Checkpoints and output", ("checkpoint_dir", "resume", "metrics_path", "no_progress", "show_plan")),
     ("Network", ("host_maddrs", "announce_maddrs", "identity_path", "serve_relay", "no_nat_port_map", "no_auto_nat",
                  "no_relay", "loopback")),
     ("Signed runs", ("admission", "organiser_key", "admission_ticket")),
 )
 PEER_CONFIG_FLAGS = (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
+                     ("dataset", "data.dataset"),
                      ("sync", "sync.mode"), ("rounds", "run.rounds"), ("checkpoint_dir", "run.checkpoint_dir"),
                      ("metrics_path", "run.metrics_path"), ("shard_index", "run.shard_index"),
                      ("torch_threads", "run.torch_threads"), ("eval_every", "run.eval_every"),
@@ -133,6 +135,7 @@ def peer_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]),
                      help="Where to train (default auto)."),
         click.option("--model", help="Model preset (tiny, small, base), local path or hub id."),
+        click.option("--dataset", help="Dataset: stdlib, a local file or directory, or hf:<name>[:<config>]."),
         click.option("--sync", type=click.Choice(SYNC_MODES), help="Outer sync: diloco (all-reduce), gasloc or "
                                                                   "factored (gossip)."),
         click.option("--rounds", type=click.IntRange(min=0), help="Outer rounds to run (0: until stopped)."),
@@ -166,6 +169,7 @@ class PeerRequest:
     """What `p2ptrain peer` was asked to run: the resolved config and how to start."""
 
     config: PeerConfig
+    explicit: dict[str, Any]  # the dotted settings the config file and flags set (a run's manifest fills the rest)
     initial_peers: list[str]
     resume: bool
     workers: int | None
@@ -174,7 +178,7 @@ class PeerRequest:
 
 def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     """The peer's config from its options (`peer_options`); a malformed multiaddr fails here, before start-up."""
-    from p2ptrain.config import load_config
+    from p2ptrain.config import flatten_settings, load_config, read_config_file
     from p2ptrain.net.dht import parse_maddr
 
     peers = split_peers(kwargs.pop("initial_peers"))
@@ -189,7 +193,9 @@ def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     if kwargs["serve_relay"]:
         overrides["network.relay"] = True
     config = load_config(kwargs["config_path"], overrides)
-    return PeerRequest(config, peers, kwargs["resume"], kwargs["workers"], kwargs["show_plan"])
+    explicit = {**flatten_settings(read_config_file(kwargs["config_path"])), **overrides} if kwargs["config_path"] \
+        else dict(overrides)
+    return PeerRequest(config, explicit, peers, kwargs["resume"], kwargs["workers"], kwargs["show_plan"])
 
 
 def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str = "p2ptrain") -> None:
@@ -199,10 +205,11 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     import torch
 
     from p2ptrain.device import resolve_device
+    from p2ptrain.manifest import join_command, join_run
     from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.peer import TrainingPeer
 
-    config = request.config
+    config, manifest = join_run(request.config, request.explicit, request.initial_peers)
     if request.show_plan:
         from p2ptrain.memory.plan import settings_of
         from p2ptrain.memory.report import PlanRequest, plan_text
@@ -225,12 +232,18 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     log = logging.getLogger("p2ptrain")
     log.info(f"config (what differs from the defaults): {json.dumps(config.changes_from_defaults(), sort_keys=True)}")
     log.debug(f"resolved config: {config.to_json()}")
+    if manifest is not None:
+        click.echo(f"Joining {manifest.summary()}")
     training_peer = TrainingPeer(config, request.initial_peers, resume=request.resume, node=node, conduct=conduct)
     install_stop_handlers(training_peer.stop)
     try:
+        if manifest is not None and manifest.fingerprint != training_peer.fingerprint:
+            raise UserError(f"the model built from run {manifest.run_id!r}'s settings has fingerprint "
+                            f"{training_peer.fingerprint}, the run's is {manifest.fingerprint}: install p2ptrain "
+                            f"{manifest.version} with the transformers release the organiser uses")
         click.echo(f"Peer {training_peer.peer_id} in run {config.run.run_id!r}. Others can join with:")
         for maddr in training_peer.maddrs:
-            click.echo(f"  p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}")
+            click.echo(f"  {join_command(config, maddr)}")
         sys.stdout.flush()
         try:
             history = training_peer.run()

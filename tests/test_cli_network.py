@@ -130,3 +130,113 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_continues_from_it(tmp_path: Path)
     # its rounds ran out: the final checkpoint is written, though round saved_round + 1 is no multiple of
     # run.checkpoint_every (10)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"round-{saved_round + 1:06d}"
+
+
+def write_corpus(path: Path, documents: int) -> Path:
+    words = "the cat sat on a mat while dogs ran over green hills and wide rivers under grey skies".split()
+    path.write_text("".join(json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(50))}) + "\n"
+                            for i in range(documents)))
+    return path
+
+
+def printed_join_command(process: subprocess.Popen[str]) -> list[str]:
+    """The join line a peer or bootstrap printed, as argv (after `p2ptrain`)."""
+    assert process.stdout is not None
+    for line in process.stdout:  # blocks until it prints; the global pytest timeout bounds it
+        if line.strip().startswith("p2ptrain peer --initial-peers"):
+            return line.split()[1:]
+    raise AssertionError(f"no join line; stderr: {process.stderr.read() if process.stderr else ''}")
+
+
+def test_volunteers_join_with_the_printed_command_alone_and_train_the_organisers_run(tmp_path: Path) -> None:
+    """The organiser's first peer runs a run file on a local jsonl; two volunteers type the line it printed (in
+    other directories, with no config: only how long to run and where to write metrics) and train its model with
+    it; a fourth whose flag contradicts the run is refused in one line; the organiser's model exports and
+    generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from p2ptrain.manifest import founding_manifest
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 2000)
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump({
+        "run": {"run_id": "e2e-run", "min_peers": 3, "device": "cpu"},
+        "model": {"name": "tiny", "max_seq_len": 64},
+        "data": {"dataset": "corpus.jsonl", "seq_len": 64, "batch_size": 4, "num_shards": 4, "val_batches": 2},
+        "inner": {"steps": 4, "warmup_steps": 1},
+        "sync": {"mode": "gasloc", "matchmaking_s": 1.0},
+    }))
+    fingerprint = founding_manifest(load_config(run_file)).fingerprint
+    metrics = {name: tmp_path / f"{name}.jsonl" for name in ("organiser", "vol1", "vol2")}
+    organiser = subprocess.Popen(
+        cli("peer", "--loopback", "--config", "run.yaml", "--rounds", "5", "--no-progress", "--checkpoint-dir",
+            str(tmp_path / "ck"), "--metrics", str(metrics["organiser"])),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    volunteers: list[subprocess.Popen[str]] = []
+    try:
+        join = printed_join_command(organiser)
+        assert join[-3:] == ["--dataset", str(corpus), "--loopback"], join  # the path resolved, for this machine
+        for name in ("vol1", "vol2"):
+            (tmp_path / name).mkdir()
+            volunteers.append(subprocess.Popen(
+                cli(*join, "--rounds", "4", "--no-progress", "--metrics", str(metrics[name])),
+                cwd=tmp_path / name, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        fourth = subprocess.run(cli(*join, "--sync", "diloco"), capture_output=True, text=True, timeout=120)
+        assert fourth.returncode == 2, fourth.stderr[-2000:]
+        errors = [line for line in fourth.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "sync.mode 'diloco' (the run's: 'gasloc')" in errors[0], fourth.stderr[-2000:]
+        assert "Traceback" not in fourth.stderr
+        outputs = []
+        for volunteer in volunteers:
+            out, err = volunteer.communicate(timeout=240)
+            assert volunteer.returncode == 0, err[-3000:]
+            outputs.append(out)
+        out, err = organiser.communicate(timeout=240)
+        assert organiser.returncode == 0, err[-3000:]
+    finally:
+        for process in (organiser, *volunteers):
+            if process.poll() is None:
+                process.kill()
+    for out in outputs:  # the run's model, as the organiser's run file makes it
+        assert f"Joining run 'e2e-run': model tiny (from seed 0, fingerprint {fingerprint[:12]})" in out, out
+        assert "sync gasloc" in out and "done: 4 rounds" in out, out
+    for name, path in metrics.items():  # each of the three averaged with another of them (nobody else is here)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert rows and all(row["sync"] == "gasloc" for row in rows), name
+        assert any(row["peers_averaged"] >= 2 for row in rows), (name, [r["peers_averaged"] for r in rows])
+    exported = subprocess.run(cli("export", str(tmp_path / "ck"), str(tmp_path / "model")), capture_output=True,
+                              text=True, timeout=180)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    generated = pipeline("text-generation", model=model, tokenizer=tokenizer)("the cat ", max_new_tokens=8,
+                                                                               do_sample=False)
+    assert generated[0]["generated_text"].startswith("the cat ") and len(generated[0]["generated_text"]) > 8
+
+
+def test_a_bootstrap_started_with_the_run_file_hands_volunteers_the_run(tmp_path: Path) -> None:
+    """`bootstrap --config`: its join line needs no run id, and a volunteer joining through it gets the run."""
+    from p2ptrain.manifest import join_run
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump({"run": {"run_id": "boot-run"}, "model": {"name": "tiny"},
+                                        "sync": {"mode": "factored"}}))
+    bootstrap = subprocess.Popen(cli("bootstrap", "--loopback", "--config", str(run_file)), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        join = printed_join_command(bootstrap)
+        assert "--run-id" not in join and join[-1] == "--loopback", join
+        address = join[join.index("--initial-peers") + 1]
+        local = load_config(None, {"data.batch_size": 2})
+        config, manifest = join_run(local, {"data.batch_size": 2}, [address])
+        assert manifest is not None and manifest.run_id == "boot-run"
+        assert (config.run.run_id, config.model.name, config.sync.mode, config.data.batch_size) == \
+            ("boot-run", "tiny", "factored", 2)
+    finally:
+        assert stop(bootstrap) == 0
+    plain, address = start_bootstrap(tmp_path)  # without a run file it serves none: the local config stands
+    try:
+        local = load_config(None, {"run.run_id": "cli-test"})
+        assert join_run(local, {"run.run_id": "cli-test"}, [address]) == (local, None)
+    finally:
+        assert stop(plain) == 0

@@ -231,5 +231,5 @@ def test_running_out_of_memory_is_one_line_with_what_lowers_the_peak(monkeypatch
     config = build_config({"model": {"name": "tiny"}, "run": {"device": "cpu", "run_id": "oom"}})
     with pytest.raises(UserError, match="out of cpu memory at round 3: the plan expected it to fit; more "
                                         "inner.micro_batches"):
-        peer_command.run_peer(peer_command.PeerRequest(config, [], False, None, False))
+        peer_command.run_peer(peer_command.PeerRequest(config, {}, [], False, None, False))
     assert shut == [True]

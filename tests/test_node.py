@@ -99,8 +99,11 @@ def test_a_node_trains_in_a_swarm_and_stops_cleanly_when_a_worker_dies(tmp_path:
     config = tiny_config("node-swarm", sync={"allreduce_timeout_s": 10.0})  # rounds 0: until stopped
     founder = PeerThread(start_peer(config)).start()
     metrics = tmp_path / "node.jsonl"
-    node_config = write_config(tmp_path / "node.yaml", run={"run_id": "node-swarm", "shard_index": 1},
-                               data={"seq_len": 64, "num_shards": 8})
+    # the node's own settings only: the run's model, data and rules come from the founder's manifest
+    node_config = tmp_path / "node.yaml"
+    node_config.write_text(yaml.safe_dump({
+        "run": {**NODE_CONFIG["run"], "shard_index": 1}, "network": NODE_CONFIG["network"],
+        "data": {"batch_size": 4}, "sync": NODE_CONFIG["sync"]}))
     node = subprocess.Popen(peer_command(node_config, "--workers", "2", "--initial-peers", founder.peer.maddrs[0],
                                          "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

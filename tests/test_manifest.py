@@ -1,0 +1,130 @@
+"""The run manifest's rules, without a network: what it carries, what a volunteer's settings may add or contradict,
+and every malformed document a stranger might send refused in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2ptrain.config import PeerConfig, load_config
+from p2ptrain.errors import UserError
+from p2ptrain.manifest import (
+    LOCAL_KEYS,
+    RunManifest,
+    founding_manifest,
+    join_command,
+    join_config,
+    shared_keys,
+)
+from p2ptrain.net.discovery import PROTOCOL_VERSION
+
+RUN = {"run.run_id": "myrun", "model.name": "tiny", "sync.mode": "gasloc", "inner.steps": 7}
+
+
+def organiser(**more: Any) -> PeerConfig:
+    return load_config(None, {**RUN, **more})
+
+
+def document(**more: Any) -> dict[str, Any]:
+    return founding_manifest(organiser(**more)).to_document()
+
+
+def volunteer(manifest: RunManifest, **explicit: Any) -> PeerConfig:
+    return join_config(manifest, explicit, load_config(None, explicit), "peer Q")
+
+
+def test_the_manifest_carries_the_shared_settings_and_no_local_one() -> None:
+    manifest = founding_manifest(organiser())
+    assert set(manifest.settings) == shared_keys()
+    assert {"model.name", "data.dataset", "data.tokenizer", "data.seq_len", "sync.mode", "outer.lr", "run.seed",
+            "run.run_id"} <= shared_keys()
+    assert not LOCAL_KEYS & shared_keys() and not any(k.startswith(("network.", "reputation.")) for k in shared_keys())
+    assert not {"run.device", "run.rounds", "run.checkpoint_dir", "data.batch_size"} & shared_keys()
+    assert RunManifest.from_document(json.loads(json.dumps(manifest.to_document())), "peer Q") == manifest
+
+
+def test_a_volunteer_without_settings_trains_the_run_and_keeps_its_local_ones() -> None:
+    manifest = founding_manifest(organiser())
+    config = volunteer(manifest, **{"data.batch_size": 2, "run.device": "cpu", "sync.allreduce_timeout_s": 9.0})
+    assert (config.run.run_id, config.model.name, config.sync.mode, config.inner.steps) == \
+        ("myrun", "tiny", "gasloc", 7)
+    assert (config.data.batch_size, config.run.device, config.sync.allreduce_timeout_s) == (2, "cpu", 9.0)
+    assert volunteer(manifest, **{"sync.mode": "gasloc", "inner.steps": 7}).inner.steps == 7  # repeating is fine
+
+
+@pytest.mark.parametrize(("explicit", "named"), [
+    ({"sync.mode": "diloco"}, "sync.mode 'diloco' (the run's: 'gasloc')"),
+    ({"model.name": "small"}, "model.name 'small'"),
+    ({"run.run_id": "other"}, "run.run_id 'other'"),
+    ({"inner.steps": 8, "outer.lr": 0.5}, "inner.steps 8"),
+])
+def test_a_shared_setting_the_volunteer_contradicts_is_refused_in_one_line(explicit: dict[str, Any],
+                                                                          named: str) -> None:
+    with pytest.raises(UserError) as refused:
+        volunteer(founding_manifest(organiser()), **explicit)
+    message = str(refused.value)
+    assert "\n" not in message and named in message and "peer Q" in message
+
+
+def test_a_local_path_in_the_manifest_is_read_only_where_the_volunteer_names_its_copy(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    manifest = founding_manifest(organiser(**{"data.dataset": str(corpus)}))
+    with pytest.raises(UserError, match="a path on the organiser's machine: name your copy with --dataset"):
+        volunteer(manifest)
+    copy_path = tmp_path / "mine.jsonl"
+    assert volunteer(manifest, **{"data.dataset": str(copy_path)}).data.dataset == str(copy_path)
+    line = join_command(organiser(**{"data.dataset": str(corpus)}), "/ip4/127.0.0.1/tcp/1/p2p/Q")
+    assert line == f"p2ptrain peer --initial-peers /ip4/127.0.0.1/tcp/1/p2p/Q --dataset {corpus} --loopback"
+    remote = "/ip4/10.0.0.2/tcp/1/p2p/Q"
+    assert join_command(organiser(), remote) == f"p2ptrain peer --initial-peers {remote}"
+
+
+def test_a_run_of_another_protocol_says_which_release_to_install() -> None:
+    newer = document() | {"protocol": PROTOCOL_VERSION + 1, "version": "9.9.9", "settings": {"future.key": 1}}
+    with pytest.raises(UserError, match=r"p2ptrain 9\.9\.9 \(protocol \d+\).*pip install -U 'p2ptrain==9\.9\.9'"):
+        volunteer(RunManifest.from_document(newer, "peer Q"))
+    older = document() | {"protocol": PROTOCOL_VERSION - 1, "version": "0.0.1"}
+    with pytest.raises(UserError, match=r"pip install 'p2ptrain==0\.0\.1' to join it, or ask its organiser"):
+        volunteer(RunManifest.from_document(older, "peer Q"))
+
+
+def _mutated(change: str) -> dict[str, Any]:
+    doc = copy.deepcopy(document())
+    if change == "extra field":
+        doc["admin"] = True
+    elif change == "missing field":
+        del doc["fingerprint"]
+    elif change == "format":
+        doc["format"] = "p2ptrain-manifest-v0"
+    elif change == "protocol as bool":
+        doc["protocol"] = True
+    elif change == "huge run id":
+        doc["run_id"] = "x" * 10_000
+    elif change == "settings as list":
+        doc["settings"] = [1, 2]
+    elif change == "unknown setting":
+        doc["settings"]["network.host_maddrs"] = ["/ip4/0.0.0.0/tcp/1"]
+    elif change == "local setting":
+        doc["settings"]["run.checkpoint_dir"] = "/etc"
+    elif change == "wrong type":
+        doc["settings"]["inner.steps"] = "many"
+    elif change == "out of range":
+        doc["settings"]["inner.steps"] = -3
+    elif change == "run id differs":
+        doc["settings"]["run.run_id"] = "other"
+    return doc
+
+
+@pytest.mark.parametrize("change", ["extra field", "missing field", "format", "protocol as bool", "huge run id",
+                                    "settings as list", "unknown setting", "local setting", "wrong type",
+                                    "out of range", "run id differs"])
+def test_a_malformed_manifest_is_one_line_naming_its_sender(change: str) -> None:
+    with pytest.raises(UserError) as refused:
+        RunManifest.from_document(_mutated(change), "peer Q")
+    message = str(refused.value)
+    assert message.startswith("peer Q sent a malformed run manifest") and "\n" not in message and len(message) < 400
