@@ -41,9 +41,11 @@ def cli(log_level: str) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="The run's config (YAML or TOML): the bootstrap hands its manifest (model, data, sync) to "
                    "volunteers, who then join with --initial-peers alone.")
+@click.option("--sign-with", type=click.Path(dir_okay=False), default=None,
+              help="Signed runs: the organiser's private key file; the manifest goes out signed with it.")
 @click.option("--no-relay-service", is_flag=True, help="Do not serve as a relay for peers behind NAT.")
-def bootstrap(address_file: str | None, run_id: str | None, config_path: str | None, no_relay_service: bool,
-              **kwargs: Any) -> None:
+def bootstrap(address_file: str | None, run_id: str | None, config_path: str | None, sign_with: str | None,
+              no_relay_service: bool, **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node (and relay) and print the address peers must pass as --initial-peers."""
     from p2ptrain.config import load_config
     from p2ptrain.manifest import founding_manifest, join_command
@@ -53,8 +55,12 @@ def bootstrap(address_file: str | None, run_id: str | None, config_path: str | N
     overrides["network.relay"] = not no_relay_service
     if run_id:
         overrides["run.run_id"] = run_id
+    if sign_with and not config_path:
+        raise click.UsageError("--sign-with signs the run's manifest: it needs --config")
     config = load_config(config_path, overrides)
     manifest = founding_manifest(config) if config_path else None
+    if manifest is not None and sign_with:
+        manifest = manifest.signed_with(sign_with)
     node = BootstrapNode(config.network, config.run.run_id, address_file,
                          manifest.to_document() if manifest is not None else None)
     stop = threading.Event()

@@ -27,6 +27,13 @@ from p2ptrain.corpus import HUB_PREFIX, STDLIB_DATASET
 from p2ptrain.data import BYTE_TOKENIZER, build_tokenizer
 from p2ptrain.errors import ConfigError, UserError, one_line
 from p2ptrain.models import PRESETS, build_model, model_fingerprint
+from p2ptrain.net.admission import (
+    MAX_TICKET_CHARS,
+    load_organiser_key,
+    load_signing_key,
+    sign_manifest,
+    verify_manifest,
+)
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 from p2ptrain.net.run_manifest import fetch_manifest
 from p2ptrain.net.wire import WireError
@@ -61,6 +68,7 @@ class RunManifest:
     settings: dict[str, Any]
     protocol: int = PROTOCOL_VERSION
     version: str = __version__
+    signature: str = ""  # the organiser's, in a signed run (`bootstrap --sign-with`); a peer hands it on as it got it
 
     @classmethod
     def of(cls, config: PeerConfig, fingerprint: str) -> RunManifest:
@@ -69,8 +77,17 @@ class RunManifest:
         return cls(config.run.run_id, fingerprint, json.loads(json.dumps(settings)))
 
     def to_document(self) -> dict[str, Any]:
-        return {"format": MANIFEST_FORMAT, "run_id": self.run_id, "fingerprint": self.fingerprint,
-                "protocol": self.protocol, "version": self.version, "settings": self.settings}
+        document = {"format": MANIFEST_FORMAT, "run_id": self.run_id, "fingerprint": self.fingerprint,
+                    "protocol": self.protocol, "version": self.version, "settings": self.settings}
+        return {**document, "signature": self.signature} if self.signature else document
+
+    def signed_bytes(self) -> bytes:
+        """What the organiser signs: the document less its signature, as canonical JSON."""
+        return json.dumps(dataclasses.replace(self, signature="").to_document(), sort_keys=True,
+                          separators=(",", ":")).encode()
+
+    def signed_with(self, key_path: str) -> RunManifest:
+        return dataclasses.replace(self, signature=sign_manifest(load_signing_key(key_path), self.signed_bytes()))
 
     @classmethod
     def from_document(cls, document: dict[str, Any], source: str) -> RunManifest:
@@ -80,16 +97,19 @@ class RunManifest:
                              f"address to join")
 
         expected = {"format", "run_id", "fingerprint", "protocol", "version", "settings"}
-        if set(document) != expected or document["format"] != MANIFEST_FORMAT:
+        signature = document.get("signature", "")
+        if set(document) - {"signature"} != expected or document["format"] != MANIFEST_FORMAT:
             raise bad(f"fields {sorted(document)[:8]}, format {str(document.get('format'))[:40]!r}")
         protocol, settings = document["protocol"], document["settings"]
         if type(protocol) is not int or not 0 <= protocol <= 10**6:
             raise bad("protocol is not a version number")
+        if not isinstance(signature, str) or len(signature) > MAX_TICKET_CHARS:
+            raise bad("the signature is not a short string")
         for name in ("run_id", "fingerprint", "version"):
             if not isinstance(document[name], str) or not 0 < len(document[name]) <= MAX_FIELD_CHARS:
                 raise bad(f"{name} is not a short string")
         if protocol != PROTOCOL_VERSION:  # before the settings: another release may carry other ones
-            return cls(document["run_id"], document["fingerprint"], {}, protocol, document["version"])
+            return cls(document["run_id"], document["fingerprint"], {}, protocol, document["version"], signature)
         if not isinstance(settings, dict):
             raise bad("settings are not a mapping")
         unknown = sorted(set(settings) - shared_keys())
@@ -101,7 +121,7 @@ class RunManifest:
             build_config(nest_settings(settings))
         except ConfigError as e:
             raise bad(one_line(e, 200)) from None
-        return cls(document["run_id"], document["fingerprint"], settings, protocol, document["version"])
+        return cls(document["run_id"], document["fingerprint"], settings, protocol, document["version"], signature)
 
     def summary(self) -> str:
         """What a volunteer joins, in one line."""
@@ -167,7 +187,16 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
         return config, None
     source = f"peer {answer[0]}"
     manifest = RunManifest.from_document(answer[1], source)
+    if config.network.admission == "signed":
+        check_signature(manifest, config.network.organiser_key, source)
     return join_config(manifest, explicit, config, source), manifest
+
+
+def check_signature(manifest: RunManifest, organiser_key_path: str, source: str) -> None:
+    """Refuse, in a signed run, a manifest the organiser did not sign."""
+    if not verify_manifest(load_organiser_key(organiser_key_path), manifest.signed_bytes(), manifest.signature):
+        raise UserError(f"the run manifest from {source} is not signed by the organiser key {organiser_key_path!r}: "
+                        f"join through the organiser's bootstrap (started with --sign-with), or check the key")
 
 
 def join_command(config: PeerConfig, maddr: str) -> str:

@@ -89,8 +89,9 @@ class TrainingPeer:
     processes (`node`), this is rank 0: the others train beside it (node/worker.py)."""
 
     def __init__(self, config: PeerConfig, initial_peers: Sequence[str] = (), resume: bool = False,
-                 node: NodeGroup | None = None, conduct: Conduct | None = None):
+                 node: NodeGroup | None = None, conduct: Conduct | None = None, manifest: RunManifest | None = None):
         self.config = config
+        self.manifest = manifest  # the run's, as a volunteer got it (signature and all); None: we found the run
         self.conduct = conduct or HONEST  # forms what we send and announce (testnet/red_team.py plays a liar)
         self.stop_event = threading.Event()
         if config.run.torch_threads:
@@ -163,7 +164,8 @@ class TrainingPeer:
                                    cfg.sync.state_download_timeout_s)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
-        manifest = ManifestServer(RunManifest.of(cfg, self.fingerprint).to_document())  # what a volunteer joins
+        served = self.manifest or RunManifest.of(cfg, self.fingerprint)  # what a volunteer joining through us gets
+        manifest = ManifestServer(served.to_document())
         self.loop.run(manifest.add_p2p_handlers(self.p2p, namespace=MANIFEST_NAMESPACE))
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),

@@ -234,7 +234,8 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     log.debug(f"resolved config: {config.to_json()}")
     if manifest is not None:
         click.echo(f"Joining {manifest.summary()}")
-    training_peer = TrainingPeer(config, request.initial_peers, resume=request.resume, node=node, conduct=conduct)
+    training_peer = TrainingPeer(config, request.initial_peers, resume=request.resume, node=node, conduct=conduct,
+                                 manifest=manifest)
     install_stop_handlers(training_peer.stop)
     try:
         if manifest is not None and manifest.fingerprint != training_peer.fingerprint:

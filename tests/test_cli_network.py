@@ -89,10 +89,15 @@ def test_bootstrap_refuses_a_corrupt_identity_file_in_one_line(tmp_path: Path) -
     assert key.read_bytes() == b"not a key"
 
 
-@pytest.mark.parametrize("config_file", ["peer/config.yaml"])
-def test_the_peer_kit_config_is_valid(config_file: str) -> None:
-    config = load_config(REPO_ROOT / config_file)
-    assert config.sync.mode == "diloco" and config.network.nat_port_map
+def test_the_peer_kit_config_holds_a_volunteers_own_settings_and_the_run_file_the_runs() -> None:
+    from p2ptrain.config import flatten_settings, read_config_file
+    from p2ptrain.manifest import shared_keys
+
+    assert load_config(REPO_ROOT / "peer/config.yaml").network.nat_port_map
+    own = set(flatten_settings(read_config_file(REPO_ROOT / "peer/config.yaml")))
+    assert own and not own & shared_keys(), "the kit's config would contradict the run of any organiser"
+    assert load_config(REPO_ROOT / "peer/run.yaml").sync.mode == "diloco"
+    assert set(flatten_settings(read_config_file(REPO_ROOT / "peer/run.yaml"))) <= shared_keys()
 
 
 def test_the_kit_scripts_are_valid_posix_sh() -> None:
@@ -215,23 +220,32 @@ def test_volunteers_join_with_the_printed_command_alone_and_train_the_organisers
 
 
 def test_a_bootstrap_started_with_the_run_file_hands_volunteers_the_run(tmp_path: Path) -> None:
-    """`bootstrap --config`: its join line needs no run id, and a volunteer joining through it gets the run."""
+    """`bootstrap --config`: its join line needs no run id, and a volunteer joining through it gets the run; in a
+    signed run (`--sign-with`) only with the organiser's signature under the volunteer's organiser key."""
+    from p2ptrain.errors import UserError
     from p2ptrain.manifest import join_run
+    from p2ptrain.net.admission import generate_organiser_key
 
+    private, public = generate_organiser_key(tmp_path / "organiser.key")
+    _, stranger = generate_organiser_key(tmp_path / "stranger.key")
     run_file = tmp_path / "run.yaml"
     run_file.write_text(yaml.safe_dump({"run": {"run_id": "boot-run"}, "model": {"name": "tiny"},
                                         "sync": {"mode": "factored"}}))
-    bootstrap = subprocess.Popen(cli("bootstrap", "--loopback", "--config", str(run_file)), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+    bootstrap = subprocess.Popen(cli("bootstrap", "--loopback", "--config", str(run_file), "--admission", "signed",
+                                     "--organiser-key", str(public), "--sign-with", str(private)),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         join = printed_join_command(bootstrap)
         assert "--run-id" not in join and join[-1] == "--loopback", join
         address = join[join.index("--initial-peers") + 1]
-        local = load_config(None, {"data.batch_size": 2})
-        config, manifest = join_run(local, {"data.batch_size": 2}, [address])
-        assert manifest is not None and manifest.run_id == "boot-run"
+        signed = {"data.batch_size": 2, "network.admission": "signed", "network.organiser_key": str(public)}
+        config, manifest = join_run(load_config(None, signed), signed, [address])
+        assert manifest is not None and manifest.run_id == "boot-run" and manifest.signature
         assert (config.run.run_id, config.model.name, config.sync.mode, config.data.batch_size) == \
             ("boot-run", "tiny", "factored", 2)
+        fooled = {**signed, "network.organiser_key": str(stranger)}  # a volunteer handed another run's key
+        with pytest.raises(UserError, match="is not signed by the organiser key"):
+            join_run(load_config(None, fooled), fooled, [address])
     finally:
         assert stop(bootstrap) == 0
     plain, address = start_bootstrap(tmp_path)  # without a run file it serves none: the local config stands

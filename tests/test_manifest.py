@@ -4,6 +4,7 @@ and every malformed document a stranger might send refused in one line."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,13 @@ from p2ptrain.errors import UserError
 from p2ptrain.manifest import (
     LOCAL_KEYS,
     RunManifest,
+    check_signature,
     founding_manifest,
     join_command,
     join_config,
     shared_keys,
 )
+from p2ptrain.net.admission import generate_organiser_key, load_signing_key, sign_ticket
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 
 RUN = {"run.run_id": "myrun", "model.name": "tiny", "sync.mode": "gasloc", "inner.steps": 7}
@@ -128,3 +131,25 @@ def test_a_malformed_manifest_is_one_line_naming_its_sender(change: str) -> None
         RunManifest.from_document(_mutated(change), "peer Q")
     message = str(refused.value)
     assert message.startswith("peer Q sent a malformed run manifest") and "\n" not in message and len(message) < 400
+
+
+@pytest.fixture(scope="module")
+def organiser_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return generate_organiser_key(tmp_path_factory.mktemp("keys") / "organiser.key")
+
+
+def test_a_signed_runs_manifest_passes_only_with_the_organisers_signature_of_it(
+        organiser_keys: tuple[Path, Path], tmp_path: Path) -> None:
+    private, public = organiser_keys
+    signed = founding_manifest(organiser()).signed_with(str(private))
+    sent = RunManifest.from_document(json.loads(json.dumps(signed.to_document())), "peer Q")
+    check_signature(sent, str(public), "peer Q")  # as handed on by any peer
+    _, other_public = generate_organiser_key(tmp_path / "other.key")
+    tampered = dataclasses.replace(sent, settings={**sent.settings, "outer.lr": 0.1})
+    ticket = sign_ticket(load_signing_key(private), "myrun", "QmPeer")  # a signature, but of a ticket
+    for manifest, key in ((tampered, public), (sent, other_public), (dataclasses.replace(sent, signature=""), public),
+                          (dataclasses.replace(sent, signature=ticket), public)):
+        with pytest.raises(UserError, match="is not signed by the organiser key"):
+            check_signature(manifest, str(key), "peer Q")
+    with pytest.raises(UserError, match="malformed run manifest"):
+        RunManifest.from_document({**signed.to_document(), "signature": 12}, "peer Q")

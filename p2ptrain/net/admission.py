@@ -33,6 +33,7 @@ from p2ptrain.net.dht import NetworkConfig
 ORGANISER_KEY_BITS = 3072
 MAX_TICKET_CHARS = 1024  # base64 of a signature by a key of up to 6,144 bits (3,072 bits: 512 characters)
 TICKET_FORMAT = "p2ptrain-ticket-v1"
+MANIFEST_SIGNATURE_FORMAT = "p2ptrain-manifest-signature-v1"
 _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 _HASH = hashes.SHA256()
 
@@ -58,6 +59,27 @@ def verify_ticket(organiser_key: bytes, run_id: str, peer_id: str, ticket: str) 
     except (binascii.Error, ValueError, crypto_exceptions.InvalidSignature):
         return False
     return True
+
+
+def sign_manifest(private_key: rsa.RSAPrivateKey, manifest: bytes) -> str:
+    """The organiser's signature (base64) of a run manifest's canonical bytes (p2ptrain/manifest.py)."""
+    return base64.b64encode(private_key.sign(_manifest_message(manifest), _PADDING, _HASH)).decode()
+
+
+def verify_manifest(organiser_key: bytes, manifest: bytes, signature: str) -> bool:
+    """Whether `signature` is the organiser's of these manifest bytes (never of a ticket: the messages differ)."""
+    if not signature or len(signature) > MAX_TICKET_CHARS:
+        return False
+    try:
+        _public_key(organiser_key).verify(base64.b64decode(signature, validate=True), _manifest_message(manifest),
+                                          _PADDING, _HASH)
+    except (binascii.Error, ValueError, crypto_exceptions.InvalidSignature):
+        return False
+    return True
+
+
+def _manifest_message(manifest: bytes) -> bytes:
+    return b"\0".join((MANIFEST_SIGNATURE_FORMAT.encode(), manifest))
 
 
 @functools.lru_cache(maxsize=16)
