@@ -10,9 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import LlamaConfig
 
 from p2ptrain.config import PeerConfig, load_config
+from p2ptrain.data import TextShards, build_tokenizer
 from p2ptrain.errors import UserError
+from p2ptrain.export import byte_level_tokenizer
 from p2ptrain.manifest import (
     LOCAL_KEYS,
     RunManifest,
@@ -22,6 +26,7 @@ from p2ptrain.manifest import (
     join_config,
     shared_keys,
 )
+from p2ptrain.models import build_model
 from p2ptrain.net.admission import generate_organiser_key, load_signing_key, sign_ticket
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 
@@ -153,3 +158,28 @@ def test_a_signed_runs_manifest_passes_only_with_the_organisers_signature_of_it(
             check_signature(manifest, str(key), "peer Q")
     with pytest.raises(UserError, match="malformed run manifest"):
         RunManifest.from_document({**signed.to_document(), "signature": 12}, "peer Q")
+
+
+def test_the_125m_recipe_builds_its_model_and_reads_its_data_on_local_stand_ins(tmp_path: Path) -> None:
+    """peer/run-125m.yaml with its hub model, tokenizer and dataset swapped for local stand-ins of the same kind (a
+    config.json of SmolLM-135M's shape, a saved fast tokenizer, a jsonl): the manifest volunteers get, the model's
+    size, and a batch of its sequence length."""
+    recipe = Path(__file__).resolve().parents[1] / "peer/run-125m.yaml"
+    hub = load_config(recipe)
+    assert (hub.model.pretrained, hub.data.dataset.startswith("hf:"), hub.sync.mode) == (False, True, "gasloc")
+    LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                max_position_embeddings=2048).save_pretrained(tmp_path / "model")
+    byte_level_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "words of text " * 200}) + "\n"
+                              for i in range(300)))
+    config = load_config(recipe, {"model.name": str(tmp_path / "model"), "data.tokenizer": str(tmp_path / "tokenizer"),
+                                  "data.dataset": str(corpus), "data.batch_size": 2, "data.num_shards": 2})
+    manifest = founding_manifest(config)  # the model on the meta device: its shapes, no weights
+    assert manifest.settings["sync.overlap"] == "delayed" and manifest.settings["data.seq_len"] == 1024
+    with torch.device("meta"):
+        model = build_model(config.model, build_tokenizer(config.data).vocab_size, 0)
+    assert 120e6 < sum(p.numel() for p in model.parameters()) < 150e6
+    batch = next(TextShards(config.data, build_tokenizer(config.data), 0).train_batches(seed=0))
+    assert batch.shape == (2, 1024)
