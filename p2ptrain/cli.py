@@ -146,17 +146,46 @@ def plan(model: str | None, config_path: str | None, gpu_gb: tuple[float, ...], 
 
 
 @cli.command()
-@click.argument("checkpoint", type=click.Path(file_okay=False))
-@click.argument("out", type=click.Path(file_okay=False))
-def export(checkpoint: str, out: str) -> None:
-    """Write CHECKPOINT's model (a checkpoint directory, or a --checkpoint-dir for its latest) to OUT as a Hugging
-    Face model directory: config, weights and tokenizer, loadable with AutoModelForCausalLM.from_pretrained."""
+@click.argument("paths", nargs=-1, metavar="[CHECKPOINT] OUT")
+@click.option("--from-swarm", "initial_peers", multiple=True, metavar="ADDR",
+              help="Take the swarm's current model from the run at ADDR instead of a checkpoint (as a joiner takes "
+                   "a state: corroborated by other peers).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="With --from-swarm: a config for a run whose address serves no manifest, and local settings.")
+@click.option("--dataset", default=None, help="With --from-swarm, a run on a local dataset: your copy of it (its "
+                                              "validation documents check the state taken).")
+@network_options
+def export(paths: tuple[str, ...], initial_peers: tuple[str, ...], config_path: str | None, dataset: str | None,
+           **kwargs: Any) -> None:
+    """Write CHECKPOINT's model (a checkpoint directory, or a --checkpoint-dir for its latest), or with --from-swarm
+    the run's current model, to OUT as a Hugging Face model directory: config, weights and tokenizer, loadable with
+    AutoModelForCausalLM.from_pretrained."""
     from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()
+    if len(paths) != (1 if initial_peers else 2):
+        raise click.UsageError("export takes CHECKPOINT OUT, or OUT with --from-swarm ADDR")
+    out = paths[-1]
+    if initial_peers:
+        from p2ptrain.config import flatten_settings, load_config, read_config_file
+        from p2ptrain.export import export_from_swarm
+        from p2ptrain.manifest import join_run
+
+        peers = split_peers(initial_peers)
+        overrides = network_overrides(kwargs)
+        if dataset:
+            overrides["data.dataset"] = dataset
+        explicit = {**(flatten_settings(read_config_file(config_path)) if config_path else {}), **overrides}
+        config, manifest = join_run(load_config(config_path, overrides), explicit, peers)
+        exported, taken = export_from_swarm(config, peers, out, manifest)
+        click.echo(f"{taken} of {exported.config.model.name!r} written to {out}: "
+                   f"AutoModelForCausalLM.from_pretrained({out!r}) loads it")
+        return
+    if dataset or config_path or any(value for value in kwargs.values()):
+        raise click.UsageError("--dataset, --config and the network options go with --from-swarm")
     from p2ptrain.export import export_checkpoint
 
-    transformers_logging.disable_progress_bar()
-    exported = export_checkpoint(checkpoint, out)
+    exported = export_checkpoint(paths[0], out)
     click.echo(f"round {exported.round} of {exported.config.model.name!r} written to {out}: "
                f"AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}) load it")
 

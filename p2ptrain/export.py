@@ -16,10 +16,13 @@ from p2ptrain.checkpoint import load_checkpoint
 from p2ptrain.config import PeerConfig, build_config
 from p2ptrain.data import ByteTokenizer, PretrainedTokenizer, build_tokenizer
 from p2ptrain.errors import CheckpointError, ConfigError, StateMismatchError, UserError, one_line
+from p2ptrain.manifest import RunManifest
 from p2ptrain.models import build_model, model_fingerprint
+from p2ptrain.peer import TrainingPeer
 from p2ptrain.tensor_layout import check_tensors, layout_of
 
 BYTE_EOS = "<|endoftext|>"  # the exported byte tokenizer's name for id 256
+SWARM_WAIT_S = 60.0  # --from-swarm: how long to wait for the run's records before saying no peer is live
 
 
 @dataclasses.dataclass
@@ -94,17 +97,46 @@ def _printable_bytes() -> dict[int, str]:
 
 def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path) -> ExportedModel:
     """Write the checkpoint's model and tokenizer to `out_dir` (absent or empty: nothing is overwritten)."""
+    out = _new_directory(out_dir)
+    exported = load_exportable(checkpoint_path)
+    _write(exported, out)
+    return exported
+
+
+def export_from_swarm(config: PeerConfig, initial_peers: list[str], out_dir: str | Path,
+                      manifest: RunManifest | None = None, wait_s: float = SWARM_WAIT_S) -> tuple[ExportedModel, str]:
+    """Write the swarm's current model to `out_dir`, taken from a live peer as a joiner takes it (downloaded,
+    corroborated by other peers' sketches, loss-checked): a peer of the run that trains nothing and leaves. Returns
+    the model and what was taken, in words."""
+    out = _new_directory(out_dir)
+    # on the CPU, reading shard 0 (it claims no data: only the validation batches are read), writing no files
+    run = dataclasses.replace(config.run, device="cpu", shard_index=0, min_peers=1, checkpoint_dir="",
+                              metrics_path="", progress=False)
+    config = dataclasses.replace(config, run=run)
+    peer = TrainingPeer(config, initial_peers, manifest=manifest)
+    try:
+        taken = peer.take_swarm_state(wait_s)
+        exported = ExportedModel(peer.model.eval(), transformers_tokenizer(peer.tokenizer), peer.state.round, config)
+        _write(exported, out)
+    finally:
+        peer.shutdown()
+    return exported, taken
+
+
+def _new_directory(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory; export writes into a new one")
-    exported = load_exportable(checkpoint_path)
+    return out
+
+
+def _write(exported: ExportedModel, out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         exported.model.save_pretrained(out)
         exported.tokenizer.save_pretrained(out)
     except OSError as e:
         raise UserError(f"cannot write the model to {out}: {one_line(e)}") from None
-    return exported
 
 
 def sample_text(exported: ExportedModel, prompt: str, new_tokens: int, temperature: float, seed: int) -> str:

@@ -41,9 +41,10 @@ from p2ptrain.net.wire import WireError
 MANIFEST_FORMAT = "p2ptrain-manifest-v1"
 SHARED_SECTIONS = ("model", "data", "inner", "outer", "sync")
 SHARED_RUN_KEYS = ("run.run_id", "run.seed")
-# each volunteer's own: what its hardware holds and how patient its link needs it to be
+# each volunteer's own: what its hardware holds and how patient its link needs it to be (not data.max_corpus_bytes:
+# it cuts the piece table, so it sets the validation set every peer's loss checks compare on)
 LOCAL_KEYS = frozenset({
-    "data.batch_size", "data.max_corpus_bytes", "inner.micro_batches", "inner.activation_checkpointing",
+    "data.batch_size", "inner.micro_batches", "inner.activation_checkpointing",
     "inner.precision", "inner.fp16_initial_scale", "outer.state_device", "sync.allreduce_timeout_s",
     "sync.exchange_safety_factor", "sync.state_download_timeout_s", "sync.adapt_inner_steps",
 })

@@ -458,6 +458,26 @@ class TrainingPeer:
     def save_checkpoint(self) -> None:
         save_peer_checkpoint(self.state, self.inner, self.config, self.fingerprint)
 
+    def take_swarm_state(self, wait_s: float) -> str:
+        """Catch up once and train nothing (`p2ptrain export --from-swarm`): wait up to `wait_s` for other peers'
+        records, then take a state as a joiner does (the same donors, downloads, witnesses and loss checks). Says
+        what was taken; a UserError when there is no live peer or no state passed the checks."""
+        deadline = time.monotonic() + wait_s
+        view = self.swarm()
+        while not view.others and time.monotonic() < deadline and not self.stop_event.is_set():
+            self.stop_event.wait(self.config.network.heartbeat_s)
+            view = self.swarm()
+        run_id = self.config.run.run_id
+        if not view.others:
+            raise UserError(f"no live peer of run {run_id!r} with this model within {wait_s:g} s: is the run on?")
+        decision = self.joiner.catch_up_(view)
+        self.state.take_(decision)
+        if decision.snapshot is not None:
+            return f"the state of round {self.state.round} from {decision.donor} ({decision.detail})"
+        if decision.member and all(r.round == 0 for r in view.others):
+            return "the swarm's initial state (it is in round 0)"
+        raise UserError(f"no peer of run {run_id!r} shared a state that passed a joiner's checks (the log says why)")
+
     # ---- shutdown -----------------------------------------------------------------------------------------------
     def stop(self) -> None:
         self.stop_event.set()

@@ -133,6 +133,12 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "export a missing checkpoint": (lambda d: ["export", str(d / "absent-ckpt"), str(d / "out")], "no checkpoint"),
     "export a corrupt checkpoint": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out")], "corrupt"),
     "sample without a prompt": (lambda d: ["sample", str(d / "other-model-ckpt")], "--prompt"),
+    "export with no OUT": (lambda d: ["export", str(d / "corrupt-ckpt")], "CHECKPOINT OUT, or OUT with --from-swarm"),
+    "export a checkpoint from a swarm": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out"), "--from-swarm",
+                                                    UNREACHABLE_PEER], "CHECKPOINT OUT, or OUT with --from-swarm"),
+    "export a checkpoint with network flags": (lambda d: ["export", str(d / "corrupt-ckpt"), str(d / "out"),
+                                                          "--loopback"], "go with --from-swarm"),
+    "bootstrap signing without a run file": (lambda d: ["bootstrap", "--sign-with", str(d / "key")], "needs --config"),
 }
 HELP_COMMANDS = [[], ["peer"], ["bootstrap"], ["status"], ["testnet"], ["export"], ["sample"]]
 # in a fresh interpreter: a flag mistake (answered before torch loads) and one that builds the config

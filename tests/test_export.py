@@ -10,13 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_utils import run_swarm, tiny_config
+from swarm_utils import PeerThread, run_swarm, start_peer, tiny_config
 from test_cli_errors import save_tiny_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
+from p2ptrain.config import load_config
 from p2ptrain.data import ByteTokenizer
 from p2ptrain.errors import CheckpointError, UserError
-from p2ptrain.export import byte_level_tokenizer, export_checkpoint, load_exportable, sample_text
+from p2ptrain.export import (
+    byte_level_tokenizer,
+    export_checkpoint,
+    export_from_swarm,
+    load_exportable,
+    sample_text,
+)
+from p2ptrain.manifest import join_run
 
 TEXTS = ["plain ascii", "héllo wörld: ünïcode", "日本語のテキスト", "tabs\tnewlines\n\x00 control \x7f", "  two spaces"]
 
@@ -109,3 +117,41 @@ def test_a_peer_without_a_checkpoint_dir_keeps_its_model_in_the_data_dir_and_it_
     with torch.no_grad():  # the exported model's validation loss is the one the peer reported last
         losses = [float(model(input_ids=b, labels=b).loss) for b in threads[0].peer.val_batches]
     assert sum(losses) / len(losses) == pytest.approx(histories[0][-1].val_loss, rel=1e-5)
+
+
+@pytest.mark.network
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_organiser_takes_the_swarms_model_from_a_live_peer_without_training(tmp_path: Path) -> None:
+    """`export --from-swarm`: two DiLoCo peers train; the export takes a state from one of them as a joiner would
+    (their manifest, a download, a witness's sketch, the loss check), writes it, and leaves. DiLoCo's peers hold
+    one state, so the model written is the parameters both had after some round, to the bit."""
+    config = tiny_config(f"from-swarm-{uuid.uuid4().hex[:6]}")  # rounds 0: until stopped
+    founder = PeerThread(start_peer(config)).start()
+    second = PeerThread(start_peer(config, founder.peer.maddrs)).start()
+    try:
+        founder.wait_for_round(3, timeout_s=180)
+        local = load_config(None, {"run.run_id": "ignored", "network.host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+                                   "network.nat_port_map": False, "network.auto_nat": False,
+                                   "network.use_relay": False})
+        joined, manifest = join_run(local, {}, founder.peer.maddrs)
+        assert manifest is not None and joined.run.run_id == config.run.run_id
+        exported, taken = export_from_swarm(joined, founder.peer.maddrs, tmp_path / "out", manifest)
+    finally:
+        for thread in (founder, second):
+            thread.peer.stop()
+            thread.join(timeout_s=120)
+            thread.peer.shutdown()
+    assert taken.startswith(f"the state of round {exported.round} from"), taken
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    written = [p for p in model.parameters() if p.requires_grad]
+    seen = [founder.params_after_round[r] for r in sorted(founder.params_after_round)]
+    assert any(all(torch.equal(a, b) for a, b in zip(written, params, strict=True)) for params in seen), taken
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == ByteTokenizer().eos_token_id
+
+
+def test_an_export_from_a_swarm_writes_into_a_new_directory_only(tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="is not an empty directory"):
+        export_from_swarm(tiny_config("x"), ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
