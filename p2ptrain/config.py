@@ -52,6 +52,7 @@ class RunConfig:
     # a peer's first round, a round that adopted a state and the last of a run with `rounds` set are evaluated
     eval_every: int = 1
     metrics_path: str = ""  # JSON lines, one per round; empty = none
+    tensorboard_dir: str = ""  # per-round scalars for TensorBoard (pip install 'p2ptrain[tensorboard]'); empty = none
     progress: bool = True  # show a progress bar
     # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
     # rounds (rank 0's sync, joins and checkpoints included) before the node stops; a dead worker is seen at once

@@ -1,4 +1,4 @@
-"""Per-round metrics: one JSON line per round in a file, and a live progress bar."""
+"""Per-round metrics: one JSON line per round in a file, scalars for TensorBoard, and a live progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from p2ptrain.errors import UserError
 
 
 @dataclasses.dataclass
@@ -48,18 +50,64 @@ class RoundMetrics:
 
 
 class MetricsLog:
-    """Appends RoundMetrics as JSON lines (flushed per line, so a crash loses at most the current round)."""
+    """Appends RoundMetrics as JSON lines (flushed per line, so a crash loses at most the current round) to `path`,
+    and as TensorBoard scalars to `tensorboard_dir`; either may be None."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None):
         self.path = Path(path) if path else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tensorboard = TensorBoardLog(tensorboard_dir) if tensorboard_dir else None
 
     def write(self, metrics: RoundMetrics) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.write(metrics)
         if self.path is None:
             return
         with open(self.path, "a") as f:
             f.write(metrics.to_json() + "\n")
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+# TensorBoard tag -> the RoundMetrics field it plots, one point per round
+TENSORBOARD_SCALARS = {
+    "loss/train": "train_loss", "loss/validation": "val_loss", "speed/tokens_per_s": "tokens_per_s",
+    "time/round_s": "round_s", "time/compute_s": "compute_s", "time/comm_blocked_s": "comm_blocked_s",
+    "network/bytes_sent": "bytes_sent", "network/bytes_received": "bytes_received",
+    "swarm/peers_averaged": "peers_averaged",
+}
+
+
+class TensorBoardLog:
+    """Each round's figures as TensorBoard scalars (step: the round), written at once so a live run can be
+    watched: `tensorboard --logdir DIR`. The validation loss is written for rounds that measured it only."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("run.tensorboard_dir (--tensorboard) needs TensorBoard: pip install 'p2ptrain[tensorboard]'"
+                            ) from None
+        try:
+            self.writer = SummaryWriter(log_dir=str(directory))
+        except OSError as e:
+            raise UserError(f"cannot write TensorBoard logs to {str(directory)!r}: {e.strerror or e}") from None
+
+    def write(self, metrics: RoundMetrics) -> None:
+        for tag, field in TENSORBOARD_SCALARS.items():
+            if field == "val_loss" and not metrics.evaluated:
+                continue
+            self.writer.add_scalar(tag, float(getattr(metrics, field)), metrics.round, walltime=metrics.time)
+        if metrics.round_s > 0:
+            self.writer.add_scalar("time/compute_utilisation", metrics.compute_s / metrics.round_s, metrics.round,
+                                   walltime=metrics.time)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

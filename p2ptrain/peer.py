@@ -120,6 +120,8 @@ class TrainingPeer:
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
         self._sync_view: tuple[float, SwarmView | None] = (-math.inf, None)  # (when read, the view) at the last sync
+        # before the network: a TensorBoard directory that cannot be written stops the peer in one line, at once
+        self.metrics_log = MetricsLog(config.run.metrics_path or None, config.run.tensorboard_dir or None)
         checkpoint = load_peer_checkpoint(config, self.fingerprint, self.named_params, self.outer,
                                           self.inner) if resume else None
         self._start_network(initial_peers, start_round=checkpoint.round if checkpoint is not None else 0)
@@ -137,7 +139,6 @@ class TrainingPeer:
         self.batches = node_batches(config, self.data, shard)
         self.node.broadcast_object(NodeStart(shard, self.inner.state_dict() if checkpoint is not None else None))
         self.val_batches: list[torch.Tensor] = self.data.validation_batches()
-        self.metrics_log = MetricsLog(config.run.metrics_path or None)
         self.round_callbacks: list[Callable[[TrainingPeer, RoundMetrics], None]] = []  # called after each round
 
     # ---- network set-up -------------------------------------------------------------------------------------
@@ -483,9 +484,9 @@ class TrainingPeer:
         self.stop_event.set()
 
     def shutdown(self) -> None:
-        closers = (self.announcer.leave, lambda: self.services.stop(self.loop), self.watcher.stop, self.sync.shutdown,
-                   lambda: self.loop.run(self.p2p.shutdown(), timeout=10), self.loop.stop, self.dht.shutdown,
-                   self.node.close)
+        closers = (self.metrics_log.close, self.announcer.leave, lambda: self.services.stop(self.loop),
+                   self.watcher.stop, self.sync.shutdown, lambda: self.loop.run(self.p2p.shutdown(), timeout=10),
+                   self.loop.stop, self.dht.shutdown, self.node.close)
         for close in closers:
             try:
                 close()
