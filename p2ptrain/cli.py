@@ -94,21 +94,39 @@ def peer(**kwargs: Any) -> None:
 @click.option("--watch", "every_s", type=click.FloatRange(min=0.5), default=None,
               help="Refresh every this many seconds over one connection, until Ctrl-C.")
 @click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many.")
+@click.option("--serve", "serve_port", type=click.IntRange(0, 65535), default=None,
+              help="Serve a live web page of the run on this port (0: any free one) until Ctrl-C.")
+@click.option("--serve-host", default="127.0.0.1", show_default=True,
+              help="With --serve: the address to listen on (0.0.0.0 shows the page to other machines).")
 @network_options
 def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, every_s: float | None,
-           count: int | None, **kwargs: Any) -> None:
-    """Print the run's live peers: round, phase, losses, tokens/s, reach, bans."""
+           count: int | None, serve_port: int | None, serve_host: str, **kwargs: Any) -> None:
+    """Print the run's live peers: round, phase, losses, tokens/s, reach, bans (or serve them as a web page)."""
     from p2ptrain.config import load_config
     from p2ptrain.status import print_status
 
     if count is not None and every_s is None:
         raise click.UsageError("--count needs --watch")
+    if serve_port is not None and (as_json or count is not None):
+        raise click.UsageError("--serve shows the page: it takes neither --json nor --count")
     overrides = network_overrides(kwargs)
     overrides["network.client_mode"] = True
     if run_id:
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
     stop = threading.Event()
+    if serve_port is not None:
+        from p2ptrain.status_page import StatusPage
+
+        page = StatusPage(config, split_peers(initial_peers), serve_host, serve_port, every_s or 5.0)
+        install_stop_handlers(stop.set)
+        click.echo(f"Status page of run {config.run.run_id!r}: {page.url} (Ctrl-C stops it)")
+        sys.stdout.flush()
+        try:
+            stop.wait()
+        finally:
+            page.stop()
+        return
     if every_s is not None:  # Ctrl-C ends the watch after the refresh in progress
         install_stop_handlers(stop.set)
     print_status(config, split_peers(initial_peers), as_json, every_s, count, stop)

@@ -387,7 +387,8 @@ class TrainingPeer:
             evaluated=evaluated)
         self.metrics_log.write(metrics)
         self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.state.synced,
-                              bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers))
+                              bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers),
+                              bytes_sent=bytes_sent, bytes_received=bytes_received)
         return metrics
 
     def _count_from(self, round_: int) -> None:

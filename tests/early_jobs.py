@@ -114,5 +114,11 @@ def start_wanted(jobs: list[EarlyJob], items: list[pytest.Item]) -> None:
             job.start()
 
 
+# Debian's Chromium, for the status page's browser test (root: apt-get; ~20 s where the package lists are fresh)
+BROWSER_INSTALL = ("command -v chromium >/dev/null || { export DEBIAN_FRONTEND=noninteractive; "
+                   "apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium || "
+                   "{ apt-get -o DPkg::Lock::Timeout=600 update -qq && "
+                   "apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium; }; }")
+BROWSER = EarlyJob("chromium", [("install", ["sh", "-c", BROWSER_INSTALL])], reader="chromium", timeout_s=900)
 TYPE_CHECK = EarlyJob("mypy", [("check", [sys.executable, "-m", "mypy", "p2ptrain"])], reader="type_check",
                       timeout_s=900)

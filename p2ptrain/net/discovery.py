@@ -65,6 +65,9 @@ class PeerRecord(BaseModel):
     synced: StrictBool = True  # its last averaging group held every peer it expected
     updated: StrictFloat = 0.0  # DHT time of this heartbeat
     banned: conint(ge=0, le=10**6, strict=True) = 0  # type: ignore[valid-type]  # peers it bans now (reputation)
+    # bytes its latest round sent and received (measured on its streams): what `status` and its web page show
+    bytes_sent: conint(ge=0, le=10**13, strict=True) = 0  # type: ignore[valid-type]
+    bytes_received: conint(ge=0, le=10**13, strict=True) = 0  # type: ignore[valid-type]
     # how others reach it (net/reachability.py): "" not known yet, direct, relay (through relay_via), outbound only
     reach: constr(regex=r"^(|direct|relay|outbound)$", strict=True) = ""  # type: ignore[valid-type]
     relay_via: constr(max_length=64, regex=BASE58, strict=True) = ""  # type: ignore[valid-type]  # its relay's id
