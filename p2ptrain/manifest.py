@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from p2ptrain.net.admission import (
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 from p2ptrain.net.run_manifest import fetch_manifest
 from p2ptrain.net.wire import WireError
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "p2ptrain-manifest-v1"
 SHARED_SECTIONS = ("model", "data", "inner", "outer", "sync")
@@ -184,9 +187,13 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
         answer = fetch_manifest(config.network, initial_peers)
     except WireError as e:
         raise UserError(f"{one_line(e, 200)}; ask the organiser for another address to join") from None
-    if answer is None or answer[1] is None:
+    if answer is None:
         return config, None
     source = f"peer {answer[0]}"
+    if answer[1] is None:
+        logger.info(f"{source} serves no run manifest (a bootstrap started without the run file): training run "
+                    f"{config.run.run_id!r} with this config")
+        return config, None
     manifest = RunManifest.from_document(answer[1], source)
     if config.network.admission == "signed":
         check_signature(manifest, config.network.organiser_key, source)
