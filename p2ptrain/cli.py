@@ -89,7 +89,8 @@ def peer(**kwargs: Any) -> None:
 
 @cli.command()
 @click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any live peer or bootstrap.")
-@click.option("--run-id", default=None, help="Run id to list (default from config).")
+@click.option("--run-id", default=None, help="Run id to list (default: the run the address serves, from its "
+                                             "manifest).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (a line) per refresh instead of a table.")
 @click.option("--watch", "every_s", type=click.FloatRange(min=0.5), default=None,
               help="Refresh every this many seconds over one connection, until Ctrl-C.")
@@ -114,6 +115,13 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, ev
     if run_id:
         overrides["run.run_id"] = run_id
     config = load_config(None, overrides)
+    if not run_id:  # the run the address serves, as its join line names no run id
+        from p2ptrain.manifest import served_run_id
+        from p2ptrain.net.admission import Admission
+
+        Admission.from_config(config.network, config.run.run_id)  # a bad key file fails before any network I/O
+        served = served_run_id(config, split_peers(initial_peers))
+        config = load_config(None, {**overrides, "run.run_id": served}) if served else config
     stop = threading.Event()
     if serve_port is not None:
         from p2ptrain.status_page import StatusPage

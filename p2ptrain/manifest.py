@@ -200,6 +200,17 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
     return join_config(manifest, explicit, config, source), manifest
 
 
+def served_run_id(config: PeerConfig, initial_peers: list[str]) -> str | None:
+    """The id of the run the initial peers serve a manifest of (for `status`, which trains nothing); None if none."""
+    try:
+        answer = fetch_manifest(config.network, initial_peers)
+    except WireError as e:
+        raise UserError(f"{one_line(e, 200)}; pass --run-id") from None
+    if answer is None or answer[1] is None:
+        return None
+    return RunManifest.from_document(answer[1], f"peer {answer[0]}").run_id
+
+
 def check_signature(manifest: RunManifest, organiser_key_path: str, source: str) -> None:
     """Refuse, in a signed run, a manifest the organiser did not sign."""
     if not verify_manifest(load_organiser_key(organiser_key_path), manifest.signed_bytes(), manifest.signature):

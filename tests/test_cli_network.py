@@ -224,7 +224,7 @@ def test_a_bootstrap_started_with_the_run_file_hands_volunteers_the_run(tmp_path
     """`bootstrap --config`: its join line needs no run id, and a volunteer joining through it gets the run; in a
     signed run (`--sign-with`) only with the organiser's signature under the volunteer's organiser key."""
     from p2ptrain.errors import UserError
-    from p2ptrain.manifest import join_run
+    from p2ptrain.manifest import join_run, served_run_id
     from p2ptrain.net.admission import generate_organiser_key
 
     private, public = generate_organiser_key(tmp_path / "organiser.key")
@@ -244,6 +244,7 @@ def test_a_bootstrap_started_with_the_run_file_hands_volunteers_the_run(tmp_path
         assert manifest is not None and manifest.run_id == "boot-run" and manifest.signature
         assert (config.run.run_id, config.model.name, config.sync.mode, config.data.batch_size) == \
             ("boot-run", "tiny", "factored", 2)
+        assert served_run_id(load_config(None, signed), [address]) == "boot-run"  # what `status` lists by default
         fooled = {**signed, "network.organiser_key": str(stranger)}  # a volunteer handed another run's key
         with pytest.raises(UserError, match="is not signed by the organiser key"):
             join_run(load_config(None, fooled), fooled, [address])
