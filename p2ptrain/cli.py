@@ -193,7 +193,7 @@ def export(paths: tuple[str, ...], initial_peers: tuple[str, ...], config_path: 
         raise click.UsageError("export takes CHECKPOINT OUT, or OUT with --from-swarm ADDR")
     out = paths[-1]
     if initial_peers:
-        from p2ptrain.config import flatten_settings, load_config, read_config_file
+        from p2ptrain.config import explicit_settings, load_config
         from p2ptrain.export import export_from_swarm
         from p2ptrain.manifest import join_run
 
@@ -201,8 +201,8 @@ def export(paths: tuple[str, ...], initial_peers: tuple[str, ...], config_path: 
         overrides = network_overrides(kwargs)
         if dataset:
             overrides["data.dataset"] = dataset
-        explicit = {**(flatten_settings(read_config_file(config_path)) if config_path else {}), **overrides}
-        config, manifest = join_run(load_config(config_path, overrides), explicit, peers)
+        config, manifest = join_run(load_config(config_path, overrides), explicit_settings(config_path, overrides),
+                                    peers)
         exported, taken = export_from_swarm(config, peers, out, manifest)
         click.echo(f"{taken} of {exported.config.model.name!r} written to {out}: "
                    f"AutoModelForCausalLM.from_pretrained({out!r}) loads it")

@@ -170,6 +170,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return build_config(values)
 
 
+def explicit_settings(path: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The dotted settings a config file and the flags set (what a run's manifest may not fill in)."""
+    return {**(flatten_settings(read_config_file(path)) if path else {}), **overrides}
+
+
 def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
     *sections, key = dotted_key.split(".")
     node = values

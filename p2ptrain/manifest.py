@@ -9,8 +9,8 @@ size, micro-batches, precision, timeouts, checkpoints, the network) stays each v
 A peer started with `--initial-peers` asks the first of them for its manifest (net/run_manifest.py) and trains
 exactly the run it describes: its own config may add local settings and may repeat a shared one, but a shared one
 it contradicts is refused in one line. A manifest cannot choose files on the volunteer's machine: a dataset,
-model or tokenizer that is a local path must be named by the volunteer (`--dataset`, `--model`, the config), and
-must then be the same path. A manifest is a stranger's input: its shape, size and every setting are validated
+model or tokenizer that is a local path is taken from the volunteer (`--dataset`, `--model`, the config: its own
+copy, at its own path). A manifest is a stranger's input: its shape, size and every setting are validated
 (the config's own checks) before anything is built from it.
 """
 
@@ -172,7 +172,9 @@ def join_config(manifest: RunManifest, explicit: dict[str, Any], local: PeerConf
     if conflicts:
         raise UserError(f"your settings contradict run {manifest.run_id!r} (from {source}): {'; '.join(conflicts[:3])}"
                         f"; a run's model, data and sync settings are its organiser's: drop them from your config")
-    for key in sorted(own_copies - set(explicit)):
+    unnamed = sorted(own_copies - set(explicit))
+    if unnamed:
+        key = unnamed[0]
         raise UserError(f"run {manifest.run_id!r} reads {key} {manifest.settings[key]!r}, a path on the organiser's "
                         f"machine: name your copy with {PATH_KEYS[key]} (a run cannot choose files on yours)")
     values = nest_settings({**built, **{k: v for k, v in manifest.settings.items() if k not in explicit}})
@@ -183,32 +185,37 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
              initial_peers: list[str]) -> tuple[PeerConfig, RunManifest | None]:
     """The config to train with and the manifest it follows: asked of the initial peers (the first that answers);
     `config` as it is where none of them serves a manifest (a bootstrap started without the run's config)."""
-    try:
-        answer = fetch_manifest(config.network, initial_peers)
-    except WireError as e:
-        raise UserError(f"{one_line(e, 200)}; ask the organiser for another address to join") from None
-    if answer is None:
+    served = served_manifest(config, initial_peers, "ask the organiser for another address to join")
+    if served is None:
         return config, None
-    source = f"peer {answer[0]}"
-    if answer[1] is None:
+    source, manifest = served
+    if manifest is None:
         logger.info(f"{source} serves no run manifest (a bootstrap started without the run file): training run "
                     f"{config.run.run_id!r} with this config")
         return config, None
-    manifest = RunManifest.from_document(answer[1], source)
     if config.network.admission == "signed":
         check_signature(manifest, config.network.organiser_key, source)
     return join_config(manifest, explicit, config, source), manifest
 
 
-def served_run_id(config: PeerConfig, initial_peers: list[str]) -> str | None:
-    """The id of the run the initial peers serve a manifest of (for `status`, which trains nothing); None if none."""
+def served_manifest(config: PeerConfig, initial_peers: list[str],
+                    advice: str) -> tuple[str, RunManifest | None] | None:
+    """(which peer answered, the manifest it serves or None), checked; None when no initial peer answered. A peer
+    that answers nonsense is a one-line UserError ending with `advice`."""
     try:
         answer = fetch_manifest(config.network, initial_peers)
     except WireError as e:
-        raise UserError(f"{one_line(e, 200)}; pass --run-id") from None
-    if answer is None or answer[1] is None:
+        raise UserError(f"{one_line(e, 200)}; {advice}") from None
+    if answer is None:
         return None
-    return RunManifest.from_document(answer[1], f"peer {answer[0]}").run_id
+    source = f"peer {answer[0]}"
+    return source, None if answer[1] is None else RunManifest.from_document(answer[1], source)
+
+
+def served_run_id(config: PeerConfig, initial_peers: list[str]) -> str | None:
+    """The id of the run the initial peers serve a manifest of (for `status`, which trains nothing); None if none."""
+    served = served_manifest(config, initial_peers, "pass --run-id")
+    return served[1].run_id if served is not None and served[1] is not None else None
 
 
 def check_signature(manifest: RunManifest, organiser_key_path: str, source: str) -> None:

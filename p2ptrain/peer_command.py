@@ -181,7 +181,7 @@ class PeerRequest:
 
 def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     """The peer's config from its options (`peer_options`); a malformed multiaddr fails here, before start-up."""
-    from p2ptrain.config import flatten_settings, load_config, read_config_file
+    from p2ptrain.config import explicit_settings, load_config
     from p2ptrain.net.dht import parse_maddr
 
     peers = split_peers(kwargs.pop("initial_peers"))
@@ -196,8 +196,7 @@ def peer_request(kwargs: dict[str, Any]) -> PeerRequest:
     if kwargs["serve_relay"]:
         overrides["network.relay"] = True
     config = load_config(kwargs["config_path"], overrides)
-    explicit = {**flatten_settings(read_config_file(kwargs["config_path"])), **overrides} if kwargs["config_path"] \
-        else dict(overrides)
+    explicit = explicit_settings(kwargs["config_path"], overrides)
     return PeerRequest(config, explicit, peers, kwargs["resume"], kwargs["workers"], kwargs["show_plan"])
 
 

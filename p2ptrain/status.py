@@ -47,28 +47,49 @@ def status_document(run_id: str, signed: bool, records: Sequence[PeerRecord], no
     return {"run_id": run_id, "signed": signed, "time": now, "live_peers": len(records), "peers": peers}
 
 
+class RunReader:
+    """A client DHT node that reads a run's live records (in a signed run, only those with a valid ticket)."""
+
+    def __init__(self, config: PeerConfig, initial_peers: Sequence[str]):
+        self.run_id, self.ttl_s = config.run.run_id, config.network.record_ttl_s
+        self.admission = Admission.from_config(config.network, self.run_id)  # a bad key file fails before joining
+        self.dht = start_dht(config.network, initial_peers)
+        try:
+            add_record_validators(self.dht, self.run_id, self.ttl_s, self.admission)
+        except BaseException:
+            self.dht.shutdown()
+            raise
+
+    def read(self) -> tuple[list[PeerRecord], float]:
+        """The live records and the DHT time they were read at."""
+        return present(fetch_peers(self.dht, self.run_id, self.ttl_s, admission=self.admission)), get_dht_time()
+
+    def document(self, records: Sequence[PeerRecord], now: float) -> dict[str, Any]:
+        return status_document(self.run_id, self.admission.signed, records, now)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
 def print_status(config: PeerConfig, initial_peers: Sequence[str], as_json: bool = False,
                  every_s: float | None = None, count: int | None = None,
                  stop: threading.Event | None = None) -> list[PeerRecord]:
     """Join as a client and print the live peers (a table, or one JSON document a line): once, or every `every_s`
     seconds over the same connection until `count` refreshes or `stop`. In a signed run only peers with a valid
     ticket are listed. Returns the last refresh's records."""
-    admission = Admission.from_config(config.network, config.run.run_id)  # a bad key file fails before joining
-    dht = start_dht(config.network, initial_peers)
+    reader = RunReader(config, initial_peers)
     stop = stop or threading.Event()
     records: list[PeerRecord] = []
     try:
-        add_record_validators(dht, config.run.run_id, config.network.record_ttl_s, admission)
         refreshes = 0
         while True:
             started = time.monotonic()
-            records = present(fetch_peers(dht, config.run.run_id, config.network.record_ttl_s, admission=admission))
-            now = get_dht_time()
+            records, now = reader.read()
             if as_json:
-                click.echo(json.dumps(status_document(config.run.run_id, admission.signed, records, now)))
+                click.echo(json.dumps(reader.document(records, now)))
             else:
                 stamp = f" at {time.strftime('%H:%M:%S')}" if every_s else ""
-                click.echo(f"run {config.run.run_id!r}{' (signed)' if admission.signed else ''}{stamp}:")
+                click.echo(f"run {config.run.run_id!r}{' (signed)' if reader.admission.signed else ''}{stamp}:")
                 click.echo(format_status_table(records, now))
             refreshes += 1
             if every_s is None or (count is not None and refreshes >= count):
@@ -76,4 +97,4 @@ def print_status(config: PeerConfig, initial_peers: Sequence[str], as_json: bool
             if stop.wait(max(0.0, every_s - (time.monotonic() - started))):
                 return records
     finally:
-        dht.shutdown()
+        reader.close()

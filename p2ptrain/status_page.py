@@ -22,10 +22,8 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import UserError
-from p2ptrain.net.admission import Admission
-from p2ptrain.net.dht import start_dht
-from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers, present
-from p2ptrain.status import status_document
+from p2ptrain.net.discovery import PeerRecord
+from p2ptrain.status import RunReader
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +62,8 @@ class StatusPage:
 
     def __init__(self, config: PeerConfig, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
                  every_s: float = 5.0):
-        self.config, self.every_s = config, every_s
-        self.admission = Admission.from_config(config.network, config.run.run_id)
+        self.every_s = every_s
         self.history = StatusHistory()
-        self.latest: dict[str, Any] = status_document(config.run.run_id, self.admission.signed, [], get_dht_time())
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         try:
@@ -76,28 +72,26 @@ class StatusPage:
             raise UserError(f"cannot serve the status page on {host}:{port}: {e.strerror or e}") from None
         self.url = f"http://{host}:{self.server.server_address[1]}/"
         try:
-            self.dht = start_dht(config.network, initial_peers)
-            add_record_validators(self.dht, config.run.run_id, config.network.record_ttl_s, self.admission)
+            self.reader = RunReader(config, initial_peers)
         except BaseException:
             self.server.server_close()
             raise
+        self.latest: dict[str, Any] = self.reader.document([], get_dht_time())
         self.threads = [threading.Thread(target=self._read_run, name="status-reader", daemon=True),
                         threading.Thread(target=self.server.serve_forever, name="status-server", daemon=True)]
         for thread in self.threads:
             thread.start()
 
     def _read_run(self) -> None:
-        run_id, ttl_s = self.config.run.run_id, self.config.network.record_ttl_s
         while not self.stopped.is_set():
             try:
-                records = present(fetch_peers(self.dht, run_id, ttl_s, admission=self.admission))
+                records, now = self.reader.read()
             except Exception as e:  # a DHT hiccup: the page keeps the last read and says when it was
                 logger.warning(f"status page: reading the run failed ({e!r}); trying again")
             else:
-                now = get_dht_time()
                 with self.lock:
                     self.history.add(records, now)
-                    self.latest = status_document(run_id, self.admission.signed, records, now)
+                    self.latest = self.reader.document(records, now)
             self.stopped.wait(self.every_s)
 
     def document(self) -> dict[str, Any]:
@@ -111,7 +105,7 @@ class StatusPage:
         self.server.server_close()
         for thread in self.threads:
             thread.join(timeout=30)
-        self.dht.shutdown()
+        self.reader.close()
 
 
 def _handler(page: StatusPage) -> type[http.server.BaseHTTPRequestHandler]:
