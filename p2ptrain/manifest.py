@@ -35,6 +35,7 @@ from p2ptrain.net.admission import (
     sign_manifest,
     verify_manifest,
 )
+from p2ptrain.net.dht import is_loopback
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 from p2ptrain.net.run_manifest import fetch_manifest
 from p2ptrain.net.wire import WireError
@@ -234,7 +235,7 @@ def join_command(config: PeerConfig, maddr: str) -> str:
         if names_a_local_file(key, settings[key]):
             path = Path(settings[key]).expanduser()
             words += [flag, str(path.resolve()) if path.exists() else str(path)]
-    if maddr.startswith(("/ip4/127.", "/ip6/::1/")):
+    if is_loopback(maddr):
         words.append("--loopback")
     return " ".join(words)
 

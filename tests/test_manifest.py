@@ -30,6 +30,7 @@ from p2ptrain.models import build_model
 from p2ptrain.net.admission import generate_organiser_key, load_signing_key, sign_ticket
 from p2ptrain.net.discovery import PROTOCOL_VERSION
 
+PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 RUN = {"run.run_id": "myrun", "model.name": "tiny", "sync.mode": "gasloc", "inner.steps": 7}
 
 
@@ -86,9 +87,10 @@ def test_a_local_path_in_the_manifest_is_read_only_where_the_volunteer_names_its
         volunteer(manifest)
     copy_path = tmp_path / "mine.jsonl"
     assert volunteer(manifest, **{"data.dataset": str(copy_path)}).data.dataset == str(copy_path)
-    line = join_command(organiser(**{"data.dataset": str(corpus)}), "/ip4/127.0.0.1/tcp/1/p2p/Q")
-    assert line == f"p2ptrain peer --initial-peers /ip4/127.0.0.1/tcp/1/p2p/Q --dataset {corpus} --loopback"
-    remote = "/ip4/10.0.0.2/tcp/1/p2p/Q"
+    local = f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}"  # a peer id of the real form: join_command parses the address
+    line = join_command(organiser(**{"data.dataset": str(corpus)}), local)
+    assert line == f"p2ptrain peer --initial-peers {local} --dataset {corpus} --loopback"
+    remote = f"/ip4/10.0.0.2/tcp/1/p2p/{PEER_ID}"
     assert join_command(organiser(), remote) == f"p2ptrain peer --initial-peers {remote}"
 
 

@@ -97,6 +97,16 @@ def parse_maddr(text: str) -> Multiaddr:
             from None
 
 
+def peer_id_of(maddr: str) -> str:
+    """The peer id a multiaddr ends with (`/p2p/<id>`)."""
+    return str(parse_maddr(maddr)).rsplit("/p2p/", 1)[-1]
+
+
+def is_loopback(maddr: str) -> bool:
+    """Whether a multiaddr is on this machine's loopback interface."""
+    return str(parse_maddr(maddr)).startswith(("/ip4/127.", "/ip6/::1/"))
+
+
 class SwarmDHT(DiesWithStarter, hivemind.DHT):
     """hivemind's DHT node, plus the identity key it runs under: the key that signs this peer's records. Its process
     (and p2pd) ends with the peer's, however the peer ends (net/lifetime.py)."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 
-from p2ptrain.net.dht import NetworkConfig, parse_maddr
+from p2ptrain.net.dht import NetworkConfig, is_loopback, peer_id_of
 from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.routes import DIRECT, OUTBOUND, RELAYED, Presence
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata
@@ -133,7 +133,7 @@ def reachable_before_joining(config: NetworkConfig, initial_peers: Sequence[str]
     a throwaway daemon on `config.host_maddrs` asks the initial peers to dial it back (about a second). A peer nobody
     can reach runs its DHT node as a client: others then never try (and wait 3 s for) connections it cannot take.
     None where nothing was asked (no initial peers, loopback only, `check_reachability` off) or nobody answered."""
-    loopback = all(str(parse_maddr(m)).startswith(("/ip4/127.", "/ip6/::1/")) for m in config.host_maddrs)
+    loopback = all(is_loopback(m) for m in config.host_maddrs)
     if not initial_peers or loopback or not config.check_reachability:
         return None
     return asyncio.run(_ask_as_a_stranger(config, initial_peers))
@@ -146,7 +146,7 @@ async def _ask_as_a_stranger(config: NetworkConfig, initial_peers: Sequence[str]
     try:
         ports = [int(str(m).split("/tcp/")[1].split("/")[0]) for m in await p2p.get_visible_maddrs()
                  if "/tcp/" in str(m)]
-        for helper in (str(parse_maddr(m)).rsplit("/p2p/", 1)[-1] for m in initial_peers):
+        for helper in (peer_id_of(m) for m in initial_peers):
             with contextlib.suppress(Exception):  # refused, P2P errors, timeouts: the next initial peer
                 return bool((await ask_dial_back(p2p, helper, NAMESPACE, ports))[1])
         return None

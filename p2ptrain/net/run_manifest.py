@@ -14,7 +14,7 @@ from typing import Any
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 
-from p2ptrain.net.dht import NetworkConfig, parse_maddr
+from p2ptrain.net.dht import NetworkConfig, is_loopback, peer_id_of
 from p2ptrain.net.responder_limits import RateLimit
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata
 from p2ptrain.timing import PATIENCE_S
@@ -69,8 +69,7 @@ def fetch_manifest(config: NetworkConfig, initial_peers: Sequence[str]) -> tuple
 
 
 async def _ask(config: NetworkConfig, initial_peers: Sequence[str]) -> tuple[str, dict[str, Any] | None] | None:
-    loopback = all(str(parse_maddr(m)).startswith(("/ip4/127.", "/ip6/::1/")) for m in initial_peers)
-    host_maddrs = ["/ip4/127.0.0.1/tcp/0"] if loopback else ["/ip4/0.0.0.0/tcp/0"]
+    host_maddrs = ["/ip4/127.0.0.1/tcp/0"] if all(is_loopback(m) for m in initial_peers) else ["/ip4/0.0.0.0/tcp/0"]
     try:
         p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=host_maddrs, nat_port_map=False,
                                auto_nat=False, use_relay=config.use_relay, startup_timeout=config.startup_timeout_s)
@@ -79,7 +78,7 @@ async def _ask(config: NetworkConfig, initial_peers: Sequence[str]) -> tuple[str
         return None
     try:
         for maddr in initial_peers:
-            peer_id = str(parse_maddr(maddr)).rsplit("/p2p/", 1)[-1]
+            peer_id = peer_id_of(maddr)
             try:
                 return peer_id, await request_manifest(p2p, peer_id)
             except WireError:

@@ -14,7 +14,7 @@ from hivemind.p2p import P2P
 
 from p2ptrain.net import reachability, relay
 from p2ptrain.net.admission import Admission
-from p2ptrain.net.dht import NetworkConfig, parse_maddr
+from p2ptrain.net.dht import NetworkConfig, peer_id_of
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.presence import PresenceAgent
 from p2ptrain.net.reachability import DialBackServer
@@ -62,10 +62,6 @@ class NodeServices:
                 self.presence_task.result(timeout=SETUP_FLOOR_S)
             except Exception:  # a failed test or a cancelled task: nothing left to stop
                 logger.debug("presence agent ended with an error", exc_info=True)
-
-
-def peer_id_of(maddr: str) -> str:
-    return str(parse_maddr(maddr)).rsplit("/p2p/", 1)[-1]
 
 
 def start_services(p2p: P2P, loop: BackgroundLoop, config: NetworkConfig,
