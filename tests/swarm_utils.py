@@ -111,7 +111,10 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 def run_swarm(
     config: PeerConfig, peers: int, timeout_s: float = 300
 ) -> tuple[list[PeerThread], list[list[RoundMetrics]]]:
-    """Start `peers` peers (the first founds the swarm), run them to `config.run.rounds`, shut them down."""
+    """Start `peers` peers (the first founds the swarm), run them to `config.run.rounds`, shut them down. They begin
+    round 0 together (`run.min_peers`): a peer that ran its first rounds alone on a loaded machine is another test."""
+    if config.run.min_peers == 1:
+        config = replace_section(config, "run", min_peers=peers)
     first = start_peer(config)
     return run_peers([first] + [start_peer(config, first.maddrs) for _ in range(peers - 1)], timeout_s)
 

@@ -170,20 +170,21 @@ def test_down_leaves_no_container_network_or_volume(swarm: Compose) -> None:
 
 
 def test_docker_backend_passes_the_churn_scenario_as_netns_does(images: str, tmp_path: Path) -> None:
-    # The scenario file with its churn clock 1.6x as fast, for 62 s instead of 300: the same victims at 1/1.6 of the
-    # times (churn_events divides each seeded gap by the rate). Churn kills peer0 and peer2 at 21 and 27 s,
-    # restarts them at 34 and 39 s (a restart needs ~15 s to log its first round in a container on 2 busy cores),
-    # kills peer3 at 54 s.
+    # The scenario file with its churn clock 1.6x as fast, for 72 s instead of 300: the same victims at 1/1.6 of the
+    # times (churn_events divides each seeded gap by the rate). Churn kills peer0 and peer2 at 21 and 27 s and
+    # restarts them at 34 and 39 s; it stops at 50 s, so the last 22 s are calm, as the file's last minute is. A
+    # restart needs ~15 s to log its first round in a container on 2 busy cores: in a CI run of 62 s, peer2 logged
+    # none in the 22 s it had left, and a kill at 54 s with its restart at 66 s left that one no time.
     spec = yaml.safe_load((REPO_ROOT / "testnet" / "scenarios" / "churn.yaml").read_text())
     churn, rate = spec["churn"], 1.6
     spec["churn"] = {**churn, "kills_per_min": churn["kills_per_min"] * rate, "start_s": churn["start_s"] / rate,
-                     "down_s": churn["down_s"] / rate, "stop_s": churn["stop_s"] / rate}
+                     "down_s": churn["down_s"] / rate, "stop_s": 50.0}
     scenario = tmp_path / "churn.yaml"
     scenario.write_text(yaml.safe_dump(spec))
     results = {}
     for backend in ("docker", "netns"):
         workdir = tmp_path / backend
-        options = ScenarioOptions(scenario_path=str(scenario), duration_s=62, workdir=str(workdir), timeout_s=300,
+        options = ScenarioOptions(scenario_path=str(scenario), duration_s=72, workdir=str(workdir), timeout_s=300,
                                   name_prefix=f"ch{backend[0]}{os.getpid() % 10000}")
         ok = (run_docker_testnet(options, PEER_IMAGE, BOOTSTRAP_IMAGE) if backend == "docker"
               else run_netns_testnet(options))
@@ -192,7 +193,7 @@ def test_docker_backend_passes_the_churn_scenario_as_netns_does(images: str, tmp
         assert ok and report["passed"], (backend, [c for c in report["checks"] if not c["passed"]])
         fired = [(e["description"], e["ok"]) for e in report["events"]]
         assert fired == [("kill peer0", True), ("kill peer2", True), ("restart peer0", True),
-                         ("restart peer2", True), ("kill peer3", True)], (backend, fired)
+                         ("restart peer2", True)], (backend, fired)
         for peer in ("peer0", "peer2"):
             lives = report["peers"][peer]["lives"]
             assert [life["end_reason"] for life in lives] == ["killed", "stopped_at_end"], (backend, peer, lives)

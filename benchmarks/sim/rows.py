@@ -50,7 +50,7 @@ class Settings:
             raise ConfigError(f"unknown section {sorted(unknown)[0]!r}: use {', '.join(SECTIONS)}")
 
 
-QUICK = dict(rounds=4, inner_steps=3, seq_len=16, batch_size=2, val_batches=2, max_corpus_bytes=400_000,
+QUICK = dict(rounds=4, inner_steps=2, seq_len=16, batch_size=2, val_batches=2, max_corpus_bytes=400_000,
              max_rounds_factor=2.0)
 # the algorithm benchmark's full run: >= 1M parameters, 50 rounds, 3 seeds (issue 12)
 FULL = dict(model="bench-1m", rounds=50, inner_steps=10, batch_size=4, seeds=3)
