@@ -6,12 +6,14 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from p2ptrain.errors import ConfigError, UserError, one_line
+
+if TYPE_CHECKING:  # transformers takes ~4 s to import: only building a model needs it, not `status` or a config
+    from transformers import LlamaConfig, PreTrainedModel
 
 # Llama-family shapes. `tiny` keeps tests fast on 2 CPU cores; `small` is the demo's default.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -40,6 +42,8 @@ class ModelConfig:
 
 def build_model(config: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
     """Build the model with weights seeded by `seed`, so that every peer of a run starts from the same θ_0."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
     torch.manual_seed(seed)
     if config.name in PRESETS:
         model: PreTrainedModel = LlamaForCausalLM(_preset_config(config, vocab_size))
@@ -55,6 +59,8 @@ def build_model(config: ModelConfig, vocab_size: int, seed: int) -> PreTrainedMo
 
 
 def _preset_config(config: ModelConfig, vocab_size: int) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     shape = PRESETS[config.name]
     return LlamaConfig(
         vocab_size=vocab_size,
