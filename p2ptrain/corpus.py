@@ -13,6 +13,7 @@ piece's edge cuts a document in two).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -33,6 +34,8 @@ SUPPORTED_SUFFIXES = (*LINE_SUFFIXES, *WHOLE_FILE_SUFFIXES, PARQUET_SUFFIX)
 MIN_PIECE_BYTES = 16 * 1024  # below this a piece is mostly per-piece overhead (a DHT claim, a shuffle)
 MAX_PIECES = 65_536  # pieces of one run: bounds the claim keys (net/data_claims.py) and the table
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+DIGEST_SAMPLED_FILES = 1024  # corpus_digest reads windows of this many files at most (spread over the list)
+DIGEST_WINDOW_BYTES = 16 * 1024  # ... each file's first, middle and last window of the bytes its pieces read
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,34 @@ def piece_table(source: CorpusSource) -> list[Piece]:
     if not pieces:
         raise UserError(f"dataset {source.dataset!r} holds no text; point data.dataset at text files")
     return pieces
+
+
+def corpus_digest(source: CorpusSource) -> str:
+    """What identifies this copy of the dataset's text, "" for a hub dataset (the hub names it). Two copies with one
+    digest have one piece table (files by their path under the dataset, byte ranges, sizes), so a piece index means
+    the same text on both. Content is sampled, not read whole (a peer's start would read a large dataset): three
+    windows of every file up to DIGEST_SAMPLED_FILES, within the bytes its pieces read, so an edit that keeps every
+    size is caught where it falls in a window."""
+    if source.dataset.startswith(HUB_PREFIX):
+        return ""
+    root = Path(sysconfig.get_paths()["stdlib"]) if source.dataset == STDLIB_DATASET else Path(source.dataset)
+    digest = hashlib.sha256(b"p2ptrain-corpus-v1")
+    read_up_to: dict[str, int] = {}  # each file: the end of the bytes its pieces read
+    for piece in piece_table(source):
+        names = [Path(name).relative_to(root.expanduser()).as_posix() for name in piece.sources]
+        digest.update(json.dumps([piece.kind, names, piece.start, piece.stop, piece.nbytes]).encode())
+        for name in piece.sources:
+            end = piece.stop if piece.kind == "lines" else os.path.getsize(name)
+            read_up_to[name] = max(read_up_to.get(name, 0), end)
+    files = list(read_up_to)
+    step = max(1.0, len(files) / DIGEST_SAMPLED_FILES)
+    for name in dict.fromkeys(files[int(i * step)] for i in range(min(len(files), DIGEST_SAMPLED_FILES))):
+        end = read_up_to[name]
+        with open(name, "rb") as f:
+            for offset in sorted({0, max(0, end // 2 - DIGEST_WINDOW_BYTES // 2), max(0, end - DIGEST_WINDOW_BYTES)}):
+                f.seek(offset)
+                digest.update(f.read(min(DIGEST_WINDOW_BYTES, end - offset)))
+    return digest.hexdigest()[:32]
 
 
 def _file_pieces(sizes: list[tuple[Path, int]], target: int, budget: int, whole_files: bool) -> list[Piece]:

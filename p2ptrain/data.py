@@ -244,6 +244,12 @@ def shard_for_peer(peer_key: str, num_shards: int) -> int:
 # ----------------------------------------------------------------------------------------------- the stage
 
 
+def corpus_source(cfg: DataConfig) -> CorpusSource:
+    """The piece table's inputs: every peer of a run cuts the same pieces from the same files."""
+    return CorpusSource(cfg.dataset, cfg.text_field, cfg.max_corpus_bytes, cfg.piece_bytes,
+                        min_pieces=2 * cfg.num_shards)
+
+
 class TextShards:
     """One peer's view of the data: the shared validation set and training batches, one piece in memory at a time."""
 
@@ -259,8 +265,7 @@ class TextShards:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.shard_index = shard_index
-        self.pieces: list[Piece] = piece_table(CorpusSource(cfg.dataset, cfg.text_field, cfg.max_corpus_bytes,
-                                                            cfg.piece_bytes, min_pieces=2 * cfg.num_shards))
+        self.pieces: list[Piece] = piece_table(corpus_source(cfg))
         first_piece = list(read_piece(self.pieces[0], cfg.text_field))
         self.validation_documents = choose_validation(first_piece, cfg.val_fraction,
                                                       min_chars=cfg.val_batches * cfg.batch_size * cfg.seq_len)

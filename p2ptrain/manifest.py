@@ -3,14 +3,14 @@
 A run is its model (architecture, initial weights' seed, pretrained or not), tokenizer, dataset and its split rule,
 and the inner, outer and sync rules: peers that differ in any of these do not train one model (other peers leave
 them out of their rounds, or their rounds disagree). The manifest carries those settings (`SHARED_SECTIONS` and
-`SHARED_RUN_KEYS`, less `LOCAL_KEYS`), the model's fingerprint and the protocol version. The rest (device, batch
+`SHARED_RUN_KEYS`, less `LOCAL_KEYS`), the model's fingerprint, the dataset's digest and the protocol version. The rest (device, batch
 size, micro-batches, precision, timeouts, checkpoints, the network) stays each volunteer's.
 
 A peer started with `--initial-peers` asks the first of them for its manifest (net/run_manifest.py) and trains
 exactly the run it describes: its own config may add local settings and may repeat a shared one, but a shared one
 it contradicts is refused in one line. A manifest cannot choose files on the volunteer's machine: a dataset,
 model or tokenizer that is a local path is taken from the volunteer (`--dataset`, `--model`, the config: its own
-copy, at its own path). A manifest is a stranger's input: its shape, size and every setting are validated
+copy, at its own path); a copy of the dataset whose digest differs from the run's is refused. A manifest is a stranger's input: its shape, size and every setting are validated
 (the config's own checks) before anything is built from it.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 from p2ptrain import __version__
 from p2ptrain.config import PeerConfig, build_config, flatten_settings, nest_settings
-from p2ptrain.corpus import HUB_PREFIX, STDLIB_DATASET
-from p2ptrain.data import BYTE_TOKENIZER, build_tokenizer
+from p2ptrain.corpus import HUB_PREFIX, STDLIB_DATASET, corpus_digest
+from p2ptrain.data import BYTE_TOKENIZER, build_tokenizer, corpus_source
 from p2ptrain.errors import ConfigError, UserError, one_line
 from p2ptrain.models import PRESETS, build_model, model_fingerprint
 from p2ptrain.net.admission import (
@@ -55,6 +55,7 @@ LOCAL_KEYS = frozenset({
 # settings whose value may name a file on this machine: taken from a manifest only when the volunteer names it too
 PATH_KEYS = {"data.dataset": "--dataset", "model.name": "--model", "data.tokenizer": "data.tokenizer in --config"}
 MAX_FIELD_CHARS = 512
+DIGEST_CHARS = 32  # corpus_digest's hex digits
 
 
 def shared_keys() -> frozenset[str]:
@@ -66,7 +67,8 @@ def shared_keys() -> frozenset[str]:
 
 @dataclasses.dataclass(frozen=True)
 class RunManifest:
-    """A run's shared settings (dotted keys), its model's fingerprint and the release that made it."""
+    """A run's shared settings (dotted keys), its model's fingerprint, its dataset's digest and the release that
+    made it."""
 
     run_id: str
     fingerprint: str
@@ -74,16 +76,18 @@ class RunManifest:
     protocol: int = PROTOCOL_VERSION
     version: str = __version__
     signature: str = ""  # the organiser's, in a signed run (`bootstrap --sign-with`); a peer hands it on as it got it
+    data_digest: str = ""  # corpus_digest of the organiser's copy; "" for a hub dataset or a copy not at hand
 
     @classmethod
-    def of(cls, config: PeerConfig, fingerprint: str) -> RunManifest:
+    def of(cls, config: PeerConfig, fingerprint: str, data_digest: str) -> RunManifest:
         keys = shared_keys()
         settings = {k: v for k, v in flatten_settings(config.to_dict()).items() if k in keys}
-        return cls(config.run.run_id, fingerprint, json.loads(json.dumps(settings)))
+        return cls(config.run.run_id, fingerprint, json.loads(json.dumps(settings)), data_digest=data_digest)
 
     def to_document(self) -> dict[str, Any]:
         document = {"format": MANIFEST_FORMAT, "run_id": self.run_id, "fingerprint": self.fingerprint,
-                    "protocol": self.protocol, "version": self.version, "settings": self.settings}
+                    "protocol": self.protocol, "version": self.version, "settings": self.settings,
+                    "data_digest": self.data_digest}
         return {**document, "signature": self.signature} if self.signature else document
 
     def signed_bytes(self) -> bytes:
@@ -102,19 +106,23 @@ class RunManifest:
                              f"address to join")
 
         expected = {"format", "run_id", "fingerprint", "protocol", "version", "settings"}
-        signature = document.get("signature", "")
-        if set(document) - {"signature"} != expected or document["format"] != MANIFEST_FORMAT:
+        signature, data_digest = document.get("signature", ""), document.get("data_digest", "")
+        if set(document) - {"signature", "data_digest"} != expected or document["format"] != MANIFEST_FORMAT:
             raise bad(f"fields {sorted(document)[:8]}, format {str(document.get('format'))[:40]!r}")
         protocol, settings = document["protocol"], document["settings"]
         if type(protocol) is not int or not 0 <= protocol <= 10**6:
             raise bad("protocol is not a version number")
         if not isinstance(signature, str) or len(signature) > MAX_TICKET_CHARS:
             raise bad("the signature is not a short string")
+        if not isinstance(data_digest, str) or len(data_digest) not in (0, DIGEST_CHARS) or \
+                data_digest.strip("0123456789abcdef"):
+            raise bad("the data digest is not one")
         for name in ("run_id", "fingerprint", "version"):
             if not isinstance(document[name], str) or not 0 < len(document[name]) <= MAX_FIELD_CHARS:
                 raise bad(f"{name} is not a short string")
         if protocol != PROTOCOL_VERSION:  # before the settings: another release may carry other ones
-            return cls(document["run_id"], document["fingerprint"], {}, protocol, document["version"], signature)
+            return cls(document["run_id"], document["fingerprint"], {}, protocol, document["version"], signature,
+                       data_digest)
         if not isinstance(settings, dict):
             raise bad("settings are not a mapping")
         unknown = sorted(set(settings) - shared_keys())
@@ -126,7 +134,8 @@ class RunManifest:
             build_config(nest_settings(settings))
         except ConfigError as e:
             raise bad(one_line(e, 200)) from None
-        return cls(document["run_id"], document["fingerprint"], settings, protocol, document["version"], signature)
+        return cls(document["run_id"], document["fingerprint"], settings, protocol, document["version"], signature,
+                   data_digest)
 
     def summary(self) -> str:
         """What a volunteer joins, in one line."""
@@ -196,7 +205,23 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
         return config, None
     if config.network.admission == "signed":
         check_signature(manifest, config.network.organiser_key, source)
-    return join_config(manifest, explicit, config, source), manifest
+    joined = join_config(manifest, explicit, config, source)
+    check_data_copy(manifest, joined, source)
+    return joined, manifest
+
+
+def check_data_copy(manifest: RunManifest, config: PeerConfig, source: str) -> None:
+    """Refuse a copy of the dataset that differs from the organiser's: its pieces would hold other text under the
+    same indices (claims, the shared validation set). Nothing to compare where the manifest carries no digest."""
+    if not manifest.data_digest:
+        return
+    digest = corpus_digest(corpus_source(config.data))
+    if digest != manifest.data_digest:
+        advice = ("it is this Python's standard library: run the organiser's Python version"
+                  if config.data.dataset == STDLIB_DATASET else "get the organiser's copy")
+        raise UserError(f"your copy of the dataset ({config.data.dataset}) differs from run {manifest.run_id!r}'s "
+                        f"(from {source}): its files, their sizes or their text (digest {digest[:12]}, the run's "
+                        f"{manifest.data_digest[:12]}); {advice}")
 
 
 def served_manifest(config: PeerConfig, initial_peers: list[str],
@@ -248,4 +273,9 @@ def founding_manifest(config: PeerConfig) -> RunManifest:
     tokenizer = build_tokenizer(config.data)
     with torch.device("meta"):
         model = build_model(config.model, tokenizer.vocab_size, config.run.seed)
-    return RunManifest.of(config, model_fingerprint(model))
+    try:
+        data_digest = corpus_digest(corpus_source(config.data))
+    except UserError as e:  # a bootstrap on a machine without the organiser's copy: the founder's peers carry it
+        logger.warning(f"volunteers' copies of the dataset are not checked against this one: {one_line(e, 200)}")
+        data_digest = ""
+    return RunManifest.of(config, model_fingerprint(model), data_digest)

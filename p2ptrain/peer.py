@@ -25,7 +25,8 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain import __version__
 from p2ptrain.config import PeerConfig
-from p2ptrain.data import build_tokenizer, shard_for_peer
+from p2ptrain.corpus import corpus_digest
+from p2ptrain.data import build_tokenizer, corpus_source, shard_for_peer
 from p2ptrain.device import resolve_device
 from p2ptrain.errors import CheckpointError, UserError, one_line
 from p2ptrain.join_rules import split_by_quorum
@@ -165,7 +166,8 @@ class TrainingPeer:
                                    cfg.sync.state_download_timeout_s)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
-        served = self.manifest or RunManifest.of(cfg, self.fingerprint)  # what a volunteer joining through us gets
+        served = self.manifest or RunManifest.of(  # what a volunteer joining through us gets
+            cfg, self.fingerprint, corpus_digest(corpus_source(cfg.data)))
         manifest = ManifestServer(served.to_document())
         self.loop.run(manifest.add_p2p_handlers(self.p2p, namespace=MANIFEST_NAMESPACE))
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,

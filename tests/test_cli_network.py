@@ -157,8 +157,8 @@ def printed_join_command(process: subprocess.Popen[str]) -> list[str]:
 def test_volunteers_join_with_the_printed_command_alone_and_train_the_organisers_run(tmp_path: Path) -> None:
     """The organiser's first peer runs a run file on a local jsonl; two volunteers type the line it printed (in
     other directories, with no config: only how long to run and where to write metrics) and train its model with
-    it; a fourth whose flag contradicts the run is refused in one line; the organiser's model exports and
-    generates."""
+    it; a fourth whose flag contradicts the run, and a fifth whose copy of the corpus differs, are refused in one
+    line; the organiser's model exports and generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     from p2ptrain.manifest import founding_manifest
@@ -187,11 +187,19 @@ def test_volunteers_join_with_the_printed_command_alone_and_train_the_organisers
             volunteers.append(subprocess.Popen(
                 cli(*join, "--rounds", "4", "--no-progress", "--metrics", str(metrics[name])),
                 cwd=tmp_path / name, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        fourth = subprocess.run(cli(*join, "--sync", "diloco"), capture_output=True, text=True, timeout=120)
-        assert fourth.returncode == 2, fourth.stderr[-2000:]
-        errors = [line for line in fourth.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "sync.mode 'diloco' (the run's: 'gasloc')" in errors[0], fourth.stderr[-2000:]
-        assert "Traceback" not in fourth.stderr
+        other_copy = tmp_path / "other.jsonl"  # one letter changed in its middle: every size stays
+        text = corpus.read_text()
+        middle = text.index(" ", len(text) // 2) + 1
+        other_copy.write_text(text[:middle] + ("Z" if text[middle] != "Z" else "Y") + text[middle + 1:])
+        refused = {why: subprocess.Popen(cli(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for why, command in (("sync.mode 'diloco' (the run's: 'gasloc')", [*join, "--sync", "diloco"]),
+                                        (f"your copy of the dataset ({other_copy}) differs from run 'e2e-run'",
+                                         [*join[:-3], "--dataset", str(other_copy), "--loopback"]))}
+        for why, process in refused.items():
+            stderr = process.communicate(timeout=120)[1]
+            assert process.returncode == 2, stderr[-2000:]
+            errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and why in errors[0] and "Traceback" not in stderr, stderr[-2000:]
         outputs = []
         for volunteer in volunteers:
             out, err = volunteer.communicate(timeout=240)

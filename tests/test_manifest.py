@@ -14,12 +14,14 @@ import torch
 from transformers import LlamaConfig
 
 from p2ptrain.config import PeerConfig, load_config
-from p2ptrain.data import TextShards, build_tokenizer
+from p2ptrain.corpus import corpus_digest
+from p2ptrain.data import TextShards, build_tokenizer, corpus_source
 from p2ptrain.errors import UserError
 from p2ptrain.export import byte_level_tokenizer
 from p2ptrain.manifest import (
     LOCAL_KEYS,
     RunManifest,
+    check_data_copy,
     check_signature,
     founding_manifest,
     join_command,
@@ -127,12 +129,16 @@ def _mutated(change: str) -> dict[str, Any]:
         doc["settings"]["inner.steps"] = -3
     elif change == "run id differs":
         doc["settings"]["run.run_id"] = "other"
+    elif change == "data digest not hex":
+        doc["data_digest"] = "z" * 32
+    elif change == "data digest huge":
+        doc["data_digest"] = "a" * 10_000
     return doc
 
 
 @pytest.mark.parametrize("change", ["extra field", "missing field", "format", "protocol as bool", "huge run id",
                                     "settings as list", "unknown setting", "local setting", "wrong type",
-                                    "out of range", "run id differs"])
+                                    "out of range", "run id differs", "data digest not hex", "data digest huge"])
 def test_a_malformed_manifest_is_one_line_naming_its_sender(change: str) -> None:
     with pytest.raises(UserError) as refused:
         RunManifest.from_document(_mutated(change), "peer Q")
@@ -185,3 +191,54 @@ def test_the_125m_recipe_builds_its_model_and_reads_its_data_on_local_stand_ins(
     assert 120e6 < sum(p.numel() for p in model.parameters()) < 150e6
     batch = next(TextShards(config.data, build_tokenizer(config.data), 0).train_batches(seed=0))
     assert batch.shape == (2, 1024)
+
+
+def _dataset(root: Path, second: str = "b" * 40_000) -> Path:
+    root.mkdir()
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(300)))
+    (root / "sub").mkdir()
+    (root / "sub" / "b.txt").write_text(second)
+    (root / "notes.md").write_text("not read: not a dataset file")
+    return root
+
+
+def test_a_copy_of_the_dataset_has_the_organisers_digest_and_an_edited_one_does_not(tmp_path: Path) -> None:
+    organisers = _dataset(tmp_path / "organiser")
+    digest = corpus_digest(corpus_source(organiser(**{"data.dataset": str(organisers)}).data))
+
+    def digest_of(root: Path, **settings: Any) -> str:
+        return corpus_digest(corpus_source(organiser(**{"data.dataset": str(root), **settings}).data))
+
+    assert len(digest) == 32 and digest_of(_dataset(tmp_path / "copy")) == digest  # another path, the same text
+    (tmp_path / "copy" / "notes.md").write_text("a file the data loader does not read")
+    assert digest_of(tmp_path / "copy") == digest
+    edited = _dataset(tmp_path / "edited", second="b" * 19_990 + "EDIT!" + "b" * 20_005)  # same size, its middle
+    longer = _dataset(tmp_path / "longer", second="b" * 40_001)
+    renamed = _dataset(tmp_path / "renamed")
+    (renamed / "sub" / "b.txt").rename(renamed / "sub" / "c.txt")
+    assert len({digest, digest_of(edited), digest_of(longer), digest_of(renamed)}) == 4
+    capped = 300 * len(json.dumps({"text": "document 0 " * 20})) // 2  # half of a.jsonl: b.txt is not read
+    assert digest_of(organisers, **{"data.max_corpus_bytes": capped}) == \
+        digest_of(longer, **{"data.max_corpus_bytes": capped})
+    assert corpus_digest(corpus_source(organiser(**{"data.dataset": "hf:someone/corpus"}).data)) == ""
+
+
+def test_a_volunteer_whose_copy_of_the_dataset_differs_is_refused_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    organisers, copy_path = _dataset(tmp_path / "organiser"), _dataset(tmp_path / "copy", second="c" * 40_000)
+    manifest = founding_manifest(organiser(**{"data.dataset": str(organisers)}))
+    sent = RunManifest.from_document(json.loads(json.dumps(manifest.to_document())), "peer Q")
+    assert sent.data_digest == manifest.data_digest != ""
+    check_data_copy(sent, volunteer(sent, **{"data.dataset": str(organisers)}), "peer Q")
+    with pytest.raises(UserError) as refused:
+        check_data_copy(sent, volunteer(sent, **{"data.dataset": str(copy_path)}), "peer Q")
+    message = str(refused.value)
+    assert message.startswith(f"your copy of the dataset ({copy_path}) differs from run 'myrun''s (from peer Q)")
+    assert "\n" not in message and "get the organiser's copy" in message
+    # a bootstrap without the organiser's copy serves no digest, and says that volunteers' copies go unchecked
+    absent = founding_manifest(organiser(**{"data.dataset": str(tmp_path / "elsewhere.jsonl")}))
+    assert absent.data_digest == "" and "not checked" in caplog.text
+    check_data_copy(absent, volunteer(absent, **{"data.dataset": str(copy_path)}), "peer Q")
+    other_python = dataclasses.replace(founding_manifest(organiser()), data_digest="0" * 32)  # the default: stdlib
+    with pytest.raises(UserError, match="standard library: run the organiser's Python version"):
+        check_data_copy(other_python, volunteer(other_python), "peer Q")
