@@ -3,7 +3,7 @@
 Part 1, estimate vs measured: for the presets at several batch sizes, precisions and with or without activation
 checkpointing, the plan's training peak on a CPU device (model, AdamW, gradients, activations, runtime, anchor and
 outer momentum) against the peak RSS of a real InnerTrainer + OuterOptimizer run less its baseline (torch and
-transformers imported, no model), each in a fresh subprocess (p2ptrain/memory_measure.py). Parameters, AdamW
+transformers imported, no model), each in a fresh subprocess (p2ptrain/memory/measure.py). Parameters, AdamW
 state and gradients are also counted tensor by tensor and must equal the plan's bytes exactly. "live" RSS runs
 with MALLOC_MMAP_THRESHOLD_=65536 (freed tensors go back to the system, RSS follows the allocations); "glibc
 default" shows what a CPU peer's RSS really reaches with glibc's default malloc, which keeps freed activations.

@@ -84,6 +84,8 @@ def reset_peak_rss() -> None:
 
 def measure_here(model_name: str, settings: Settings, steps: int = 2, live_rss: bool = False) -> Measurement:
     """Run the measurement in this process (call it in a fresh one: `measure`)."""
+    from transformers import LlamaForCausalLM  # noqa: F401  # in the baseline: models.py imports it only to build one
+
     reset_peak_rss()
     baseline = peak_rss_bytes()
     torch.manual_seed(0)
