@@ -53,6 +53,7 @@ class RunConfig:
     eval_every: int = 1
     metrics_path: str = ""  # JSON lines, one per round; empty = none
     tensorboard_dir: str = ""  # per-round scalars for TensorBoard (pip install 'p2ptrain[tensorboard]'); empty = none
+    wandb_project: str = ""  # per-round scalars to this W&B project (pip install 'p2ptrain[wandb]'); empty = none
     progress: bool = True  # show a progress bar
     # a node of several processes (torchrun, --workers): how long a worker waits for the others at a step or between
     # rounds (rank 0's sync, joins and checkpoints included) before the node stops; a dead worker is seen at once
@@ -79,6 +80,10 @@ class RunConfig:
             raise ConfigError(f"run.node_timeout_s must be in [10, 86400] seconds, got {self.node_timeout_s}")
         if self.torch_threads < 0:
             raise ConfigError(f"run.torch_threads must be >= 0, got {self.torch_threads}")
+        if len(self.wandb_project) > 128 or any(c in self.wandb_project for c in "/\\#?%:") or \
+                not self.wandb_project.isprintable():
+            raise ConfigError(f"run.wandb_project must be a W&B project name (at most 128 characters, none of "
+                              f"/ \\ # ? % :), got {self.wandb_project[:40]!r}")
 
 
 @dataclasses.dataclass(frozen=True)

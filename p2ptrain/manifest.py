@@ -3,15 +3,16 @@
 A run is its model (architecture, initial weights' seed, pretrained or not), tokenizer, dataset and its split rule,
 and the inner, outer and sync rules: peers that differ in any of these do not train one model (other peers leave
 them out of their rounds, or their rounds disagree). The manifest carries those settings (`SHARED_SECTIONS` and
-`SHARED_RUN_KEYS`, less `LOCAL_KEYS`), the model's fingerprint, the dataset's digest and the protocol version. The rest (device, batch
-size, micro-batches, precision, timeouts, checkpoints, the network) stays each volunteer's.
+`SHARED_RUN_KEYS`, less `LOCAL_KEYS`), the model's fingerprint, the dataset's digest and the protocol version. The
+rest (device, batch size, micro-batches, precision, timeouts, checkpoints, the network) stays each volunteer's.
 
 A peer started with `--initial-peers` asks the first of them for its manifest (net/run_manifest.py) and trains
 exactly the run it describes: its own config may add local settings and may repeat a shared one, but a shared one
 it contradicts is refused in one line. A manifest cannot choose files on the volunteer's machine: a dataset,
 model or tokenizer that is a local path is taken from the volunteer (`--dataset`, `--model`, the config: its own
-copy, at its own path); a copy of the dataset whose digest differs from the run's is refused. A manifest is a stranger's input: its shape, size and every setting are validated
-(the config's own checks) before anything is built from it.
+copy, at its own path); a copy of the dataset whose digest differs from the run's is refused. A manifest is a
+stranger's input: its shape, size and every setting are validated (the config's own checks) before anything is
+built from it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Per-round metrics: one JSON line per round in a file, scalars for TensorBoard, and a live progress bar."""
+"""Per-round metrics: one JSON line per round in a file, scalars for TensorBoard and W&B, and a live progress bar."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import netrc
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,7 +14,9 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from p2ptrain.errors import UserError
+from p2ptrain.errors import UserError, one_line
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -51,17 +56,21 @@ class RoundMetrics:
 
 class MetricsLog:
     """Appends RoundMetrics as JSON lines (flushed per line, so a crash loses at most the current round) to `path`,
-    and as TensorBoard scalars to `tensorboard_dir`; either may be None."""
+    as TensorBoard scalars to `tensorboard_dir` and to the W&B project `wandb_project`; each may be None."""
 
-    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None):
+    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None,
+                 wandb_project: str | None = None, run_id: str = "", run_config: dict[str, Any] | None = None):
         self.path = Path(path) if path else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tensorboard = TensorBoardLog(tensorboard_dir) if tensorboard_dir else None
+        self.wandb = WandbLog(wandb_project, run_id, run_config or {}) if wandb_project else None
 
     def write(self, metrics: RoundMetrics) -> None:
         if self.tensorboard is not None:
             self.tensorboard.write(metrics)
+        if self.wandb is not None:
+            self.wandb.write(metrics)
         if self.path is None:
             return
         with open(self.path, "a") as f:
@@ -70,15 +79,27 @@ class MetricsLog:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
-# TensorBoard tag -> the RoundMetrics field it plots, one point per round
-TENSORBOARD_SCALARS = {
+# tag -> the RoundMetrics field it plots, one point per round (TensorBoard and W&B)
+ROUND_SCALARS = {
     "loss/train": "train_loss", "loss/validation": "val_loss", "speed/tokens_per_s": "tokens_per_s",
     "time/round_s": "round_s", "time/compute_s": "compute_s", "time/comm_blocked_s": "comm_blocked_s",
     "network/bytes_sent": "bytes_sent", "network/bytes_received": "bytes_received",
     "swarm/peers_averaged": "peers_averaged",
 }
+
+
+def round_scalars(metrics: RoundMetrics) -> dict[str, float]:
+    """The round's scalars by tag: the validation loss only where the round measured it, and the share of the
+    round spent computing."""
+    scalars = {tag: float(getattr(metrics, field)) for tag, field in ROUND_SCALARS.items()
+               if field != "val_loss" or metrics.evaluated}
+    if metrics.round_s > 0:
+        scalars["time/compute_utilisation"] = metrics.compute_s / metrics.round_s
+    return scalars
 
 
 class TensorBoardLog:
@@ -97,17 +118,74 @@ class TensorBoardLog:
             raise UserError(f"cannot write TensorBoard logs to {str(directory)!r}: {e.strerror or e}") from None
 
     def write(self, metrics: RoundMetrics) -> None:
-        for tag, field in TENSORBOARD_SCALARS.items():
-            if field == "val_loss" and not metrics.evaluated:
-                continue
-            self.writer.add_scalar(tag, float(getattr(metrics, field)), metrics.round, walltime=metrics.time)
-        if metrics.round_s > 0:
-            self.writer.add_scalar("time/compute_utilisation", metrics.compute_s / metrics.round_s, metrics.round,
-                                   walltime=metrics.time)
+        for tag, value in round_scalars(metrics).items():
+            self.writer.add_scalar(tag, value, metrics.round, walltime=metrics.time)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+WANDB_MODES = ("online", "offline", "disabled", "shared")
+
+
+class WandbLog:
+    """Each round's scalars to a Weights & Biases run (step: the round; name: the peer id, group: the run id).
+    Online where a W&B API key is set up (WANDB_API_KEY, or `wandb login`), else offline under ./wandb (WANDB_DIR),
+    which `wandb sync` uploads later; WANDB_MODE chooses outright. The run starts at the first round, once the peer
+    id is known; a W&B that fails then or later is logged once and dropped: training goes on without it. It sends
+    the round figures and the config, nothing of the volunteer's machine (no host facts, system stats, git state)."""
+
+    def __init__(self, project: str, group: str, run_config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("run.wandb_project (--wandb) needs W&B: pip install 'p2ptrain[wandb]'") from None
+        self._wandb, self.project, self.group, self.run_config = wandb, project, group, run_config
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_set_up() else "offline")
+        if self.mode not in WANDB_MODES:
+            raise UserError(f"WANDB_MODE must be one of {', '.join(WANDB_MODES)}, got {self.mode[:40]!r}")
+        self.run: Any = None
+        self.failed = False
+
+    def write(self, metrics: RoundMetrics) -> None:
+        if self.failed:
+            return
+        try:
+            if self.run is None:
+                self.run = self._wandb.init(
+                    project=self.project, name=metrics.peer_id, group=self.group or None, config=self.run_config,
+                    mode=self.mode,  # type: ignore[arg-type]  # one of WANDB_MODES
+                    # a volunteer's round figures only: no console capture, git state, code, host facts or stats
+                    settings=self._wandb.Settings(console="off", silent=True, disable_git=True, disable_code=True,
+                                                  save_code=False, x_save_requirements=False,
+                                                  x_disable_meta=True, x_disable_stats=True,
+                                                  x_disable_machine_info=True, host=metrics.peer_id))
+                where = "online" if self.mode == "online" else \
+                    f"offline in {Path(self.run.dir).parent} (`wandb sync` uploads it)"
+                logger.info(f"W&B: run {metrics.peer_id} of project {self.project!r}, {where}")
+            self.run.log(round_scalars(metrics), step=metrics.round)
+        except Exception as e:  # W&B's own errors (no network, a bad key, a full disk): metrics are not the training
+            self.failed = True
+            logger.warning(f"W&B logging stopped: {type(e).__name__}: {one_line(e, 200)}")
+
+    def close(self) -> None:
+        """Finish the run and stop W&B's service process with it (not at exit: a peer's end is the run's)."""
+        if self.run is not None:
+            try:
+                self.run.finish()
+                self._wandb.teardown()
+            except Exception as e:
+                logger.warning(f"W&B could not finish its run: {type(e).__name__}: {one_line(e, 200)}")
+
+
+def _wandb_key_set_up() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -121,8 +121,10 @@ class TrainingPeer:
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
         self._sync_view: tuple[float, SwarmView | None] = (-math.inf, None)  # (when read, the view) at the last sync
-        # before the network: a TensorBoard directory that cannot be written stops the peer in one line, at once
-        self.metrics_log = MetricsLog(config.run.metrics_path or None, config.run.tensorboard_dir or None)
+        # before the network: a TensorBoard directory that cannot be written, or W&B not installed, stops the peer in
+        # one line, at once
+        self.metrics_log = MetricsLog(config.run.metrics_path or None, config.run.tensorboard_dir or None,
+                                      config.run.wandb_project or None, config.run.run_id, config.to_dict())
         checkpoint = load_peer_checkpoint(config, self.fingerprint, self.named_params, self.outer,
                                           self.inner) if resume else None
         self._start_network(initial_peers, start_round=checkpoint.round if checkpoint is not None else 0)

@@ -111,8 +111,8 @@ PEER_SECTIONS = (
     ("Joining a run (what a volunteer types)", ("initial_peers", "run_id", "config_path", "device")),
     ("Training", ("model", "dataset", "sync", "rounds", "min_peers", "eval_every", "shard_index", "torch_threads",
                   "workers")),
-    ("Checkpoints and output", ("checkpoint_dir", "resume", "metrics_path", "tensorboard_dir", "no_progress",
-                                "show_plan")),
+    ("Checkpoints and output", ("checkpoint_dir", "resume", "metrics_path", "tensorboard_dir", "wandb_project",
+                                "no_progress", "show_plan")),
     ("Network", ("host_maddrs", "announce_maddrs", "identity_path", "serve_relay", "no_nat_port_map", "no_auto_nat",
                  "no_relay", "loopback")),
     ("Signed runs", ("admission", "organiser_key", "admission_ticket")),
@@ -120,7 +120,8 @@ PEER_SECTIONS = (
 PEER_CONFIG_FLAGS = (("run_id", "run.run_id"), ("device", "run.device"), ("model", "model.name"),
                      ("dataset", "data.dataset"), ("sync", "sync.mode"), ("rounds", "run.rounds"),
                      ("checkpoint_dir", "run.checkpoint_dir"), ("metrics_path", "run.metrics_path"),
-                     ("tensorboard_dir", "run.tensorboard_dir"), ("shard_index", "run.shard_index"),
+                     ("tensorboard_dir", "run.tensorboard_dir"), ("wandb_project", "run.wandb_project"),
+                     ("shard_index", "run.shard_index"),
                      ("torch_threads", "run.torch_threads"), ("eval_every", "run.eval_every"),
                      ("min_peers", "run.min_peers"))  # flag -> the config key it overrides
 
@@ -150,6 +151,8 @@ def peer_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Append per-round JSON lines here."),
         click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False),
                      help="Write per-round scalars here for TensorBoard (pip install 'p2ptrain[tensorboard]')."),
+        click.option("--wandb", "wandb_project", metavar="PROJECT", help="Log per-round scalars to this W&B project "
+                     "(pip install 'p2ptrain[wandb]'; offline under ./wandb without an API key)."),
         click.option("--shard-index", type=click.IntRange(min=0),
                      help="Read the data pieces of this shard (default: pieces the swarm has not read yet)."),
         click.option("--torch-threads", type=click.IntRange(min=0),

@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch
 from docker_utils import DOCKER_SETUP
-from early_jobs import BROWSER, TYPE_CHECK, remove_ended, start_wanted, wait_ended
+from early_jobs import BROWSER, TYPE_CHECK, WANDB, remove_ended, start_wanted, wait_ended
 from subreaper import set_child_subreaper
 
 from p2ptrain.testnet.forkserver import import_time_locks, renew_locks
@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(DATA_HOME, ignore_errors=True)
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # a worker ending first must not take files the other still reads
-        remove_ended([TYPE_CHECK, DOCKER_SETUP, BROWSER])
+        remove_ended([TYPE_CHECK, DOCKER_SETUP, BROWSER, WANDB])
     if _share is not None:
         _share.remove()
 
@@ -124,7 +124,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """The type check and, as root, the Docker set-up and the browser's install start now in the background if a
     selected test reads them."""
     if not session.config.option.collectonly:
-        start_wanted([TYPE_CHECK, *([DOCKER_SETUP, BROWSER] if os.geteuid() == 0 else [])], session.items)
+        start_wanted([TYPE_CHECK, WANDB, *([DOCKER_SETUP, BROWSER] if os.geteuid() == 0 else [])], session.items)
 
 
 class MachineShare:
