@@ -380,8 +380,16 @@ def test_a_commit_that_arrives_after_the_close_fails_on_both_sides() -> None:
             responses, commit = await offer_until_accepted(c, b.peer_id, sender="hand-driven")
             applied, stats = await mixing  # closes once our exchange's deadline (0.5 s) has passed
             commit.set()
-            with pytest.raises(P2PHandlerError, match="closed"):
-                await responses.__anext__()  # no ack: the responder refused to mix after its close
+            # no ack: the responder refused to mix after its close. Its refusal reaches us as an error, or the stream
+            # just ends: hivemind drops the error when our end of the stream has closed first (a CI run).
+            try:
+                answer = await responses.__anext__()
+            except StopAsyncIteration:
+                pass
+            except P2PHandlerError as e:
+                assert "closed" in str(e), e
+            else:
+                pytest.fail(f"the responder answered a commit after its close: {decode_metadata(answer.metadata)}")
             assert stats.group_size == 1 and same(applied, delta)  # it applied its own Δ
             assert responder.current is not None and responder.current.done == []
             assert same(responder.feedback.residual, [torch.zeros(s) for s in SHAPES])

@@ -380,8 +380,9 @@ def test_a_member_sending_minus_1000_times_its_delta_is_left_out_and_banned():
     assert_honest_peers_train_in_step(histories, params)
     for history in histories:  # its Δ, ~500 τ from CenteredClip's mean, bans it at every honest member at once
         assert history[-1].banned_peers, "the attacker was not banned"
-        assert history[-1].peers_averaged == HONEST  # banned: no longer a member
-        # banned in the first round it attacked (it took 4 or 5 rounds as a member when every clip cost 1)
+        # banned in the first round it attacked (it took 4 or 5 rounds as a member when every clip cost 1): no longer
+        # a member. Not "the 3 honest together in the last round": in a CI run one honest peer's last group was 2
+        # after a round lost to a failed catch-up, while the three ended with one state (checked above)
         assert all(m.peers_averaged <= HONEST for m in history[1:]), [m.peers_averaged for m in history]
 
 
