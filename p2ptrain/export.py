@@ -111,8 +111,7 @@ def export_from_swarm(config: PeerConfig, initial_peers: list[str], out_dir: str
     out = _new_directory(out_dir)
     # on the CPU, reading shard 0 (it claims no data: only the validation batches are read), writing no files
     run = dataclasses.replace(config.run, device="cpu", shard_index=0, min_peers=1, checkpoint_dir="",
-                              metrics_path="", tensorboard_dir="", wandb_project="",
-                              progress=False)
+                              metrics_path="", tensorboard_dir="", wandb_project="", progress=False)
     config = dataclasses.replace(config, run=run)
     peer = TrainingPeer(config, initial_peers, manifest=manifest)
     try:

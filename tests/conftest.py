@@ -121,8 +121,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The type check and, as root, the Docker set-up and the browser's install start now in the background if a
-    selected test reads them."""
+    """The type check, W&B's install and, as root, the Docker set-up and the browser's install start now in the
+    background if a selected test reads them."""
     if not session.config.option.collectonly:
         start_wanted([TYPE_CHECK, WANDB, *([DOCKER_SETUP, BROWSER] if os.geteuid() == 0 else [])], session.items)
 

@@ -120,10 +120,13 @@ BROWSER_INSTALL = ("command -v chromium >/dev/null || { export DEBIAN_FRONTEND=n
                    "{ apt-get -o DPkg::Lock::Timeout=600 update -qq && "
                    "apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium; }; }")
 BROWSER = EarlyJob("chromium", [("install", ["sh", "-c", BROWSER_INSTALL])], reader="chromium", timeout_s=900)
-# W&B for the metrics test: the `wandb` extra of setup.cfg into this venv (its download overlaps the tests)
-WANDB_INSTALL = (f"{shlex.quote(sys.executable)} -m pip install -q \"$({shlex.quote(sys.executable)} -c "
-                 "\"import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); "
-                 "print(c['options.extras_require']['wandb'].split()[0])\")\"")
+# W&B for the metrics test: the `wandb` extra of setup.cfg into this venv (its download overlaps the tests), held to
+# the versions installed now: it must not replace a package that the tests running beside it import
+_PYTHON = shlex.quote(sys.executable)
+WANDB_INSTALL = (f"held=$(mktemp) && {_PYTHON} -m pip freeze --exclude-editable >\"$held\" && "
+                 f"{_PYTHON} -m pip install -q -c \"$held\" \"$({_PYTHON} -c \"import configparser; "
+                 "c = configparser.ConfigParser(); c.read('setup.cfg'); "
+                 "print(c['options.extras_require']['wandb'].split()[0])\")\"; rc=$?; rm -f \"$held\"; exit $rc")
 WANDB = EarlyJob("wandb", [("install", ["sh", "-c", WANDB_INSTALL])], reader="wandb_module", timeout_s=900)
 TYPE_CHECK = EarlyJob("mypy", [("check", [sys.executable, "-m", "mypy", "p2ptrain"])], reader="type_check",
                       timeout_s=900)
