@@ -34,15 +34,17 @@ def signed_swarm(tmp_path: Path, mode: str, intruder_inner: dict[str, object] | 
                  intruder_sync: dict[str, object] | None = None,
                  **sync: object) -> tuple[set[str], list[list[RoundMetrics]], TrainingPeer]:
     """Alice and Bob (ticketed) and an intruder (its inner and sync sections changed by `intruder_inner` and
-    `intruder_sync`) run 5 rounds: the ticketed ids, the three histories, Alice."""
+    `intruder_sync`) run 5 rounds: the ticketed ids, the three histories, Alice. All three begin round 0 together:
+    the volunteers wait for each other (they see no unticketed record), the intruder for both. (An intruder that
+    came in a round late was refused the volunteers' state, stayed a round behind, and met them in no round.)"""
     key, public_key = generate_organiser_key(tmp_path / "organiser.key")
     signed = {"admission": "signed", "organiser_key": str(public_key)}
-    rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5},
+    rounds = {"run": {"run_id": RUN, "device": "cpu", "progress": False, "rounds": 5, "min_peers": 2},
               "sync": {"mode": mode, "matchmaking_s": 2.0, **sync}}
     alice = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "alice", key)}))
     bob = start_peer(tiny_config(RUN, **rounds, network={**signed, **volunteer_files(tmp_path, "bob", key)}),
                      alice.maddrs)
-    intruder_rounds = {**rounds, "sync": {**rounds["sync"], **(intruder_sync or {})}}
+    intruder_rounds = {"run": {**rounds["run"], "min_peers": 3}, "sync": {**rounds["sync"], **(intruder_sync or {})}}
     intruder = start_peer(tiny_config(RUN, **intruder_rounds, inner=intruder_inner or {}), alice.maddrs)  # no ticket
     _threads, histories = run_peers([alice, bob, intruder], timeout_s=240, attackers=1)
     return {alice.peer_id, bob.peer_id}, histories, alice

@@ -225,8 +225,12 @@ class StateServer(ServicerBase):
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         snapshot, peer = self.get_snapshot(), context.remote_id.to_base58()
-        if snapshot is None or self.refuses(peer) or not self._may_download(peer):
-            return  # nothing to share (yet, with this peer, or now): the caller tries another peer
+        why_not = ("no snapshot yet" if snapshot is None else "not served here" if self.refuses(peer)
+                   else self._why_no_download(peer))
+        if why_not is not None:  # the caller logs why and tries another peer
+            yield averaging_pb2.DownloadData(metadata=refusal(why_not).metadata)
+            return
+        assert snapshot is not None
         task = asyncio.current_task()  # the handler's: cancelled at the deadline, even while a write waits on a reader
         assert task is not None
         loop, cut = asyncio.get_running_loop(), False
@@ -260,17 +264,19 @@ class StateServer(ServicerBase):
                 idle.cancel()
             self._serving.pop(task, None)
 
-    def _may_download(self, peer: str) -> bool:
-        """Whether to serve `peer` a snapshot now: within its rate, and a slot free."""
+    def _why_no_download(self, peer: str) -> str | None:
+        """Why `peer` is not served a snapshot now (beyond its rate, a second at once, no slot free), or None."""
         if not self.download_limit.take(peer):
-            self.penalise(peer, "too_many_requests", f"more than {DOWNLOAD_BURST:g} state downloads at once or "
-                                                     f"{DOWNLOADS_PER_S:g} a second")
-            return False
+            why = f"more than {DOWNLOAD_BURST:g} state downloads at once or {DOWNLOADS_PER_S:g} a second"
+            self.penalise(peer, "too_many_requests", why)
+            return why
         self._serving = {t: p for t, p in self._serving.items() if not t.done()}
         if peer in self._serving.values():
             self.penalise(peer, "too_many_opens", "a second state download while its first is served")
-            return False
-        return len(self._serving) < DOWNLOADS_AT_ONCE
+            return "a second state download while its first is served"
+        if len(self._serving) >= DOWNLOADS_AT_ONCE:
+            return f"busy: {DOWNLOADS_AT_ONCE} state downloads served already"
+        return None
 
     async def rpc_state_sketch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -352,6 +358,8 @@ async def download_state(
     if len(metadata_parts) != 1:
         raise WireError(f"peer {peer_id} sent {len(metadata_parts)} metadata blocks instead of one")
     metadata = decode_metadata(metadata_parts[0])
+    if metadata.get("status") == "refused":  # before any tensor: a refusal carries none
+        raise SnapshotRefused(f"peer {peer_id} refused the download: {str(metadata.get('reason'))[:200]}")
     check_snapshot_metadata(metadata, expected_metadata)
     if [list(x) for x in metadata.get("layout", [])] != [[n, list(s), d] for n, s, d in expected]:
         raise StateMismatchError(f"peer {peer_id} serves a state of another layout (a different model or config)")
