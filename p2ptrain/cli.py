@@ -44,8 +44,12 @@ def cli(log_level: str) -> None:
 @click.option("--sign-with", type=click.Path(dir_okay=False), default=None,
               help="Signed runs: the organiser's private key file; the manifest goes out signed with it.")
 @click.option("--no-relay-service", is_flag=True, help="Do not serve as a relay for peers behind NAT.")
+@click.option("--status-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve the run's status page on this port (0: any free one), as `status --serve` does.")
+@click.option("--status-host", default="127.0.0.1", show_default=True,
+              help="With --status-port: the address to listen on (0.0.0.0 shows the page to other machines).")
 def bootstrap(address_file: str | None, run_id: str | None, config_path: str | None, sign_with: str | None,
-              no_relay_service: bool, **kwargs: Any) -> None:
+              no_relay_service: bool, status_port: int | None, status_host: str, **kwargs: Any) -> None:
     """Run a DHT-only bootstrap node (and relay) and print the address peers must pass as --initial-peers."""
     from p2ptrain.config import load_config
     from p2ptrain.manifest import founding_manifest, join_command
@@ -63,7 +67,7 @@ def bootstrap(address_file: str | None, run_id: str | None, config_path: str | N
         manifest = manifest.signed_with(sign_with)
     node = BootstrapNode(config.network, config.run.run_id, address_file,
                          manifest.to_document() if manifest is not None else None)
-    stop = threading.Event()
+    stop, page = threading.Event(), None
     install_stop_handlers(stop.set)
     try:
         if manifest is not None:
@@ -73,9 +77,16 @@ def bootstrap(address_file: str | None, run_id: str | None, config_path: str | N
             join = join_command(config, maddr) if manifest is not None else \
                 f"p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}"
             click.echo(f"  {join}")
+        from p2ptrain.status_page import StatusPage
+
+        page = StatusPage.beside(config, node.maddrs, status_host, status_port)
+        if page is not None:
+            click.echo(f"Status page: {page.url} (also `p2ptrain status --page {page.url}`)")
         sys.stdout.flush()
         node.serve_until(stop)
     finally:
+        if page is not None:
+            page.stop()
         node.shutdown()
 
 
@@ -88,7 +99,10 @@ def peer(**kwargs: Any) -> None:
 
 
 @cli.command()
-@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any live peer or bootstrap.")
+@click.option("--initial-peers", multiple=True, help="Multiaddr of any live peer or bootstrap.")
+@click.option("--page", "page_url", default=None,
+              help="Read a status page instead (its http:// address, from `status --serve` or a bootstrap's "
+                   "--status-port): no DHT node, an answer in well under a second.")
 @click.option("--run-id", default=None, help="Run id to list (default: the run the address serves, from its "
                                              "manifest).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (a line) per refresh instead of a table.")
@@ -100,16 +114,28 @@ def peer(**kwargs: Any) -> None:
 @click.option("--serve-host", default="127.0.0.1", show_default=True,
               help="With --serve: the address to listen on (0.0.0.0 shows the page to other machines).")
 @network_options
-def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, every_s: float | None,
-           count: int | None, serve_port: int | None, serve_host: str, **kwargs: Any) -> None:
+def status(initial_peers: tuple[str, ...], page_url: str | None, run_id: str | None, as_json: bool,
+           every_s: float | None, count: int | None, serve_port: int | None, serve_host: str, **kwargs: Any) -> None:
     """Print the run's live peers: round, phase, losses, tokens/s, reach, bans (or serve them as a web page)."""
-    from p2ptrain.config import load_config
-    from p2ptrain.status import print_status
-
     if count is not None and every_s is None:
         raise click.UsageError("--count needs --watch")
     if serve_port is not None and (as_json or count is not None):
         raise click.UsageError("--serve shows the page: it takes neither --json nor --count")
+    if bool(initial_peers) == bool(page_url):
+        raise click.UsageError("give either --initial-peers (a live peer or bootstrap) or --page (a status page)")
+    stop = threading.Event()
+    if every_s is not None:  # Ctrl-C ends the watch after the refresh in progress
+        install_stop_handlers(stop.set)
+    if page_url:  # imports neither hivemind nor torch: that is the point of this path
+        from p2ptrain.status_view import read_page, show_status
+
+        if serve_port is not None or run_id:
+            raise click.UsageError("--page reads the run its page shows: it takes neither --serve nor --run-id")
+        show_status(lambda: read_page(page_url), as_json, every_s, count, stop)
+        return
+    from p2ptrain.config import load_config
+    from p2ptrain.status import print_status
+
     overrides = network_overrides(kwargs)
     overrides["network.client_mode"] = True
     if run_id:
@@ -122,7 +148,6 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, ev
         Admission.from_config(config.network, config.run.run_id)  # a bad key file fails before any network I/O
         served = served_run_id(config, split_peers(initial_peers))
         config = load_config(None, {**overrides, "run.run_id": served}) if served else config
-    stop = threading.Event()
     if serve_port is not None:
         from p2ptrain.status_page import StatusPage
 
@@ -135,8 +160,6 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, ev
         finally:
             page.stop()
         return
-    if every_s is not None:  # Ctrl-C ends the watch after the refresh in progress
-        install_stop_handlers(stop.set)
     print_status(config, split_peers(initial_peers), as_json, every_s, count, stop)
 
 

@@ -10,6 +10,7 @@ points each, and the server answers GET requests for three paths only.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import http.server
 import json
 import logging
@@ -22,6 +23,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import UserError
+from p2ptrain.net.dht import is_loopback
 from p2ptrain.net.discovery import PeerRecord
 from p2ptrain.status import RunReader
 
@@ -81,6 +83,19 @@ class StatusPage:
                         threading.Thread(target=self.server.serve_forever, name="status-server", daemon=True)]
         for thread in self.threads:
             thread.start()
+
+    @classmethod
+    def beside(cls, config: PeerConfig, maddrs: Sequence[str], host: str, port: int | None) -> StatusPage | None:
+        """The page of a node on this machine (the bootstrap's `--status-port`), read by a client node of its own:
+        a throwaway identity and a free port (not the node's), no probing, the node's admission rules. None
+        without a port."""
+        if port is None:
+            return None
+        listen = "/ip4/127.0.0.1/tcp/0" if all(is_loopback(m) for m in maddrs) else "/ip4/0.0.0.0/tcp/0"
+        network = dataclasses.replace(config.network, host_maddrs=(listen,), announce_maddrs=(), identity_path="",
+                                      client_mode=True, nat_port_map=False, auto_nat=False, relay=False,
+                                      check_reachability=False, admission_ticket="")
+        return cls(dataclasses.replace(config, network=network), maddrs, host, port)
 
     def _read_run(self) -> None:
         while not self.stopped.is_set():

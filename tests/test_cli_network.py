@@ -29,11 +29,11 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2ptrain.cli", *args]
 
 
-def start_bootstrap(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+def start_bootstrap(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], str]:
     """Start `p2ptrain bootstrap` and return it with the address it printed for peers."""
     process = subprocess.Popen(
         cli("bootstrap", "--loopback", "--run-id", "cli-test", "--identity", str(tmp_path / "bootstrap.key"),
-            "--address-file", str(tmp_path / "bootstrap.addr")),
+            "--address-file", str(tmp_path / "bootstrap.addr"), *options),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     for line in process.stdout:  # blocks until the node prints; the global pytest timeout bounds it
@@ -49,8 +49,10 @@ def stop(process: subprocess.Popen[str]) -> int:
 
 
 def test_bootstrap_prints_an_address_a_peer_joins_and_keeps_it_across_restarts(tmp_path: Path) -> None:
-    bootstrap, address = start_bootstrap(tmp_path)
+    bootstrap, address = start_bootstrap(tmp_path, "--status-port", "0")
     try:
+        assert bootstrap.stdout is not None
+        page_url = next(line for line in bootstrap.stdout if line.startswith("Status page:")).split()[2]
         assert "/p2p/" in address and address.startswith("/ip4/127.0.0.1/")
         assert (tmp_path / "bootstrap.addr").read_text().split() == [address]
         config_path = tmp_path / "peer.yaml"
@@ -70,6 +72,9 @@ def test_bootstrap_prints_an_address_a_peer_joins_and_keeps_it_across_restarts(t
         assert status.returncode == 0, status.stderr[-2000:]
         documents = [json.loads(line) for line in status.stdout.splitlines()]
         assert [(d["run_id"], d["live_peers"]) for d in documents] == [("cli-test", 0), ("cli-test", 0)]
+        page = subprocess.run(cli("status", "--page", page_url), capture_output=True, text=True, timeout=60)
+        assert page.returncode == 0, page.stderr[-2000:]  # the bootstrap's own page, read with no DHT node
+        assert page.stdout.startswith("run 'cli-test':") and "0 live peer(s)" in page.stdout, page.stdout
     finally:
         assert stop(bootstrap) == 0, "bootstrap did not shut down cleanly on SIGTERM"
     restarted, second_address = start_bootstrap(tmp_path)

@@ -23,7 +23,8 @@ from p2ptrain.net.discovery import (
     present,
 )
 from p2ptrain.peer import TrainingPeer
-from p2ptrain.status import format_status_table, status_document
+from p2ptrain.status import status_document
+from p2ptrain.status_view import format_status_table
 
 NOW = 1000.0
 
@@ -60,14 +61,14 @@ def test_swarm_view_questions_and_the_status_table() -> None:
     assert [r.peer_id for r in view.others] == ["a", "b", "c"]
     assert [r.peer_id for r in view.at_round(3)] == ["a"]
     assert [r.peer_id for r in view.ahead_of(3)] == ["b"]  # a joining peer is not "ahead"
-    table = format_status_table(records, NOW + 2)
+    table = format_status_table(status_document("run", False, records, NOW + 2))
     assert "4 live peer(s)" in table and "2.500" in table and "2.0s" in table
     reached = [records[0].copy(update=dict(reach="direct", relay=True)),
                records[1].copy(update=dict(reach="relay", relay_via="QmRelayAbcdef")),
                records[2].copy(update=dict(reach="outbound"))]
-    lines = format_status_table(reached, NOW).splitlines()
+    lines = format_status_table(status_document("run", False, reached, NOW)).splitlines()
     assert "direct+relay" in lines[2] and "relay:Abcdef" in lines[3] and "outbound" in lines[4]
-    assert " ? " in format_status_table(records[3:], NOW).splitlines()[2]  # not tested yet
+    assert " ? " in format_status_table(status_document("run", False, records[3:], NOW)).splitlines()[2]  # untested
 
 
 def test_the_status_document_holds_every_field_but_the_ticket_and_round_trips_through_json() -> None:
@@ -136,8 +137,8 @@ def test_a_peer_that_left_is_gone_at_once_and_only_a_newer_record_brings_it_back
     assert [r.peer_id for r in watcher.records(current=True)] == ["B"]  # not after its TTL: now
     assert [r.peer_id for r in watcher.records(current=True)] == ["B"]  # the older record does not revive it
     assert [(r.peer_id, r.round) for r in watcher.records(current=True)] == [("A", 0), ("B", 3)]
-    assert "1 live peer(s)" in format_status_table(present(parse_records(
-        dht_result(entry(peer_id="A", phase="left"), entry(peer_id="B")), ttl_s=5.0, now=NOW)), NOW)
+    assert "1 live peer(s)" in format_status_table(status_document("run", False, present(parse_records(
+        dht_result(entry(peer_id="A", phase="left"), entry(peer_id="B")), ttl_s=5.0, now=NOW)), NOW))
 
 
 def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:

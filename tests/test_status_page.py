@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -67,6 +68,10 @@ def test_the_page_shows_every_live_peer_and_their_loss_curves_in_a_browser(
                    len(page.document()["history"]["swarm"]) >= 4, 120, "every peer's validation loss, 4 readings")
         with urllib.request.urlopen(page.url + "status.json", timeout=10) as answer:
             assert {p["peer_id"] for p in json.load(answer)["peers"]} == ids
+        listed = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--page", page.url, "--json"],
+                                capture_output=True, text=True, timeout=60)  # the CLI's path that starts no DHT node
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        assert {p["peer_id"] for p in json.loads(listed.stdout)["peers"]} == ids
         dom = browse(chromium, page.url, "--dump-dom")
         shot = browse(chromium, page.url, "--window-size=1100,900", f"--screenshot={tmp_path / 'page.png'}")
     finally:
