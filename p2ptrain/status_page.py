@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # peers whose curves are kept (identities are cheap: the one seen least recently goes first)
 MAX_POINTS = 720  # points a curve keeps: an hour at the default 5 s
+# the HTTP server's bounds (PageServer): connections at once, from one address, and the seconds one may sit idle
+MAX_CONNECTIONS = 64
+CONNECTIONS_PER_CLIENT = 8
+IDLE_S = 10.0
 
 
 class StatusHistory:
@@ -69,7 +73,7 @@ class StatusPage:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         try:
-            self.server = http.server.ThreadingHTTPServer((host, port), _handler(self))
+            self.server = PageServer((host, port), _handler(self))
         except OSError as e:
             raise UserError(f"cannot serve the status page on {host}:{port}: {e.strerror or e}") from None
         self.url = f"http://{host}:{self.server.server_address[1]}/"
@@ -123,8 +127,42 @@ class StatusPage:
         self.reader.close()
 
 
+class PageServer(http.server.ThreadingHTTPServer):
+    """The page's HTTP server, bounded for strangers: at most `max_connections` at once and `per_client` from one
+    address (beyond, a connection is closed at once), each closed by its handler after IDLE_S without a request.
+    Unbounded, a client that opened connections and sent nothing held a thread each, for ever."""
+
+    def __init__(self, address: tuple[str, int], handler: type[http.server.BaseHTTPRequestHandler],
+                 max_connections: int = MAX_CONNECTIONS, per_client: int = CONNECTIONS_PER_CLIENT):
+        super().__init__(address, handler)
+        self.max_connections, self.per_client = max_connections, per_client
+        self.open: collections.Counter[str] = collections.Counter()  # connections being served, by client address
+        self.open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        client = str(client_address[0])
+        with self.open_lock:
+            admitted = self.open.total() < self.max_connections and self.open[client] < self.per_client
+            if admitted:
+                self.open[client] += 1
+        if admitted:
+            super().process_request(request, client_address)
+        else:
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.open_lock:
+                self.open[str(client_address[0])] -= 1
+                self.open += collections.Counter()  # drops the clients left with none
+
+
 def _handler(page: StatusPage) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = IDLE_S  # a connection that sends no request within this is closed (PageServer's bound)
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path == "/status.json":

@@ -4,11 +4,14 @@ them. Records are strangers' words: a hostile peer id must come out as text, nev
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,7 +25,7 @@ from swarm_utils import PeerThread, start_peer, tiny_config, wait_until
 
 from p2ptrain.config import PeerConfig
 from p2ptrain.net.discovery import PeerRecord
-from p2ptrain.status_page import PAGE_JS, StatusHistory, StatusPage
+from p2ptrain.status_page import PAGE_JS, PageServer, StatusHistory, StatusPage
 
 
 @pytest.fixture
@@ -107,3 +110,42 @@ def test_a_hostile_record_is_shown_as_text_and_the_history_stays_bounded() -> No
         history.add(records(50, second), float(second))
     assert len(history.peers) == 3 and all(len(curve) <= 5 for curve in history.peers.values())
     assert "innerHTML" not in PAGE_JS and "textContent" in PAGE_JS  # records are written as text only
+
+
+@pytest.mark.network
+def test_the_page_server_bounds_connections_per_client_and_closes_idle_ones() -> None:
+    class Quick(http.server.BaseHTTPRequestHandler):
+        timeout = 1.0  # IDLE_S, shortened
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = PageServer(("127.0.0.1", 0), Quick, max_connections=8, per_client=2)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    address = ("127.0.0.1", server.server_address[1])
+    try:
+        idle = [socket.create_connection(address, timeout=30) for _ in range(2)]  # they send nothing
+        wait_until(lambda: server.open["127.0.0.1"] == 2, 30, "both idle connections taken in")
+        with socket.create_connection(address, timeout=30) as third:  # closed unanswered, its request unread
+            try:
+                third.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                answered = third.recv(16)
+            except ConnectionResetError:
+                answered = b""
+            assert answered == b"", f"a third connection from one client was served: {answered!r}"
+        for connection in idle:  # closed by the server once idle for the handler's timeout
+            assert connection.recv(1) == b""
+            connection.close()
+        wait_until(lambda: not server.open, 30, "the idle connections' slots freed")
+        with urllib.request.urlopen(f"http://127.0.0.1:{address[1]}/", timeout=30) as answer:
+            assert answer.read() == b"ok"
+    finally:
+        server.shutdown()
+        server.server_close()
