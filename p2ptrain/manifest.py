@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ LOCAL_KEYS = frozenset({
 PATH_KEYS = {"data.dataset": "--dataset", "model.name": "--model", "data.tokenizer": "data.tokenizer in --config"}
 MAX_FIELD_CHARS = 512
 DIGEST_CHARS = 32  # corpus_digest's hex digits
+NODE_MANIFEST_ENV = "P2PTRAIN_NODE_MANIFEST"  # the manifest a node's first process fetched ("" for none served)
 
 
 def shared_keys() -> frozenset[str]:
@@ -194,9 +196,11 @@ def join_config(manifest: RunManifest, explicit: dict[str, Any], local: PeerConf
 
 def join_run(config: PeerConfig, explicit: dict[str, Any],
              initial_peers: list[str]) -> tuple[PeerConfig, RunManifest | None]:
-    """The config to train with and the manifest it follows: asked of the initial peers (the first that answers);
-    `config` as it is where none of them serves a manifest (a bootstrap started without the run's config)."""
-    served = served_manifest(config, initial_peers, "ask the organiser for another address to join")
+    """The config to train with and the manifest it follows: asked of the initial peers (the first that answers),
+    or handed down by the node's first process (`hand_to_node`); `config` as it is where none of them serves a
+    manifest (a bootstrap started without the run's config)."""
+    served = handed_manifest() if NODE_MANIFEST_ENV in os.environ else \
+        served_manifest(config, initial_peers, "ask the organiser for another address to join")
     if served is None:
         return config, None
     source, manifest = served
@@ -209,6 +213,26 @@ def join_run(config: PeerConfig, explicit: dict[str, Any],
     joined = join_config(manifest, explicit, config, source)
     check_data_copy(manifest, joined, source)
     return joined, manifest
+
+
+def hand_to_node(manifest: RunManifest | None) -> None:
+    """Hand the manifest this process fetched to the node's other processes (`--workers N`: node/launcher.py
+    starts them with our environment), which then ask no peer for it: one fetch a node, not one a process."""
+    os.environ[NODE_MANIFEST_ENV] = "" if manifest is None else json.dumps(manifest.to_document())
+
+
+def handed_manifest() -> tuple[str, RunManifest | None]:
+    """The manifest handed down by `hand_to_node` (None: the run serves none), checked as a peer's would be."""
+    source, handed = "the node's first process", os.environ[NODE_MANIFEST_ENV]
+    if not handed:
+        return source, None
+    try:
+        document = json.loads(handed)
+    except ValueError:
+        document = None
+    if not isinstance(document, dict):
+        raise UserError(f"{NODE_MANIFEST_ENV} in the environment holds no run manifest: unset it")
+    return source, RunManifest.from_document(document, source)
 
 
 def check_data_copy(manifest: RunManifest, config: PeerConfig, source: str) -> None:

@@ -170,8 +170,8 @@ class TrainingPeer:
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
         served = self.manifest or RunManifest.of(  # what a volunteer joining through us gets
             cfg, self.fingerprint, corpus_digest(corpus_source(cfg.data)))
-        manifest = ManifestServer(served.to_document())
-        self.loop.run(manifest.add_p2p_handlers(self.p2p, namespace=MANIFEST_NAMESPACE))
+        self.manifest_server = ManifestServer(served.to_document())
+        self.loop.run(self.manifest_server.add_p2p_handlers(self.p2p, namespace=MANIFEST_NAMESPACE))
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,

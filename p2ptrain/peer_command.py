@@ -210,7 +210,7 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     import torch
 
     from p2ptrain.device import resolve_device
-    from p2ptrain.manifest import join_command, join_run
+    from p2ptrain.manifest import hand_to_node, join_command, join_run
     from p2ptrain.maths.data_parallel import NodeGroup
     from p2ptrain.peer import TrainingPeer
 
@@ -224,6 +224,8 @@ def run_peer(request: PeerRequest, conduct: Conduct | None = None, module: str =
     device = resolve_device(config.run.device)  # before the node starts: a bad device fails once, in one line
     if config.run.check_memory:
         check_memory_plan(config)
+    if request.workers is not None and request.workers > 1:
+        hand_to_node(manifest)  # the node's other processes take it from us
     start_node_processes(request.workers, module)
     node = NodeGroup.from_environment(device, config.run.node_timeout_s)
     if not node.is_leader:

@@ -20,12 +20,15 @@ from p2ptrain.errors import UserError
 from p2ptrain.export import byte_level_tokenizer
 from p2ptrain.manifest import (
     LOCAL_KEYS,
+    NODE_MANIFEST_ENV,
     RunManifest,
     check_data_copy,
     check_signature,
     founding_manifest,
+    hand_to_node,
     join_command,
     join_config,
+    join_run,
     shared_keys,
 )
 from p2ptrain.models import build_model
@@ -65,6 +68,25 @@ def test_a_volunteer_without_settings_trains_the_run_and_keeps_its_local_ones() 
         ("myrun", "tiny", "gasloc", 7)
     assert (config.data.batch_size, config.run.device, config.sync.allreduce_timeout_s) == (2, "cpu", 9.0)
     assert volunteer(manifest, **{"sync.mode": "gasloc", "inner.steps": 7}).inner.steps == 7  # repeating is fine
+
+
+def test_a_nodes_processes_take_the_manifest_its_first_process_fetched_and_ask_no_peer(monkeypatch) -> None:
+    def no_fetch(*_args: object) -> None:
+        raise AssertionError("a process of the node asked a peer for the manifest")
+
+    monkeypatch.setattr("p2ptrain.manifest.fetch_manifest", no_fetch)
+    monkeypatch.setenv(NODE_MANIFEST_ENV, "")  # restored after the test, whatever hand_to_node writes
+    manifest = founding_manifest(organiser())
+    hand_to_node(manifest)
+    local = load_config(None, {"data.batch_size": 2})
+    config, joined = join_run(local, {"data.batch_size": 2}, ["/ip4/127.0.0.1/tcp/1/p2p/" + PEER_ID])
+    assert joined == manifest and (config.run.run_id, config.sync.mode, config.inner.steps) == ("myrun", "gasloc", 7)
+    assert config.data.batch_size == 2
+    hand_to_node(None)  # the run serves none: the local config, as the first process found
+    assert join_run(local, {}, ["/ip4/127.0.0.1/tcp/1/p2p/" + PEER_ID]) == (local, None)
+    monkeypatch.setenv(NODE_MANIFEST_ENV, "[1, 2]")
+    with pytest.raises(UserError, match=f"{NODE_MANIFEST_ENV} in the environment holds no run manifest"):
+        join_run(local, {}, [])
 
 
 @pytest.mark.parametrize(("explicit", "named"), [

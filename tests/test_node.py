@@ -109,6 +109,7 @@ def test_a_node_trains_in_a_swarm_and_stops_cleanly_when_a_worker_dies(tmp_path:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(read_metrics(metrics)) >= 8, 240, "8 rounds of the node")
+        assert founder.peer.manifest_server.answered == 1, "the node's processes each fetched the manifest"
         rank_1_of(node).kill()
         _out, err = node.communicate(timeout=120)
     finally:

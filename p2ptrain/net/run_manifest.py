@@ -35,11 +35,13 @@ class ManifestServer(ServicerBase):
             raise ValueError(f"a run manifest of {len(encoded)} bytes exceeds {MAX_MANIFEST_BYTES}")
         self.answer = averaging_pb2.DownloadData(metadata=encoded)
         self.limit = RateLimit(MANIFESTS_PER_S, MANIFEST_BURST)
+        self.answered = 0  # requests answered with the manifest
 
     async def rpc_run_manifest(self, _request: averaging_pb2.DownloadData,
                                context: P2PContext) -> averaging_pb2.DownloadData:
         if not self.limit.take(context.remote_id.to_base58()):
             return averaging_pb2.DownloadData(metadata=encode_metadata({"refused": "too many manifest requests"}))
+        self.answered += 1
         return self.answer
 
 
