@@ -77,10 +77,10 @@ def bootstrap(address_file: str | None, run_id: str | None, config_path: str | N
             join = join_command(config, maddr) if manifest is not None else \
                 f"p2ptrain peer --run-id {config.run.run_id} --initial-peers {maddr}"
             click.echo(f"  {join}")
-        from p2ptrain.status_page import StatusPage
+        if status_port is not None:
+            from p2ptrain.status_page import StatusPage
 
-        page = StatusPage.beside(config, node.maddrs, status_host, status_port)
-        if page is not None:
+            page = StatusPage.beside(config, node.maddrs, status_host, status_port)
             click.echo(f"Status page: {page.url} (also `p2ptrain status --page {page.url}`)")
         sys.stdout.flush()
         node.serve_until(stop)
@@ -123,14 +123,14 @@ def status(initial_peers: tuple[str, ...], page_url: str | None, run_id: str | N
         raise click.UsageError("--serve shows the page: it takes neither --json nor --count")
     if bool(initial_peers) == bool(page_url):
         raise click.UsageError("give either --initial-peers (a live peer or bootstrap) or --page (a status page)")
+    if page_url and (serve_port is not None or run_id):
+        raise click.UsageError("--page reads the run its page shows: it takes neither --serve nor --run-id")
     stop = threading.Event()
     if every_s is not None:  # Ctrl-C ends the watch after the refresh in progress
         install_stop_handlers(stop.set)
     if page_url:  # imports neither hivemind nor torch: that is the point of this path
         from p2ptrain.status_view import read_page, show_status
 
-        if serve_port is not None or run_id:
-            raise click.UsageError("--page reads the run its page shows: it takes neither --serve nor --run-id")
         show_status(lambda: read_page(page_url), as_json, every_s, count, stop)
         return
     from p2ptrain.config import load_config

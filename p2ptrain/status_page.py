@@ -89,12 +89,9 @@ class StatusPage:
             thread.start()
 
     @classmethod
-    def beside(cls, config: PeerConfig, maddrs: Sequence[str], host: str, port: int | None) -> StatusPage | None:
+    def beside(cls, config: PeerConfig, maddrs: Sequence[str], host: str, port: int) -> StatusPage:
         """The page of a node on this machine (the bootstrap's `--status-port`), read by a client node of its own:
-        a throwaway identity and a free port (not the node's), no probing, the node's admission rules. None
-        without a port."""
-        if port is None:
-            return None
+        a throwaway identity and a free port (not the node's), no probing, the node's admission rules."""
         listen = "/ip4/127.0.0.1/tcp/0" if all(is_loopback(m) for m in maddrs) else "/ip4/0.0.0.0/tcp/0"
         network = dataclasses.replace(config.network, host_maddrs=(listen,), announce_maddrs=(), identity_path="",
                                       client_mode=True, nat_port_map=False, auto_nat=False, relay=False,
