@@ -48,8 +48,8 @@ def test_three_peers_train_agree_and_are_listed(capsys):
         for thread in threads[1:]:
             assert max_param_difference(reference, thread.params_after_round[last_full]) < AGREEMENT_TOLERANCE
         status_config = replace_section(config, "network", client_mode=True)
-        records = print_status(status_config, first.maddrs)
-        assert {r.peer_id for r in records} == {p.peer_id for p in peers}
+        document = print_status(status_config, first.maddrs)
+        assert {p["peer_id"] for p in document["peers"]} == {p.peer_id for p in peers}
         capsys.readouterr()
         print_status(status_config, first.maddrs, as_json=True, every_s=0.5, count=2)  # `status --json --watch`
         documents = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
