@@ -8,22 +8,15 @@ interpreter's own start-up; tests/test_cli_errors.py keeps real subprocesses for
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Mapping
 
 from p2ptrain.testnet.forkserver import PRELOADED as TESTNET_PRELOADED
-from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer, kept_server
 
 PRELOADED = (*TESTNET_PRELOADED, "p2ptrain.node", "p2ptrain.testnet.netns_run")
 ZygoteChild = ForkedProcess  # one command run by the zygote
 
-_zygotes: dict[tuple[tuple[str, str], ...], ForkServer] = {}
-
 
 def zygote(env: Mapping[str, str]) -> ForkServer:
-    """The zygote of this process for `env`, started on first use and closed at exit."""
-    key = tuple(sorted(env.items()))
-    if key not in _zygotes:
-        _zygotes[key] = ForkServer(env, PRELOADED)
-        atexit.register(_zygotes[key].close)
-    return _zygotes[key]
+    """The zygote of this process for `env`: a fork server it keeps, started on first use and closed at exit."""
+    return kept_server(env, PRELOADED)

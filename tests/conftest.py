@@ -33,7 +33,7 @@ from docker_utils import DOCKER_SETUP
 from early_jobs import BROWSER, TYPE_CHECK, WANDB, remove_ended, start_wanted, wait_ended
 from subreaper import set_child_subreaper
 
-from p2ptrain.testnet.forkserver import import_time_locks, renew_locks
+from p2ptrain.testnet.forkserver import import_time_locks, kept_server_pids, renew_locks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -171,13 +171,15 @@ _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
-    machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
+    machine-wide test also waits for the niced type check to end, and a docker test for the Docker set-up (in the
+    idle class, it runs on beside the other machine-wide tests)."""
     if _alone(item):
         started = time.monotonic()
-        wait_ended([TYPE_CHECK, DOCKER_SETUP])
+        awaited = [TYPE_CHECK, DOCKER_SETUP] if item.get_closest_marker("docker") else [TYPE_CHECK]
+        wait_ended(awaited)
         waited_s = time.monotonic() - started
         if waited_s > EARLY_WAIT_NOTED_S:  # in the warnings summary, which xdist forwards: the run's idle time
-            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs (type check, Docker set-up)"))
+            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for {', '.join(j.name for j in awaited)}"))
     if _share is not None:
         _share.enter(_alone(item))
     yield
@@ -210,8 +212,11 @@ def _name(process: psutil.Process) -> str:
 
 
 def _our_descendants() -> list[psutil.Process]:
-    """Descendants of this pytest process, except torch's shared-memory manager (it must outlive us)."""
-    return [p for p in psutil.Process().children(recursive=True) if _name(p) not in ("", "torch_shm_manager")]
+    """Descendants of this pytest process, except torch's shared-memory manager and the fork servers this process
+    keeps (forkserver.kept_server): they must outlive each test. A kept server's children are reaped as any."""
+    kept = kept_server_pids()
+    return [p for p in psutil.Process().children(recursive=True)
+            if _name(p) not in ("", "torch_shm_manager") and p.pid not in kept]
 
 
 def _terminate(processes: list[psutil.Process]) -> list[psutil.Process]:

@@ -355,5 +355,37 @@ class ForkServer:
                 self.process.wait()
 
 
+# ---- one server a process keeps -----------------------------------------------------------------------------------
+# pytest sets this variable per test phase, and neither an import nor a testnet process reads it: a kept server is
+# not replaced when it alone differs
+PER_CHILD_VARIABLES = ("PYTEST_CURRENT_TEST",)
+
+_kept: dict[tuple[str, ...], tuple[dict[str, str], ForkServer]] = {}  # preloaded: (its import-time env, the server)
+
+
+def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name not in PER_CHILD_VARIABLES}
+
+
+def kept_server(env: Mapping[str, str], preloaded: Sequence[str] = PRELOADED) -> ForkServer:
+    """The fork server this process keeps for `preloaded`: started on first use and reused by every later testnet
+    of the process (each stops its own children), so that one run after another pays the imports once; replaced
+    when `env` differs at import time or the server has died; closed at exit."""
+    key, wanted = tuple(preloaded), _import_time_env(env)
+    held = _kept.get(key)
+    if held is not None and (held[0] != wanted or held[1].process.poll() is not None):
+        held[1].close()
+        held = None
+    if held is None:
+        held = _kept[key] = wanted, ForkServer(env, preloaded)
+        atexit.register(held[1].close)
+    return held[1]
+
+
+def kept_server_pids() -> set[int]:
+    """The pids of the servers this process keeps: they outlive each testnet on purpose."""
+    return {server.process.pid for _env, server in _kept.values() if server.process.poll() is None}
+
+
 if __name__ == "__main__":
     serve(sys.argv[1:])

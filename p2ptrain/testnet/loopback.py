@@ -22,7 +22,7 @@ import click
 
 from p2ptrain.errors import UserError
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer, kept_server
 from p2ptrain.testnet.hosttools import handling_signals, interrupt, process_env
 from p2ptrain.timing import SLOW_POLL_S
 
@@ -78,14 +78,14 @@ class ProcessGroup:
                                            start_new_session=True)
         else:
             if self.server is None:
-                self.server = ForkServer(process_env())
+                self.server = kept_server(process_env())
             process = self.server.start({"module": module}, args, Path.cwd(), log_path, session=True)
         self.children[name] = process
         return process
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM each main process (not its group: the peer must shut its own DHT down and checkpoint), then
-        SIGKILL whatever is left of each group; then the server ends."""
+        SIGKILL whatever is left of each group; the fork server stays for the process's next testnet."""
         for process in self.children.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -97,8 +97,6 @@ class ProcessGroup:
                 pass
             _signal_group(process, signal.SIGKILL)  # also reaps p2pd daemons left in the group
             process.wait()
-        if self.server is not None:
-            self.server.close()
 
 
 def _signal_group(process: TestnetProcess, signum: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from p2ptrain.testnet.engine import PORT, HostControl, ScenarioOptions, merged_peer_config, prepare_run, run_scenario
-from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer
+from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer, kept_server
 from p2ptrain.testnet.homes import require_nat_support
 from p2ptrain.testnet.hosttools import process_env
 from p2ptrain.testnet.loopback import cli_module
@@ -44,15 +44,13 @@ class NetnsHosts:
         self.server: ForkServer | None = None
 
     def create(self) -> None:
-        # started first: its imports overlap the building of the namespaces
-        self.server = ForkServer(process_env())
+        # started first (unless this process keeps one already): its imports overlap the building of the namespaces
+        self.server = kept_server(process_env())
         self.testbed.create()
 
     def teardown(self) -> None:
-        self.testbed.teardown()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.testbed.teardown()  # stops every process forked for the run; the server stays for the next
+        self.server = None
 
     def address(self, host: str) -> str:
         return self.testbed.address(host)
