@@ -51,7 +51,7 @@ class EarlyJob:
                  f"{self._file(step, 'rc')}; [ $rc = 0 ] || exit" for step, argv in self.steps]
         script = f"cd {shlex.quote(str(REPO))} || exit\n(\n" + "\n".join(lines) + f"\n); touch {self.workdir / 'ended'}"
         # niced: the tests beside it count exchanges in wall-clock rounds (a GASLoC swarm started none while dockerd
-        # started); what the job starts (dockerd, its builds) inherits the niceness
+        # started); what the job starts (dockerd, its builds) inherits the niceness, and a step may lower its own
         with orphans_go_to_init():  # the shell exits at once; its backgrounded child goes to init
             subprocess.run(["nice", "-n", "10", "sh", "-c", f"( {script} ) >/dev/null 2>&1 &"], check=True, timeout=30)
 
@@ -63,7 +63,12 @@ class EarlyJob:
         rc_file = self._file(step, "rc")
         while not rc_file.exists():
             if (self.workdir / "ended").exists() and not rc_file.exists():
-                return subprocess.CompletedProcess([step], -1, "", f"not run: an earlier step of {self.name} failed")
+                failed = next((name for name, _argv in self.steps if self._file(name, "rc").exists()
+                               and self._file(name, "rc").read_text().strip() != "0"), "?")
+                err = self._file(failed, "err")
+                said = err.read_text(errors="replace")[-2000:] if err.exists() else ""
+                return subprocess.CompletedProcess([step], -1, "", f"not run: step {failed} of {self.name} failed: "
+                                                                   f"{said}")
             assert time.monotonic() < deadline, f"{self.name}: step {step} not done after {self.timeout_s:.0f} s"
             time.sleep(POLL_S)
         return subprocess.CompletedProcess(dict(self.steps)[step], int(rc_file.read_text()),
