@@ -40,6 +40,9 @@ def wait_for_peers(swarm: Callable[[], SwarmView], run: RunConfig, stop: threadi
         if not said_so:
             in_round_0()
             said_so = True
+            if seen >= run.min_peers:  # the last to come: the others see our record at their next read, a poll on
+                stop.wait(poll_s)  # (a GASLoC peer released at once ran 4 rounds before they began their first)
+                break
         if seen >= run.min_peers:
             break
         if time.monotonic() >= deadline or stop.is_set():

@@ -67,3 +67,25 @@ def test_the_wait_ends_after_min_peers_wait_s_or_on_stop_with_a_warning(caplog: 
     stop = threading.Event()
     stop.set()
     assert wait(Arrivals(total=1), min_peers=5, stop=stop) <= 2  # Ctrl-C while waiting: no wait_s to sit out
+
+
+class RecordedStop(threading.Event):
+    """A stop event that records each wait on it and returns at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return self.is_set()
+
+
+def test_the_last_to_arrive_gives_the_others_one_poll_to_see_it_before_it_starts() -> None:
+    """The others see its record at their next read: released at once, a GASLoC peer ran 4 rounds before they began
+    their first (test_gasloc_overlap.py's swarm, 2 of 3 runs)."""
+    last_to_arrive, stop = Arrivals(total=4), RecordedStop()
+    last_to_arrive.reads = 4  # its first read shows the 4 others
+    assert wait(last_to_arrive, min_peers=5, stop=stop) == 5 and stop.waits == [0.01]
+    first, stop = Arrivals(total=4), RecordedStop()  # released by its fifth read: the others already see it
+    assert wait(first, min_peers=5, stop=stop) == 5 and stop.waits == [0.01] * 4
