@@ -15,12 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCKER_ENV = REPO_ROOT / ".ci" / "docker-env"
 STATE = Path("/run/p2ptrain-docker")
 PEER_IMAGE, BOOTSTRAP_IMAGE = "p2ptrain-peer:ci", "p2ptrain-bootstrap:ci"  # what `.ci/docker-env build` tags
-# Install the engine (apt, niced as every early job: a test may wait for dpkg's lock), then start dockerd, make the
-# base image and the wheelhouse, and build both images as users do (minutes on a fresh CI machine) in the idle class:
-# on CPU time no test wants, beside the machine-wide tests if need be (only the docker tests, the last, wait for it)
-IDLE_CLASS = ["chrt", "--idle", "0"]
-DOCKER_SETUP = EarlyJob("docker", [("tools", [str(DOCKER_ENV), "tools"]), ("up", [*IDLE_CLASS, str(DOCKER_ENV), "up"]),
-                                   ("build", [*IDLE_CLASS, str(DOCKER_ENV), "build"])],
+# install, start dockerd, base image and wheelhouse; then both images, as users build them (minutes on a fresh CI)
+DOCKER_SETUP = EarlyJob("docker", [("up", [str(DOCKER_ENV), "up"]), ("build", [str(DOCKER_ENV), "build"])],
                         reader="docker_env", timeout_s=1800)
 WAS_UP = (STATE / "base-image").exists()  # before this session: then the session leaves it up
 

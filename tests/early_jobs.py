@@ -51,7 +51,7 @@ class EarlyJob:
                  f"{self._file(step, 'rc')}; [ $rc = 0 ] || exit" for step, argv in self.steps]
         script = f"cd {shlex.quote(str(REPO))} || exit\n(\n" + "\n".join(lines) + f"\n); touch {self.workdir / 'ended'}"
         # niced: the tests beside it count exchanges in wall-clock rounds (a GASLoC swarm started none while dockerd
-        # started); what the job starts (dockerd, its builds) inherits the niceness, and a step may lower its own
+        # started); what the job starts (dockerd, its builds) inherits the niceness
         with orphans_go_to_init():  # the shell exits at once; its backgrounded child goes to init
             subprocess.run(["nice", "-n", "10", "sh", "-c", f"( {script} ) >/dev/null 2>&1 &"], check=True, timeout=30)
 
