@@ -8,11 +8,14 @@ netns or docker); one that does so unmarked fails, so the fast tier (none of the
 
 Under pytest-xdist (setup.cfg: `-n 2 --dist loadgroup --no-loadscope-reorder`), the netns, docker and `alone` tests
 form one group that one worker runs last, and while one of them runs no other test runs beside it (`MachineShare`):
-each loads the whole machine, or counts rounds in wall-clock time. The other tests run two at a time before it.
+each loads the whole machine, or counts rounds in wall-clock time. The other tests run two at a time before it, but
+the `background` ones (CPU work that asserts nothing timed), which come after it: the other worker runs them beside
+the group in the idle class (SCHED_IDLE), on the CPU time its wall-clock scenarios leave.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -80,6 +83,15 @@ def _alone(item: pytest.Item) -> bool:
     return _machine_wide_group(item) is not None
 
 
+def _background(item: pytest.Item) -> bool:
+    return item.get_closest_marker("background") is not None and not _alone(item)
+
+
+def _run_order(item: pytest.Item) -> tuple[int, bool]:
+    """The other tests, then the machine-wide group (the docker tests last of it), then the background ones."""
+    return 2 if _background(item) else 1 if _alone(item) else 0, item.get_closest_marker("docker") is not None
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The machine-wide tests go to one xdist worker: marked as they are collected, before xdist names each
     test's group from its marks."""
@@ -90,8 +102,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The machine-wide tests come last, the docker ones last of them: the early jobs (type check, Docker set-up)
-    run beside the other tests and are over before the first test that must wait for them. Under xdist this needs
+    """The machine-wide tests come after the others, the docker ones last of them, and the background tests after
+    the group (`_run_order`): the early jobs (type check, Docker set-up) run beside the other tests and are over
+    before the first test that must wait for them, and the background tests run beside the group. Under xdist this needs
     `--no-loadscope-reorder` (setup.cfg), which keeps the groups in this order; the default puts the largest first.
 
     Under `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would spread
@@ -101,7 +114,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ungrouped:
             raise pytest.UsageError(f"xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): check the "
                                     f"pytest and pytest-xdist versions (setup.cfg)")
-    items.sort(key=lambda item: (_machine_wide_group(item) is not None, item.get_closest_marker("docker") is not None))
+    items.sort(key=_run_order)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -171,20 +184,32 @@ _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
-    machine-wide test also waits for the niced type check to end, and a docker test for the Docker set-up (in the
-    idle class, it runs on beside the other machine-wide tests)."""
+    machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
     if _alone(item):
         started = time.monotonic()
-        awaited = [TYPE_CHECK, DOCKER_SETUP] if item.get_closest_marker("docker") else [TYPE_CHECK]
-        wait_ended(awaited)
+        wait_ended([TYPE_CHECK, DOCKER_SETUP])
         waited_s = time.monotonic() - started
         if waited_s > EARLY_WAIT_NOTED_S:  # in the warnings summary, which xdist forwards: the run's idle time
-            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for {', '.join(j.name for j in awaited)}"))
-    if _share is not None:
+            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs (type check, Docker set-up)"))
+    in_background = _share is not None and _background(item)
+    if in_background:
+        _share.leave()
+        _set_scheduling(os.SCHED_IDLE)
+    elif _share is not None:
         _share.enter(_alone(item))
     yield
+    if in_background:
+        _set_scheduling(os.SCHED_OTHER)
     if _share is not None and not (nextitem is not None and _alone(item) and _alone(nextitem)):
         _share.leave()
+
+
+def _set_scheduling(policy: int) -> None:
+    """Every thread of this worker (torch's pool too) to `policy`; what they start inherits it. Leaving SCHED_IDLE
+    needs root: elsewhere the worker stays in it, and only background tests come after one."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setscheduler(int(task), policy, os.sched_param(0))
 
 
 @pytest.fixture(autouse=True)

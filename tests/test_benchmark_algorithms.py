@@ -118,6 +118,7 @@ def test_choco_with_an_exact_codec_is_gasloc_on_its_overlay() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 def test_quick_run(tmp_path: Path) -> None:
     settings, _ = algorithms.parse_args(["--quick"])
     assert settings.seeds == 2 and settings.wallclock

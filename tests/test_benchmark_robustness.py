@@ -32,6 +32,7 @@ def test_attackers_values() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 def test_quick_run(tmp_path: Path) -> None:
     settings, _ = robustness.parse_args(["--quick"])
     output = tmp_path / "robustness.json"

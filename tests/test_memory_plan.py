@@ -74,6 +74,7 @@ MEASURED = [("small", Settings(batch_size=32, seq_len=256, precision="fp32")),
 
 
 @pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 @pytest.mark.parametrize(("name", "settings"), MEASURED, ids=lambda x: str(x) if isinstance(x, str) else (
     f"{x.batch_size}x{x.seq_len}-{x.precision}" + ("-ckpt" if x.activation_checkpointing else "")))
 def test_the_training_estimate_is_within_15_percent_of_the_peak_rss(name: str, settings: Settings) -> None:
