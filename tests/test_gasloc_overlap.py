@@ -156,7 +156,7 @@ def test_overlap_for_gasloc_is_delayed_only_and_its_momentum_is_gasloc_momentum(
 @pytest.mark.alone  # how far the peers agree depends on how many exchanges their wall-clock rounds completed
 @pytest.mark.usefixtures("one_torch_thread")
 def test_an_overlapped_gasloc_swarm_trains_and_its_peers_agree():
-    config = tiny_config(f"gasloc-overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 8},
+    config = tiny_config(f"gasloc-overlap-{uuid.uuid4().hex[:6]}", run={"rounds": 12},
                          sync={"mode": "gasloc", "overlap": "delayed"})
     threads, histories = run_swarm(config, peers=3)
     for history in histories:
