@@ -7,7 +7,9 @@ of different sizes). With `run.min_peers` a fresh peer waits before its first ro
 until it sees that many peers of the run (itself included), at most `run.min_peers_wait_s`. From its first look it
 says it is in round 0 (its record and round-0 snapshot), so a peer released a moment before it counts it in round
 0's group and waits for it (`sync.matchmaking_s` at most); it must then run round 0, not wait for round 1
-(joining.py). A swarm already past round 0 is joined at once: the wait is for a start, not a quorum.
+(joining.py). The last to come waits one poll, the time the others need to see it: gossip rounds have no gate
+that would hold it back for them. A swarm already past round 0 is joined at once: the wait is for a start, not a
+quorum.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def wait_for_peers(swarm: Callable[[], SwarmView], run: RunConfig, stop: threadi
             in_round_0()
             said_so = True
             if seen >= run.min_peers:  # the last to come: the others see our record at their next read, a poll on
-                stop.wait(poll_s)  # (a GASLoC peer released at once ran 4 rounds before they began their first)
+                stop.wait(poll_s)
                 break
         if seen >= run.min_peers:
             break
