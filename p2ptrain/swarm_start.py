@@ -39,13 +39,13 @@ def wait_for_peers(swarm: Callable[[], SwarmView], run: RunConfig, stop: threadi
         seen = 1 + len(others)
         if any(r.round > 0 for r in others):  # a swarm that started: joined as any late peer joins
             break
-        if not said_so:
+        first_read = not said_so
+        if first_read:
             in_round_0()
             said_so = True
-            if seen >= run.min_peers:  # the last to come: the others see our record at their next read, a poll on
-                stop.wait(poll_s)
-                break
         if seen >= run.min_peers:
+            if first_read:  # the last to come: the others see our record at their next read, a poll on
+                stop.wait(poll_s)
             break
         if time.monotonic() >= deadline or stop.is_set():
             logger.warning(f"starting with {seen} of the {run.min_peers} peers run.min_peers waits for: the others "
