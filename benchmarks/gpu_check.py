@@ -1,11 +1,14 @@
-"""What no CI machine runs: p2ptrain on a CUDA device, in one process (about 5 minutes on one GPU).
+"""What no CI machine runs: p2ptrain on a CUDA device, in one process (about 3 minutes on an H200).
 
 1. memory: for the `base` preset and a 124M Llama (GPT-2 small's sizes, built from its config, no download), three
    inner steps and one outer step in bf16 autocast (the Llama also in fp16 with the loss scale and the outer state
    on the device, and in bf16 with activation checkpointing); the plan's device peak (memory/plan.py, less the CUDA
    context it assumes) against `torch.cuda.max_memory_allocated`, and tokens/s;
 2. a swarm: two peers on loopback share the device and train the 124M model for 3 rounds with DiLoCo's exchange
-   all-reduce: both losses fall and the two end in one state.
+   all-reduce: both losses fall and the two end in one state;
+3. the peer command on the device: a model the plan says does not fit (Llama 2 70B's sizes) is refused at start in
+   one line with the plan's advice; on CUDA, with that check off, a batch too big for the device runs out of memory
+   and ends in one line with the same advice (a CPU raises no out-of-memory error to show).
 
     python benchmarks/gpu_check.py                   # a CUDA device
     python benchmarks/gpu_check.py --device cpu --quick   # the same code at toy sizes (CI: test_benchmark_gpu_check)
@@ -20,6 +23,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from transformers import LlamaConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +52,11 @@ from p2ptrain.tensor_layout import distance, norm  # noqa: E402
 RESULTS_PATH = REPO / "benchmarks" / "results" / "gpu_check.json"
 VOCAB_SIZE = 257  # the byte tokenizer's
 GIB = 2**30
+# Llama 2 70B's sizes (its config alone, no weights): no single device of today holds its training state
+HUGE_LLAMA = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=32000)
+OOM_BATCH = 512  # sequences of 1024 tokens of the 124M model in one step: its logits alone take over 100 GiB
+PEER_COMMAND_TIMEOUT_S = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +88,36 @@ def llama_dir(size: Size, root: Path) -> str:
     LlamaConfig(max_position_embeddings=max(size.seq_len, size.swarm_seq_len), num_key_value_heads=size.llama[
         "num_attention_heads"], tie_word_embeddings=True, **size.llama).save_pretrained(directory)
     return str(directory)
+
+
+def run_peer_command(case: str, model: str, batch_size: int, seq_len: int, device: torch.device, root: Path,
+                     check_memory: bool = True) -> dict[str, Any]:
+    """`p2ptrain peer --config FILE` in a process of its own, on loopback, for one round: how it ended."""
+    config = {"run": {"run_id": f"gpu-check-{uuid.uuid4().hex[:6]}", "rounds": 1, "device": device.type,
+                      "progress": False, "check_memory": check_memory},
+              "model": {"name": model, "max_seq_len": seq_len},
+              "data": {"seq_len": seq_len, "batch_size": batch_size, **CORPUS},
+              "network": NETWORK}
+    path = root / f"{case.replace(' ', '-')}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "p2ptrain", "peer", "--config", str(path)], capture_output=True,
+                          text=True, timeout=PEER_COMMAND_TIMEOUT_S, cwd=root, env=dict(os.environ))
+    lines = done.stderr.strip().splitlines()
+    return {"case": case, "exit": done.returncode, "last_line": lines[-1] if lines else "",
+            "error_lines": sum(line.startswith("error:") for line in lines),
+            "traceback": "Traceback" in done.stderr, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def check_peer_command(size: Size, device: torch.device, root: Path, llama: str) -> list[dict[str, Any]]:
+    """The peer's refusals on this device: the plan at start, and (CUDA) an out-of-memory error with the check off."""
+    huge = root / "llama-70b"
+    LlamaConfig(max_position_embeddings=4096, **HUGE_LLAMA).save_pretrained(huge)
+    rows = [run_peer_command("does not fit", str(huge), size.swarm_batch, size.swarm_seq_len, device, root)]
+    if device.type == "cuda":
+        rows.append(run_peer_command("out of memory", llama, OOM_BATCH, size.seq_len, device, root,
+                                     check_memory=False))
+    return rows
 
 
 def measure_memory(name: str, size: Size, device: torch.device, precision: str = "auto",
@@ -174,6 +215,11 @@ def verdict(report: dict[str, Any]) -> list[str]:
         problems.append(f"swarm: no round averaged both peers: {swarm['peers_averaged']}")
     if swarm["state_distance"] > 1e-4:
         problems.append(f"swarm: the peers end {swarm['state_distance']:.2e} apart (relative)")
+    said = {"does not fit": "does not fit its device", "out of memory": "memory at round"}
+    for row in report.get("peer_command", []):
+        if row["exit"] != 2 or row["traceback"] or row["error_lines"] != 1 or said[row["case"]] not in row["last_line"]:
+            problems.append(f"peer command, {row['case']}: exit {row['exit']}, traceback {row['traceback']}, "
+                            f"last line {row['last_line'][:200]!r}")
     return problems
 
 
@@ -190,7 +236,10 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"swarm of 2 on one device: rounds {s['rounds']}, val loss {s['val_loss']}, peers averaged "
                   f"{s['peers_averaged']}, tokens/s per peer {s['tokens_per_s']}, end distance "
                   f"{s['state_distance']:.1e}, {s['wall_s']:.0f} s", "",
-              "PASS" if not report["problems"] else "FAIL: " + "; ".join(report["problems"])]
+              ""]
+    lines += [f"peer command, {r['case']}: exit {r['exit']} in {r['seconds']:.0f} s, {r['last_line'][:160]}"
+              for r in report.get("peer_command", [])]
+    lines += ["", "PASS" if not report["problems"] else "FAIL: " + "; ".join(report["problems"])]
     return "\n".join(lines)
 
 
@@ -201,7 +250,9 @@ def run(device: torch.device, size: Size, output: Path, memory_rows: bool = True
                   measure_memory(llama, size, device, "fp16", state_device="device"),
                   measure_memory(llama, size, device, "bf16", checkpointing=True)] if memory_rows else []
         swarm = dict(run_swarm(llama, size, device), rounds_asked=size.swarm_rounds)
+        peer_command = check_peer_command(size, device, Path(root), llama)
     report = {"device": str(device), "torch": torch.__version__, "memory": memory, "swarm": swarm,
+              "peer_command": peer_command,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["problems"] = verdict(report)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,19 @@ def test_the_cpu_path_runs_every_section_and_passes(tmp_path: Path) -> None:
     swarm = report["swarm"]
     assert swarm["rounds"] == [2, 2] and swarm["state_distance"] < 1e-6 and not swarm["errors"]
     assert json.loads((tmp_path / "gpu_check.json").read_text())["swarm"]["rounds_asked"] == 2
+    # a CPU raises no out-of-memory error: only the refusal at start runs here
+    [refused] = report["peer_command"]
+    assert refused["case"] == "does not fit" and refused["exit"] == 2 and not refused["traceback"]
+    assert refused["last_line"].startswith("error: this peer does not fit its device: cpu ")
     table = gpu_check.table(report)
     assert table.splitlines()[-1] == "PASS" and "llama-124m" in table
 
 
-def test_the_verdict_fails_a_plan_below_the_peak_a_split_swarm_and_a_loss_that_did_not_fall() -> None:
+def test_the_verdict_fails_a_plan_below_the_peak_a_split_swarm_a_loss_that_did_not_fall_and_a_traceback() -> None:
     row = {"model": "m", "precision": "bf16", "finite": True, "plan_error": -0.1}
     swarm = {"errors": [], "rounds": [3, 3], "rounds_asked": 3, "val_loss": [[4.0, 3.0], [4.0, 4.1]],
              "peers_averaged": [[1, 1], [1, 1]], "state_distance": 0.5}
-    problems = gpu_check.verdict({"memory": [row], "swarm": swarm})
-    assert len(problems) == 4 and "plan is -10.0 %" in problems[0]
+    out_of_memory = {"case": "out of memory", "exit": 1, "traceback": True, "error_lines": 0,
+                     "last_line": "torch.OutOfMemoryError: CUDA out of memory."}
+    problems = gpu_check.verdict({"memory": [row], "swarm": swarm, "peer_command": [out_of_memory]})
+    assert len(problems) == 5 and "plan is -10.0 %" in problems[0] and "out of memory: exit 1" in problems[4]
