@@ -53,6 +53,7 @@ from p2ptrain.net.discovery import (
 )
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.run_manifest import NAMESPACE as MANIFEST_NAMESPACE
 from p2ptrain.net.run_manifest import ManifestServer
@@ -165,7 +166,7 @@ class TrainingPeer:
         self.services = start_services(self.p2p, self.loop, cfg.network, self.admission)
         self.routes = self.services.routes  # who reaches whom: read from the records every round
         state_server = StateServer(lambda: self._snapshot, self.reputation.refuses, self.reputation.penalise,
-                                   cfg.sync.state_download_timeout_s)
+                                   cfg.sync.state_download_timeout_s, host_of=RemoteHosts.of(self.p2p).host_of)
         self.loop.run(state_server.add_p2p_handlers(self.p2p, namespace=cfg.run.run_id))
         state_server.serve_relayed(self.services.entry, cfg.run.run_id)
         served = self.manifest or RunManifest.of(  # what a volunteer joining through us gets

@@ -49,11 +49,13 @@ from p2ptrain.joining import (
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
     DOWNLOAD_BURST,
     DOWNLOADS_AT_ONCE,
+    DOWNLOADS_PER_HOST,
     SKETCH_BLOCK,
     SKETCH_BURST,
     SKETCH_SIZE,
@@ -888,6 +890,50 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
     assert DOWNLOAD_BURST <= served_count <= DOWNLOAD_BURST + 1  # a token may come back meanwhile
     assert offences == {b_id.to_base58(): {"slow_send": 1, "too_many_requests": DOWNLOAD_BURST + 2 - served_count},
                         d_id.to_base58(): {"slow_send": 1, "too_many_opens": 1}}, offences
+
+
+@pytest.mark.network
+def test_a_donor_serves_one_state_download_at_a_time_to_each_host_and_charges_no_offence_for_it():
+    """Two identities of one machine held both download slots of a donor before (one each). Now a host gets
+    DOWNLOADS_PER_HOST at a time: its second identity is refused as busy (no offence: the peers of one home share
+    their address), while a peer of another host takes the other slot. 127.0.0.2 and .3 are other hosts here."""
+    big = StateSnapshot.capture({"round": 7, "run_id": "run", "fingerprint": "fp"},
+                                [("param:w", torch.randn(1024, 1024))])
+    layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(big.names, big.tensors, strict=True)]
+
+    async def scenario() -> tuple[object, object, object, dict[str, dict[str, int]]]:
+        options = dict(nat_port_map=False, auto_nat=False, use_relay=False)
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **options)
+        one_host = [await P2P.create(initial_peers=await a.get_visible_maddrs(),
+                                     host_maddrs=["/ip4/127.0.0.2/tcp/0"], **options) for _ in range(2)]
+        other_host = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.3/tcp/0"],
+                                      **options)
+        reputation = Reputation()
+        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=0.5,
+                             host_of=RemoteHosts(a).host_of)
+        await server.add_p2p_handlers(a, namespace="run")
+        try:
+            assert DOWNLOADS_PER_HOST == 1 < DOWNLOADS_AT_ONCE
+            stalled = await StateServer.get_stub(one_host[0], a.peer_id, namespace="run").rpc_download_state(
+                averaging_pb2.DownloadRequest())
+            await stalled.__anext__()  # one message read, then nothing: its slot stays held until its deadline
+            refused, other = await asyncio.gather(
+                download_state(one_host[1], a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),
+                download_state(other_host, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED), return_exceptions=True)
+            # once the stalled stream is cut (at its deadline), the host's second identity is served
+            later = await download_state(one_host[1], a.peer_id, "run", layout, 2**24, 5.0, EXPECTED) \
+                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 10) else None
+            return refused, other, later, reputation.offences()
+        finally:
+            for p2p in (*one_host, other_host, a):
+                await p2p.shutdown()
+
+    refused, other, later, offences = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert isinstance(refused, SnapshotRefused) and "state download to its host" in str(refused), refused
+    assert refused.offence is None
+    assert isinstance(other, StateSnapshot) and other.round == 7, other
+    assert isinstance(later, StateSnapshot) and later.round == 7, later
+    assert [counts for counts in offences.values()] == [{"slow_send": 1}], offences  # the stalled reader's alone
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout_s: float) -> bool:

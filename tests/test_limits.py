@@ -20,6 +20,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2ptrain.net import exchange
 from p2ptrain.net.frame_cap import MAX_FRAME_BYTES, FrameTooLarge, receive_bounded
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import ROUNDS_PER_BAN, Reputation, ReputationConfig
 from p2ptrain.net.responder_limits import ResponderLimits
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
@@ -83,9 +84,11 @@ async def swarm(n: int) -> AsyncIterator[list[P2P]]:
             await p2p.shutdown()
 
 
-async def serve(p2p: P2P, handler: Handler, limits: ResponderLimits = ResponderLimits()) -> exchange.GossipServicer:
+async def serve(p2p: P2P, handler: Handler, limits: ResponderLimits = ResponderLimits(),
+                host_caps: bool = False) -> exchange.GossipServicer:
     servicer = exchange.GossipServicer(handler, handler.max_payload_bytes, handler.chunk_timeout_s,
-                                       reputation=handler.reputation, limits=limits)
+                                       reputation=handler.reputation, limits=limits,
+                                       host_of=RemoteHosts.of(p2p).host_of if host_caps else None)
     await servicer.add_p2p_handlers(p2p, namespace=NS)
     return servicer
 
@@ -251,6 +254,42 @@ def test_offers_beyond_the_per_peer_and_total_caps_are_refused_without_reading_t
             assert len(handler.opened) == 3
             assert offences(handler, greedy) == {"too_many_opens": 1} and offences(handler, late) == {}
             hold.set()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+@pytest.mark.network
+def test_the_peers_of_one_host_share_its_exchanges_and_its_share_taken_is_no_offence() -> None:
+    """Identities are free: beyond `per_host` exchanges at once from one host (127.0.0.2 here; 127.0.0.1 is this
+    machine's own and has no cap), another of its identities is refused as busy, with no offence (the peers of one
+    home share its address), while a peer of another host is served."""
+    limits = ResponderLimits(per_peer=2, per_host=2)
+
+    async def scenario() -> None:
+        responder = await P2P.create(**OPTIONS)
+        options = {**OPTIONS, "initial_peers": await responder.get_visible_maddrs()}
+        one_host = [await P2P.create(**{**options, "host_maddrs": ["/ip4/127.0.0.2/tcp/0"]}) for _ in range(2)]
+        other_host = await P2P.create(**{**options, "host_maddrs": ["/ip4/127.0.0.3/tcp/0"]})
+        try:
+            handler = Handler()
+            servicer = await serve(responder, handler, limits, host_caps=True)
+            hold, held = asyncio.Event(), []
+            for p2p in (one_host[0], one_host[0]):  # the host's share, held open by one of its identities
+                held.append(await initiate(p2p, responder, offer(tensors(16)), then=hold.wait))
+                assert (await answer_of(held[-1]))["status"] == "ok"
+            answered = asyncio.Event()
+            refused = await initiate(one_host[1], responder, offer(tensors(2**19)), gate=answered.wait)
+            busy = {"status": "refused", "reason": "busy: 2 exchanges with its host at once"}
+            assert await answer_of(refused) == busy
+            answered.set()
+            served = await initiate(other_host, responder, offer(tensors(16)), then=hold.wait)
+            assert (await answer_of(served))["status"] == "ok"
+            assert servicer.slots.held_by_host == {"127.0.0.2": 2, "127.0.0.3": 1}
+            assert offences(handler, one_host[1]) == {} and len(handler.opened) == 3
+            hold.set()
+        finally:
+            for p2p in (other_host, *one_host, responder):
+                await p2p.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 

@@ -205,6 +205,48 @@ def test_a_relay_refuses_streams_beyond_its_circuits_and_a_full_relay_gives_no_s
     asyncio.run(asyncio.wait_for(scenario(), timeout=90))
 
 
+async def node_on(address: str, relay: P2P) -> P2P:
+    """A node listening (and so dialling) on `address`: 127.0.0.2, 127.0.0.3, ... are other hosts to a relay, where
+    127.0.0.1, this machine's own, has no host cap."""
+    return await P2P.create(initial_peers=await relay.get_visible_maddrs(), host_maddrs=[f"/ip4/{address}/tcp/0"],
+                            nat_port_map=False, auto_nat=False, use_relay=False)
+
+
+def test_the_identities_of_one_host_share_its_relay_slots_and_circuits() -> None:
+    """Measured before: 65 identities from one host took all 64 slots of a bootstrap, and 4 of them all its
+    circuits. Now a host's identities share its share of both, and a peer of another host still gets in."""
+    async def scenario() -> None:
+        relay, target, _initiator, server, entry = await three_nodes(RelayLimits(per_host_clients=2,
+                                                                                  per_host_circuits=1))
+        crowd = [await node_on("127.0.0.2", relay) for _ in range(3)]
+        neighbour = await node_on("127.0.0.3", relay)
+        relay_id, kept = relay.peer_id.to_base58(), []
+        try:
+            for node in crowd[:2]:
+                await take_slot(node, relay_id, NAMESPACE, timeout_s=10)
+            with pytest.raises(WireError, match="relay slots one host may hold are taken"):
+                await take_slot(crowd[2], relay_id, NAMESPACE, timeout_s=10)
+            await take_slot(crowd[0], relay_id, NAMESPACE, timeout_s=10)  # a renewal takes no second slot
+            await take_slot(neighbour, relay_id, NAMESPACE, timeout_s=10)
+            await take_slot(target, relay_id, NAMESPACE, timeout_s=10)  # 127.0.0.1: this machine's own
+            assert sorted(server.client_hosts.values()) == ["127.0.0.2", "127.0.0.2", "127.0.0.3"]
+            entry.relays = {relay_id}
+            entry.add_service("echo:test", echo_service)
+            assert (await one_message(relay, crowd[0], target, kept))["from"] == crowd[0].peer_id.to_base58()
+            refused = await one_message(relay, crowd[2], target)  # another identity of the same host
+            assert "relayed streams at once from one host" in refused["reason"], refused
+            assert (await one_message(relay, neighbour, target))["from"] == neighbour.peer_id.to_base58()
+            for stream, hold in kept:
+                hold.set()
+                await stream.aclose()
+            await until(lambda: not server.host_circuits, "the held circuit to close")
+            assert (await one_message(relay, crowd[2], target))["from"] == crowd[2].peer_id.to_base58()
+        finally:
+            await shut(neighbour, *crowd, _initiator, target, relay)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
 def test_the_byte_budget_holds_traffic_to_its_rate() -> None:
     async def scenario() -> float:
         budget, started = ByteBudget(bytes_per_s=2e6), time.monotonic()

@@ -37,6 +37,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.inbound_exchange import InboundExchange
 from p2ptrain.net.relay import RelayEntry, open_relayed
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import ResponderLimits, Slots
 from p2ptrain.net.routes import Route
@@ -153,10 +154,12 @@ class GossipServicer(ServicerBase):
     one if None) records offences, `limits` bound what initiators get."""
 
     def __init__(self, handler: ExchangeHandler, max_payload_bytes: int, chunk_timeout_s: float,
-                 reputation: Reputation | None = None, limits: ResponderLimits = ResponderLimits()):
+                 reputation: Reputation | None = None, limits: ResponderLimits = ResponderLimits(),
+                 host_of: Callable[[str], Awaitable[str | None]] | None = None):
+        """`host_of`: the host a peer connects from (`RemoteHosts.host_of`); None: no cap per host."""
         self.handler, self.max_payload_bytes, self.chunk_timeout_s = handler, max_payload_bytes, chunk_timeout_s
         self.reputation = reputation if reputation is not None else Reputation()
-        self.limits, self.slots = limits, Slots(limits)
+        self.limits, self.slots, self.host_of = limits, Slots(limits), host_of
         # how long an initiator may keep us waiting for a message: our largest one at the slowest rate we serve
         self.message_timeout_s = min(chunk_timeout_s, limits.transfer_s(MAX_MESSAGE_BYTES))
 
@@ -164,12 +167,13 @@ class GossipServicer(ServicerBase):
         self, requests: AsyncIterator[averaging_pb2.DownloadData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         peer = context.remote_id.to_base58()  # what libp2p authenticated, never what the offer claims
-        why_not = self._admit(peer)
+        host = await self.host_of(peer) if self.host_of is not None else None
+        why_not = self._admit(peer, host)
         if why_not is not None:  # no slot: the offer is not read, the refusal is all we send
             yield refusal(why_not)
             await self._drain_refused(requests)
             return
-        inbound = InboundExchange(peer, requests, self.slots, self.reputation)
+        inbound = InboundExchange(peer, requests, self.slots, self.reputation, host)
         try:
             async for message in self._respond(inbound):
                 yield message
@@ -188,12 +192,13 @@ class GossipServicer(ServicerBase):
             finally:
                 self.slots.refused_draining -= 1
 
-    def _admit(self, peer: str) -> str | None:
-        """Take a slot for an offer from `peer`, or say why not (a ban, no admission, too many open exchanges)."""
+    def _admit(self, peer: str, host: str | None) -> str | None:
+        """Take a slot for an offer from `peer` (connecting from `host`), or say why not (a ban, no admission, too
+        many open exchanges: of this peer, an offence; in all or from its host, none)."""
         if self.reputation.refuses(peer):
             return "banned or not admitted"
-        why_not = self.slots.take(peer)
-        if why_not is not None and why_not != "busy":
+        why_not = self.slots.take(peer, host)
+        if why_not is not None and not why_not.startswith("busy"):
             self.reputation.penalise(peer, "too_many_opens", why_not)
         return why_not
 
@@ -378,7 +383,7 @@ async def serve_exchanges(p2p: P2P, handler: ExchangeHandler, entry: RelayEntry 
     """Answer offers under `handler.namespace` on `p2p` (and through relays, at `entry`): the one way a kind of
     exchange is registered."""
     servicer = GossipServicer(handler, handler.max_payload_bytes, chunk_timeout_s=handler.chunk_timeout_s,
-                              reputation=handler.reputation)
+                              reputation=handler.reputation, host_of=RemoteHosts.of(p2p).host_of)
     await servicer.add_p2p_handlers(p2p, namespace=handler.namespace)
     if entry is not None:
         entry.add_service(f"exchange:{handler.namespace}", servicer.rpc_exchange)

@@ -25,8 +25,9 @@ class InboundExchange:
     """
 
     def __init__(self, peer: str, requests: AsyncIterator[averaging_pb2.DownloadData], slots: Slots,
-                 reputation: Reputation):
+                 reputation: Reputation, host: str | None = None):
         self.peer, self.requests, self.slots, self.reputation = peer, requests, slots, reputation
+        self.host = host  # the host its slot counts against (None: no host cap)
         self.started = time.monotonic()  # when we were ready to read its payload (after a hold)
         self.held_s = 0.0  # how long the handler held the offer before judging it
         self.close_opened: Callable[[], None] | None = None  # releases the handler's exchange, once it opened one
@@ -53,7 +54,7 @@ class InboundExchange:
             self.disarm()
             if self.payload_sent and not self.committed:  # it saw our value and walked away (or the stream broke)
                 self.penalise("uncommitted", "took our payload and ended without a commit")
-            self.slots.give_back(self.peer)
+            self.slots.give_back(self.peer, self.host)
             if self.close_opened is not None:
                 self.close_opened()
 

@@ -10,11 +10,13 @@ the relay vouches for it.
 libp2p's own circuit relay cannot do this here: p2pd's relays are "limited" (128 KiB and 2 minutes per relayed
 connection, whatever its -relayDataLimit says), a size for hole punching, not for a model's payload.
 
-What a relay grants (`RelayLimits`): a bounded number of slots, of circuits at once (in all and per peer), a rate
-for all relayed bytes together (a circuit beyond it waits: one relay is never saturated, and its own traffic keeps
-a share), and an idle bound per circuit. In a signed run, slots and circuits go only to peers whose request carries
-their ticket (the organiser's signature of their peer id, which libp2p authenticates): 65 unticketed identities
-from one host took all 64 slots of a bootstrap, and 4 of them all 16 circuits.
+What a relay grants (`RelayLimits`): a bounded number of slots (in all and per host), of circuits at once (in all,
+per peer and per host), a rate for all relayed bytes together (a circuit beyond it waits: one relay is never
+saturated, and its own traffic keeps a share), and an idle bound per circuit. A host is the address a peer's
+connection comes from (`net/remote_hosts.py`): identities are free, so one machine's identities share its caps.
+In a signed run, slots and circuits go only to peers whose request carries their ticket (the organiser's signature
+of their peer id, which libp2p authenticates): 65 unticketed identities from one host took all 64 slots of a
+bootstrap, and 4 of them all 16 circuits.
 
 A relay is trusted by the peers that take its slots: it could claim any sender toward them (the offences of a
 relayed exchange are charged as if the sender had sent it), as any peer can send them what it likes; the bootstrap,
@@ -37,6 +39,7 @@ from hivemind.proto.averaging_pb2 import DownloadData
 
 from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.dht import NetworkConfig
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.routes import Route
 from p2ptrain.net.wire import WireError, decode_metadata, drain, encode_metadata, refusal
 from p2ptrain.timing import PATIENCE_S, SETUP_FLOOR_S, TICK_S, relay_lease_s
@@ -58,6 +61,10 @@ class RelayLimits:
     max_clients: int = 64  # peers holding a slot at once
     max_circuits: int = 16  # relayed streams open at once, in all; beyond, refused as busy
     per_peer: int = 4  # relayed streams one peer opens at once
+    # one host's share of the slots and of the circuits: the peers of one home or campus behind one NAT address
+    # use a relay at once, a flood of identities from one machine takes no more
+    per_host_clients: int = 8
+    per_host_circuits: int = 8
     bytes_per_s: float = NetworkConfig.relay_mbit * 1e6 / 8  # every relayed byte, both directions together
     lease_s: float = relay_lease_s(TICK_S)  # a slot lapses this long after its last renewal
     idle_s: float = PATIENCE_S  # a circuit in which nobody sent a message for this long is closed
@@ -69,7 +76,8 @@ class RelayLimits:
                    lease_s=relay_lease_s(config.heartbeat_s))
 
     def __post_init__(self) -> None:
-        if min(self.max_clients, self.max_circuits, self.per_peer) < 1 or min(
+        if min(self.max_clients, self.max_circuits, self.per_peer, self.per_host_clients,
+               self.per_host_circuits) < 1 or min(
                 self.bytes_per_s, self.lease_s, self.idle_s) <= 0:
             raise ValueError("relay limits: counts must be >= 1 and bytes_per_s, lease_s, idle_s > 0")
 
@@ -110,22 +118,32 @@ class RelayServer(ServicerBase):
                  policy: AdmissionPolicy | None = None):
         self.p2p, self.namespace, self.limits = p2p, namespace, limits
         self.policy = policy  # a signed run's: who may take a slot or open a circuit (None or open: anyone)
+        self.hosts = RemoteHosts.of(p2p)
         self.clients: dict[str, float] = {}  # slot holder → when its lease ends (monotonic)
+        self.client_hosts: dict[str, str] = {}  # slot holder → the host it connects from (when it has one)
         self.circuits = collections.Counter[str]()  # open circuits per initiator
+        self.host_circuits = collections.Counter[str]()  # open circuits per initiator's host
         self.budget = ByteBudget(limits.bytes_per_s)
         self.relayed_bytes = 0  # every byte passed, both directions
         self.served = self.refused = 0  # circuits opened, refused
 
     async def rpc_register(self, request: DownloadData, context: P2PContext) -> DownloadData:
         """Take or renew a slot for the caller: {"status": "ok", "lease_s": s} or a refusal."""
-        peer, now = context.remote_id.to_base58(), time.monotonic()
+        peer = context.remote_id.to_base58()
         not_admitted = self._not_admitted(peer, request)
         if not_admitted is not None:
             return refusal(not_admitted)
+        host, now = await self.hosts.host_of(peer), time.monotonic()
         self.clients = {p: end for p, end in self.clients.items() if end > now}
-        if peer not in self.clients and len(self.clients) >= self.limits.max_clients:
-            return refusal(f"all {self.limits.max_clients} relay slots are taken")
+        self.client_hosts = {p: h for p, h in self.client_hosts.items() if p in self.clients}
+        if peer not in self.clients:
+            if len(self.clients) >= self.limits.max_clients:
+                return refusal(f"all {self.limits.max_clients} relay slots are taken")
+            if host is not None and list(self.client_hosts.values()).count(host) >= self.limits.per_host_clients:
+                return refusal(f"all {self.limits.per_host_clients} relay slots one host may hold are taken")
         self.clients[peer] = now + self.limits.lease_s
+        if host is not None:
+            self.client_hosts[peer] = host
         return DownloadData(metadata=encode_metadata({"status": "ok", "lease_s": self.limits.lease_s}))
 
     async def rpc_forward(self, requests: AsyncIterator[DownloadData],
@@ -137,7 +155,8 @@ class RelayServer(ServicerBase):
         except (StopAsyncIteration, asyncio.TimeoutError, WireError):
             return
         target, service = routing.get("to"), routing.get("service")
-        why_not = self._not_admitted(source, first) or self._admit(source, target, service)
+        host = await self.hosts.host_of(source)
+        why_not = self._not_admitted(source, first) or self._admit(source, host, target, service)
         if why_not is not None:
             self.refused += 1
             yield refusal(why_not)
@@ -145,15 +164,18 @@ class RelayServer(ServicerBase):
             # p2pd resets it and the refusal is lost (wire.drain)
             await drain(requests, SETUP_FLOOR_S)
             return
-        self.circuits[source] += 1
+        held = [(self.circuits, source)] + ([(self.host_circuits, host)] if host is not None else [])
+        for counter, key in held:
+            counter[key] += 1
         self.served += 1
         try:
             async for message in self._pass(source, str(target), str(service), requests):
                 yield message
         finally:
-            self.circuits[source] -= 1
-            if not self.circuits[source]:
-                del self.circuits[source]
+            for counter, key in held:
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
 
     def _not_admitted(self, peer: str, request: DownloadData) -> str | None:
         """Why the run refuses `peer` (a signed run: its request carries no valid ticket), or None."""
@@ -166,7 +188,7 @@ class RelayServer(ServicerBase):
         problem = self.policy.ticket_problem(peer, ticket if isinstance(ticket, str) else "")
         return None if problem is None else f"not admitted to this run: {problem}"
 
-    def _admit(self, source: str, target: object, service: object) -> str | None:
+    def _admit(self, source: str, host: str | None, target: object, service: object) -> str | None:
         if not isinstance(target, str) or not isinstance(service, str) or not SERVICE.fullmatch(service):
             return "malformed relay request"
         if self.clients.get(target, 0.0) <= time.monotonic():
@@ -175,6 +197,8 @@ class RelayServer(ServicerBase):
             return "relay busy"
         if self.circuits[source] >= self.limits.per_peer:
             return f"more than {self.limits.per_peer} relayed streams at once"
+        if host is not None and self.host_circuits[host] >= self.limits.per_host_circuits:
+            return f"more than {self.limits.per_host_circuits} relayed streams at once from one host"
         return None
 
     def _count(self, nbytes: int) -> None:

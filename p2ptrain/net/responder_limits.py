@@ -19,11 +19,15 @@ class ResponderLimits:
     min_bytes_per_s: float = SLOWEST_LINK_BYTES_PER_S  # the slowest initiator we serve: slower ones are dropped
     floor_s: float = SETUP_FLOOR_S  # added to every deadline (and a refusal's drain)
     per_peer: int = 2  # exchanges open at once with one peer id; a third is refused and is an offence
+    # exchanges open at once with the peers of one host (net/remote_hosts.py): beyond, refused as busy, no offence
+    # (the peers of one home share its address)
+    per_host: int = 8
     total: int = 32  # exchanges open at once in all; beyond, offers are refused as "busy"
 
     def __post_init__(self) -> None:
-        if min(self.min_bytes_per_s, self.floor_s) <= 0 or min(self.per_peer, self.total) < 1:
-            raise ValueError("responder limits: min_bytes_per_s and floor_s must be > 0, per_peer and total >= 1")
+        if min(self.min_bytes_per_s, self.floor_s) <= 0 or min(self.per_peer, self.per_host, self.total) < 1:
+            raise ValueError("responder limits: min_bytes_per_s and floor_s must be > 0, per_peer, per_host and "
+                             "total >= 1")
 
     def transfer_s(self, nbytes: int) -> float:
         """The time `nbytes` may take to reach us, or to be taken from us."""
@@ -31,25 +35,33 @@ class ResponderLimits:
 
 
 class Slots:
-    """Inbound exchanges open at once, per remote peer id and in all, and refused streams still draining."""
+    """Inbound exchanges open at once, per remote peer id, per host and in all, and refused streams still draining.
+    A refusal for capacity (in all, or the host's share) starts with "busy" and is no offence."""
 
     def __init__(self, limits: ResponderLimits):
         self.limits, self.held = limits, collections.Counter[str]()
+        self.held_by_host = collections.Counter[str]()
         self.refused_draining = 0  # refused streams we still read (and drop) from
 
-    def take(self, peer: str) -> str | None:
-        """Hold a slot for `peer`; or the reason it gets none."""
+    def take(self, peer: str, host: str | None = None) -> str | None:
+        """Hold a slot for `peer` connecting from `host` (None: no host cap); or the reason it gets none."""
         if self.held[peer] >= self.limits.per_peer:
             return f"more than {self.limits.per_peer} exchanges at once"
         if self.held.total() >= self.limits.total:
             return "busy"
+        if host is not None and self.held_by_host[host] >= self.limits.per_host:
+            return f"busy: {self.limits.per_host} exchanges with its host at once"
         self.held[peer] += 1
+        if host is not None:
+            self.held_by_host[host] += 1
         return None
 
-    def give_back(self, peer: str) -> None:
-        self.held[peer] -= 1
-        if not self.held[peer]:
-            del self.held[peer]
+    def give_back(self, peer: str, host: str | None = None) -> None:
+        for counter, key in ((self.held, peer), (self.held_by_host, host)):
+            if key is not None:
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
 
 
 class RateLimit:

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, AsyncIterator, TypeGuard  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator only)
 
 import numpy as np
@@ -61,6 +61,9 @@ SKETCHES_QUEUED = 4
 # requests (from any number of identities) each held a serialized copy of the whole state in memory; with slots but
 # no per-peer bound and no offence, one identity held both slots of 3 donors for 85 s, and a joiner trained alone
 DOWNLOADS_AT_ONCE = 2
+# and one at a time to each host (the address a peer's connection comes from, net/remote_hosts.py): two identities of
+# one machine would hold both slots. Not an offence: the peers of one home share their address
+DOWNLOADS_PER_HOST = 1
 DOWNLOADS_PER_S = 0.5
 DOWNLOAD_BURST = 8
 
@@ -212,21 +215,27 @@ class StateServer(ServicerBase):
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
                  refuses: Callable[[str], bool] = lambda _peer: False,
                  penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None,
-                 chunk_timeout_s: float = TRANSFER_PATIENCE_S):
+                 chunk_timeout_s: float = TRANSFER_PATIENCE_S,
+                 host_of: Callable[[str], Awaitable[str | None]] | None = None):
+        """`host_of`: the host a peer connects from (`RemoteHosts.host_of`); None: no cap per host."""
         self.get_snapshot = get_snapshot
         self.refuses, self.penalise, self.chunk_timeout_s = refuses, penalise, chunk_timeout_s
+        self.host_of = host_of
         self._sketching = asyncio.Lock()  # one sketch at a time: a flood of requests cannot take every core
         self._sketches_waiting = 0  # requests computing or waiting for the lock
         self.sketch_limit = RateLimit(SKETCHES_PER_S, SKETCH_BURST)
         self.download_limit = RateLimit(DOWNLOADS_PER_S, DOWNLOAD_BURST)
-        self._serving: dict[asyncio.Task[Any], str] = {}  # the downloads being served: stream handler task -> peer
+        # the downloads being served: stream handler task -> (peer, its host or None)
+        self._serving: dict[asyncio.Task[Any], tuple[str, str | None]] = {}
 
     async def rpc_download_state(
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        snapshot, peer = self.get_snapshot(), context.remote_id.to_base58()
+        peer = context.remote_id.to_base58()
+        host = await self.host_of(peer) if self.host_of is not None else None
+        snapshot = self.get_snapshot()
         why_not = ("no snapshot yet" if snapshot is None else "not served here" if self.refuses(peer)
-                   else self._why_no_download(peer))
+                   else self._why_no_download(peer, host))
         if why_not is not None:  # the caller logs why and tries another peer
             yield averaging_pb2.DownloadData(metadata=refusal(why_not).metadata)
             return
@@ -245,7 +254,7 @@ class StateServer(ServicerBase):
         total_s = download_deadline_s(snapshot.nbytes, self.chunk_timeout_s)
         deadline = loop.call_later(total_s, cut_off, f"a state download took longer than {total_s:.0f} s")
         idle: asyncio.TimerHandle | None = None
-        self._serving[task] = peer
+        self._serving[task] = (peer, host)
         try:
             metadata: bytes | None = encode_metadata(snapshot.metadata)
             for tensor in snapshot.tensors:  # serialized one at a time: one tensor's copy in memory, not the state's
@@ -264,16 +273,19 @@ class StateServer(ServicerBase):
                 idle.cancel()
             self._serving.pop(task, None)
 
-    def _why_no_download(self, peer: str) -> str | None:
-        """Why `peer` is not served a snapshot now (beyond its rate, a second at once, no slot free), or None."""
+    def _why_no_download(self, peer: str, host: str | None) -> str | None:
+        """Why `peer` (connecting from `host`) is not served a snapshot now (beyond its rate, a second at once, its
+        host's share taken, no slot free), or None."""
         if not self.download_limit.take(peer):
             why = f"more than {DOWNLOAD_BURST:g} state downloads at once or {DOWNLOADS_PER_S:g} a second"
             self.penalise(peer, "too_many_requests", why)
             return why
-        self._serving = {t: p for t, p in self._serving.items() if not t.done()}
-        if peer in self._serving.values():
+        self._serving = {t: served for t, served in self._serving.items() if not t.done()}
+        if any(served_peer == peer for served_peer, _ in self._serving.values()):
             self.penalise(peer, "too_many_opens", "a second state download while its first is served")
             return "a second state download while its first is served"
+        if host is not None and [h for _, h in self._serving.values()].count(host) >= DOWNLOADS_PER_HOST:
+            return f"busy: {DOWNLOADS_PER_HOST} state download to its host served already"
         if len(self._serving) >= DOWNLOADS_AT_ONCE:
             return f"busy: {DOWNLOADS_AT_ONCE} state downloads served already"
         return None
