@@ -103,8 +103,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 @pytest.hookimpl(trylast=True)  # after xdist's hook, which appends each test's group to its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The machine-wide tests come after the others, the docker ones last of them, and the background tests after
-    the group (`_run_order`): the early jobs (type check, Docker set-up) run beside the other tests and are over
-    before the first test that must wait for them, and the background tests run beside the group. Under xdist this needs
+    the group (`_run_order`): the niced early jobs (the Docker set-up) run beside the other tests and are over
+    before the first test that must wait for them, and the background tests (and the type check, in the idle class)
+    run beside the group. Under xdist this needs
     `--no-loadscope-reorder` (setup.cfg), which keeps the groups in this order; the default puts the largest first.
 
     Under `--dist loadgroup`, a grouped test whose id does not name its group stops the run: the groups would spread
@@ -184,13 +185,13 @@ _share = MachineShare(os.environ["PYTEST_XDIST_TESTRUNUID"]) if os.environ.get("
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Setup, call and teardown of a test (its module's fixtures included) hold the machine share it needs; a
-    machine-wide test also waits for the early jobs (type check, Docker set-up) to end."""
+    machine-wide test also waits for the niced early jobs (the Docker set-up) to end."""
     if _alone(item):
         started = time.monotonic()
-        wait_ended([TYPE_CHECK, DOCKER_SETUP])
+        waited_for = wait_ended([TYPE_CHECK, DOCKER_SETUP])
         waited_s = time.monotonic() - started
         if waited_s > EARLY_WAIT_NOTED_S:  # in the warnings summary, which xdist forwards: the run's idle time
-            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs (type check, Docker set-up)"))
+            item.warn(pytest.PytestWarning(f"waited {waited_s:.0f} s for the early jobs ({', '.join(waited_for)})"))
     in_background = _share is not None and _background(item)
     if in_background:
         _share.leave()

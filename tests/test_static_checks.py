@@ -1,6 +1,6 @@
 """The linter and the type checker, as tests: CI's one command runs them beside the other tests, and a failure names
 what they printed. The type check takes minutes from a cold cache: it starts in the background when collection
-ends (tests/early_jobs.py)."""
+ends, in the idle class (tests/early_jobs.py), and its test comes after the machine-wide ones."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def type_check() -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # it waits for the type check, which runs in the idle class beside the machine-wide tests
 def test_mypy_finds_nothing_in_the_package(type_check: subprocess.CompletedProcess[str]) -> None:
     result = type_check
     assert result.returncode == 0, result.stdout + result.stderr
