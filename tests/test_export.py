@@ -123,8 +123,9 @@ def test_a_peer_without_a_checkpoint_dir_keeps_its_model_in_the_data_dir_and_it_
 @pytest.mark.usefixtures("one_torch_thread")
 def test_the_organiser_takes_the_swarms_model_from_a_live_peer_without_training(tmp_path: Path) -> None:
     """`export --from-swarm`: two DiLoCo peers train; the export takes a state from one of them as a joiner would
-    (their manifest, a download, a witness's sketch, the loss check), writes it, and leaves. DiLoCo's peers hold
-    one state, so the model written is the parameters both had after some round, to the bit."""
+    (their manifest, a download, a witness's sketch, the loss check), writes it, and leaves. The model written is
+    the parameters its donor had after some round, to the bit: usually both peers', as DiLoCo's peers hold one state,
+    but a round they average alone under load sets them apart."""
     config = tiny_config(f"from-swarm-{uuid.uuid4().hex[:6]}")  # rounds 0: until stopped
     founder = PeerThread(start_peer(config)).start()
     second = PeerThread(start_peer(config, founder.peer.maddrs)).start()
@@ -144,7 +145,7 @@ def test_the_organiser_takes_the_swarms_model_from_a_live_peer_without_training(
     assert taken.startswith(f"the state of round {exported.round} from"), taken
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     written = [p for p in model.parameters() if p.requires_grad]
-    seen = [founder.params_after_round[r] for r in sorted(founder.params_after_round)]
+    seen = [thread.params_after_round[r] for thread in (founder, second) for r in sorted(thread.params_after_round)]
     assert any(all(torch.equal(a, b) for a, b in zip(written, params, strict=True)) for params in seen), taken
     assert AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == ByteTokenizer().eos_token_id
 

@@ -48,10 +48,12 @@ def test_the_list_is_read_when_stale_or_for_a_new_peer_at_most_every_min_read_s(
 
     async def scenario() -> list[object]:
         seen: list[object] = [await hosts.host_of("a"), await hosts.host_of("b"), p2p.reads]
-        p2p.connections["c"] = ["/ip4/198.51.100.9/tcp/4"]
-        seen += [await hosts.host_of("c"), p2p.reads]  # within MIN_READ_S of the last read: not read again
         now[0] += 2 * MIN_READ_S
-        seen += [await hosts.host_of("c"), await hosts.host_of("a"), p2p.reads]  # a new peer: read again
+        seen += [await hosts.host_of("b"), p2p.reads]  # listed, with no host: not read again for it
+        p2p.connections["c"] = ["/ip4/198.51.100.9/tcp/4"]
+        seen += [await hosts.host_of("c"), p2p.reads]  # a new peer: read again
+        p2p.connections["d"] = ["/ip4/198.51.100.10/tcp/5"]
+        seen += [await hosts.host_of("d"), p2p.reads]  # within MIN_READ_S of the last read: not read again
         del p2p.connections["a"]
         now[0] += 1.0
         seen += [await hosts.host_of("a"), p2p.reads]  # fresh enough: what the last read said
@@ -59,6 +61,31 @@ def test_the_list_is_read_when_stale_or_for_a_new_peer_at_most_every_min_read_s(
         seen += [await hosts.host_of("a"), p2p.reads]  # stale: read, and "a" is gone
         return seen
 
-    # "b" connects only from this machine: no host, and within MIN_READ_S of a read it is not read again for it
-    assert asyncio.run(scenario()) == ["203.0.113.7", None, 1, None, 1, "198.51.100.9", "203.0.113.7", 2,
+    # "b" connects only from this machine: no host, and no read again for it until the list is stale
+    assert asyncio.run(scenario()) == ["203.0.113.7", None, 1, None, 1, "198.51.100.9", 2, None, 2,
                                        "203.0.113.7", 2, None, 3]
+
+
+def test_a_daemon_that_does_not_answer_leaves_what_the_last_read_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("p2ptrain.net.remote_hosts.READ_TIMEOUT_S", 0.05)
+    p2p, now = ListedPeers(), [100.0]
+    hosts = RemoteHosts(p2p, refresh_s=5.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    p2p.connections = {"a": ["/ip4/203.0.113.7/tcp/2"]}
+    answered = p2p.list_peers
+
+    async def hanging() -> list[Any]:
+        p2p.reads += 1
+        await asyncio.Event().wait()
+        return []
+
+    async def scenario() -> list[object]:
+        seen: list[object] = [await hosts.host_of("a")]
+        p2p.list_peers = hanging  # type: ignore[method-assign]
+        now[0] += 6.0
+        seen += [await hosts.host_of("a"), await hosts.host_of("a"), p2p.reads]  # one try, then what we knew
+        p2p.list_peers = answered  # type: ignore[method-assign]
+        now[0] += 6.0
+        seen += [await hosts.host_of("a"), p2p.reads]
+        return seen
+
+    assert asyncio.run(scenario()) == ["203.0.113.7", "203.0.113.7", "203.0.113.7", 2, "203.0.113.7", 3]

@@ -3,8 +3,9 @@ may hold (relay slots, relayed streams, state downloads) is capped per host as w
 
 hivemind's `P2PContext` names the remote peer id only; p2pd's list of connections (`P2P.list_peers`) gives each
 connected peer the remote address of its connection: the address its packets come from, not one it claims. The
-list is read at most every `refresh_s`, and again (at most every `MIN_READ_S`) for a peer that was not in the last
-read: a stream comes over a connection, so a new peer's is already there.
+list is read again when older than `refresh_s`, and (at most every `MIN_READ_S`) for a peer that was not in the
+last read: a stream comes over a connection, so a new peer's is already there. A read that takes longer than
+`READ_TIMEOUT_S` (a daemon under load) is given up, and what the last one said stands.
 
 A peer has no host here when it is reached only through a circuit, or from this machine's loopback address (a
 testnet of many peers on one machine is one operator's). Only its per-identity caps apply to it then.
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0  # a host seen for a peer is trusted this long (a peer id keeps its connection's address)
 MIN_READ_S = 0.1  # the list is read at most this often, however many unknown peers open streams
+READ_TIMEOUT_S = 1.0  # a stream waits this long at most for the list before it is admitted on what we knew
 OWN_MACHINE = ("127.0.0.1", "::1")  # this machine's own loopback addresses: no host cap
 IP_ADDRESS = re.compile(r"^/ip[46]/([^/]+)/")
 
@@ -58,7 +60,7 @@ class RemoteHosts:
 
     def __init__(self, p2p: P2P, refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic):
         self.p2p, self.refresh_s, self.clock = p2p, refresh_s, clock
-        self._hosts: dict[str, str] = {}
+        self._hosts: dict[str, str | None] = {}  # every peer of the last read: its host, or None (no host cap)
         self._read_at = -float("inf")
         self._reading = asyncio.Lock()
 
@@ -74,13 +76,11 @@ class RemoteHosts:
             if self.clock() - self._read_at <= MIN_READ_S:  # another caller read it while we waited
                 return
             try:
-                peers = await self.p2p.list_peers()
-            except Exception as e:  # the daemon is going away: keep what we knew
+                peers = await asyncio.wait_for(self.p2p.list_peers(), READ_TIMEOUT_S)
+            except Exception as e:  # a busy daemon, or one going away: keep what we knew
                 logger.debug(f"cannot list connections: {e!r}")
+                self._read_at = max(self._read_at, self.clock() - self.refresh_s + MIN_READ_S)  # not again at once
                 return
-            hosts = {}
-            for info in peers:
-                host = next((h for h in (host_of_address(str(a)) for a in info.addrs) if h is not None), None)
-                if host is not None:
-                    hosts[info.peer_id.to_base58()] = host
-            self._hosts, self._read_at = hosts, self.clock()
+            self._hosts = {info.peer_id.to_base58(): next(
+                (h for h in (host_of_address(str(a)) for a in info.addrs) if h is not None), None) for info in peers}
+            self._read_at = self.clock()
