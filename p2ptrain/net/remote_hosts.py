@@ -1,5 +1,5 @@
 """Which machine a connected peer reaches us from. Identities are free and addresses are not, so what one machine
-may hold (relay slots, relayed streams, state downloads) is capped per host as well as per identity.
+may hold (relay slots, relayed streams, state downloads, exchanges) is capped per host as well as per identity.
 
 hivemind's `P2PContext` names the remote peer id only; p2pd's list of connections (`P2P.list_peers`) gives each
 connected peer the remote address of its connection: the address its packets come from, not one it claims. The
@@ -59,7 +59,8 @@ class RemoteHosts:
         return hosts
 
     def __init__(self, p2p: P2P, refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic):
-        self.p2p, self.refresh_s, self.clock = p2p, refresh_s, clock
+        self.p2p = weakref.ref(p2p)  # not a strong one: `of` keys its readers by their P2P, weakly
+        self.refresh_s, self.clock = refresh_s, clock
         self._hosts: dict[str, str | None] = {}  # every peer of the last read: its host, or None (no host cap)
         self._read_at = -float("inf")
         self._reading = asyncio.Lock()
@@ -75,8 +76,12 @@ class RemoteHosts:
         async with self._reading:
             if self.clock() - self._read_at <= MIN_READ_S:  # another caller read it while we waited
                 return
+            p2p = self.p2p()
+            if p2p is None:  # its P2P is gone: so are its connections
+                self._hosts = {}
+                return
             try:
-                peers = await asyncio.wait_for(self.p2p.list_peers(), READ_TIMEOUT_S)
+                peers = await asyncio.wait_for(p2p.list_peers(), READ_TIMEOUT_S)
             except Exception as e:  # a busy daemon, or one going away: keep what we knew
                 logger.debug(f"cannot list connections: {e!r}")
                 self._read_at = max(self._read_at, self.clock() - self.refresh_s + MIN_READ_S)  # not again at once
