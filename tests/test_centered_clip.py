@@ -49,8 +49,32 @@ def test_one_hostile_input_among_four_moves_the_mean_by_a_bounded_amount(factor)
     if abs(factor) >= 1000:
         assert result.far_inputs() == [3]  # far beyond τ: an offence, and past FAR_CLIP_FACTOR × τ a ban at once
         assert result.offence_of(3) == "clipped_far"
-    if factor == -3.0:  # inside the bound, or a hard clip that costs 1 of the ban score: never a ban at once
-        assert all(result.offence_of(j) == "clipped" for j in result.far_inputs())
+    if factor == -3.0:  # beyond 2 τ, pointing against the others: a second such round bans (net/reputation.py)
+        assert result.far_inputs() == [3] and result.offence_of(3) == "reversed"
+    if factor == 1e12:  # far, but pointing with the others: an attack by its distance alone
+        assert result.far_inputs() == [3] and result.offence_of(3) == "clipped_far"
+
+
+@pytest.mark.parametrize("spread", [0.5, 1.0, 2.0])
+def test_an_input_of_minus_seven_times_a_delta_is_an_offence_and_no_honest_input_is(spread):
+    """−7·Δ sat 4 to 10 τ from the mean on the real path, 4 or 5 rounds from a ban at 1 a hard clip: pointing
+    against the others, it costs 2.5 of the ban score of 4 (reversed) and beyond 4 τ a ban at once. The more the
+    honest inputs spread (the less they agree), the larger τ, the nearer −7·Δ sits: 16 to 19 of 20 rounds offend."""
+    offences, honest = [], []
+    for seed in range(20):
+        deltas = honest_deltas(4, seed=seed, spread=spread)
+        result = centered_clip(deltas[:3] + [[t * -7.0 for t in deltas[3]]])
+        offences.append(result.offence_of(3) if 3 in result.far_inputs() else None)
+        honest += [j for j in result.far_inputs() if j != 3]
+    assert not honest
+    assert sum(o in ("reversed", "clipped_far") for o in offences) >= 16, offences
+
+
+@pytest.mark.parametrize("members", [3, 4, 8, 16])
+@pytest.mark.parametrize("spread", [0.5, 3.0, 10.0])
+def test_honest_inputs_however_spread_are_never_offences(members, spread):
+    for seed in range(10):
+        assert centered_clip(honest_deltas(members, seed=seed, spread=spread)).far_inputs() == []
 
 
 def test_the_plain_mean_is_what_one_hostile_input_moves_without_bound():

@@ -390,12 +390,18 @@ def test_a_member_sending_minus_1000_times_its_delta_is_left_out_and_banned():
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.alone  # a ban needs the attacker in its rounds' groups, which deadlines decide
-def test_a_member_aiming_inside_the_distance_bound_is_clipped_and_honest_peers_stay_in_step(caplog):
-    """−3 × Δ passes the 10 × ‖Δ‖ plausibility bound, so its Δ enters the group's inputs: CenteredClip bounds it."""
+def test_a_member_aiming_inside_the_distance_bound_is_clipped_then_banned_within_two_rounds(caplog):
+    """−7 × Δ (the red team's `aimed`) passes the 10 × ‖Δ‖ plausibility bound, so its Δ enters the group's inputs:
+    CenteredClip bounds it, and pointing against the others' it costs 2.5 of the ban score of 4 (4 beyond 4 τ). It took
+    4 to 9 rounds to ban when it cost 1 a round as any hard clip."""
     caplog.set_level(logging.INFO, logger="p2ptrain")  # a failure shows the rounds' story (joins, out of step)
-    histories, params = run_attacked_swarm(-3.0)
+    histories, params = run_attacked_swarm(-7.0)
     assert_honest_peers_train_in_step(histories, params)
-    assert all(m.peers_averaged == HONEST + 1 for h in histories for m in h)  # a member, clipped, not refused
+    for history in histories:
+        banned_at = next((m.round for m in history if m.banned_peers), None)
+        assert banned_at is not None and banned_at <= 1, [m.banned_peers for m in history]
+        assert all(m.peers_averaged <= HONEST for m in history if m.round > banned_at), \
+            [m.peers_averaged for m in history]
 
 
 @pytest.mark.network

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # what DDP uses
 
-from p2ptrain.maths.robust import FAR_CLIP_FACTOR, HARD_CLIP_FACTOR
+from p2ptrain.maths.robust import FAR_CLIP_FACTOR, HARD_CLIP_FACTOR, SPREAD
 
 ITERATIONS = 8  # fixed (not "until converged"): every member runs the same arithmetic and lands on the same bits
 GRAM_ERROR = 4 * 2.0**-24  # × √d: how far off a squared distance from an fp32 Gram matrix can be (4× the typical)
@@ -46,13 +46,31 @@ class RobustMean:
     distances: list[float]  # ‖x_j − mean‖, in the order of the inputs
     lengths: list[float]  # ‖x_j‖, in the order of the inputs
 
+    # whether each input points against most of the others (⟨x_j, x_i⟩ < 0 for a majority of i ≠ j): honest outer
+    # gradients of one round descend one loss from one start and point together; a sign-flipped or scaled-negative Δ
+    # points against them. Measured between inputs, not against the mean, which the far input itself pulls by
+    # up to τ/(n − k). Empty: not measured (the plain mean without `sync.robust`)
+    against: list[bool] = dataclasses.field(default_factory=list)
+
     def far_inputs(self) -> list[int]:
-        """Inputs so far from the mean that they were not disagreeing (> HARD_CLIP_FACTOR × τ): offences."""
-        return [j for j, d in enumerate(self.distances) if self.radius > 0 and d > HARD_CLIP_FACTOR * self.radius]
+        """Inputs that were not disagreeing but offending: farther than HARD_CLIP_FACTOR × τ from the mean, or
+        farther than SPREAD × τ and pointing against the others."""
+        return [j for j in range(len(self.distances)) if self._beyond(j) > 0]
 
     def offence_of(self, j: int) -> str:
-        """The offence of far input `j`: `clipped_far` beyond FAR_CLIP_FACTOR × τ (a ban at once), else `clipped`."""
-        return "clipped_far" if self.distances[j] > FAR_CLIP_FACTOR * self.radius else "clipped"
+        """The offence of far input `j`: `clipped_far` (a ban at once) beyond FAR_CLIP_FACTOR × τ, or beyond
+        HARD_CLIP_FACTOR × τ pointing against the others; `reversed` nearer, pointing against them; else `clipped`."""
+        return {3: "clipped_far", 2: "reversed", 1: "clipped"}[self._beyond(j)]
+
+    def _beyond(self, j: int) -> int:
+        """0: no offence; 1: a hard clip; 2: reversed; 3: an attack beyond doubt."""
+        d, tau = self.distances[j], self.radius
+        against = bool(self.against) and self.against[j]
+        if tau <= 0 or d <= (SPREAD if against else HARD_CLIP_FACTOR) * tau:
+            return 0
+        if d > FAR_CLIP_FACTOR * tau or (against and d > HARD_CLIP_FACTOR * tau):
+            return 3
+        return 2 if against else 1
 
 
 def centered_clip(inputs: Sequence[Sequence[torch.Tensor]], multiplier: float = 2.0,
@@ -92,12 +110,14 @@ def centered_clip_rows_(stacked: torch.Tensor, like: Sequence[torch.Tensor], mul
     medians = _medians_to_others(apart)
     start = medians.index(min(medians))  # the first of equals
     radius = multiplier * medians[start]
+    against = _against_most(apart, lengths)
     if radius == 0:  # most inputs are the medoid itself: with τ = 0 nothing moves it
-        return RobustMean(_unflatten(_shifted(stacked[start].clone(), origin), like), radius, apart[start], lengths)
+        return RobustMean(_unflatten(_shifted(stacked[start].clone(), origin), like), radius, apart[start], lengths,
+                          against)
     to_mean = _distances_to_mean(gram)
     if all(d <= radius for d in to_mean):  # nothing to clip around the plain mean: it is the fixed point
         mean = stacked.sum(dim=0).div_(n)  # row after row: the same bits on every CPU (a BLAS call may differ)
-        return RobustMean(_unflatten(_shifted(mean, origin), like), radius, to_mean, lengths)
+        return RobustMean(_unflatten(_shifted(mean, origin), like), radius, to_mean, lengths, against)
     centre, gaps = stacked[start].clone(), torch.empty_like(stacked)
     for _ in range(iterations):
         torch.sub(stacked, centre, out=gaps)
@@ -107,7 +127,8 @@ def centered_clip_rows_(stacked: torch.Tensor, like: Sequence[torch.Tensor], mul
         if tolerance > 0 and float(step.norm()) <= tolerance * radius:
             break
     torch.sub(stacked, centre, out=gaps)
-    return RobustMean(_unflatten(_shifted(centre, origin), like), radius, _finite(gaps.norm(dim=1)), lengths)
+    return RobustMean(_unflatten(_shifted(centre, origin), like), radius, _finite(gaps.norm(dim=1)), lengths,
+                      against)
 
 
 def _gram_(stacked: torch.Tensor) -> tuple[list[list[float]], list[float], torch.Tensor | None]:
@@ -152,6 +173,14 @@ def _pairwise_distances(gram: list[list[float]]) -> list[list[float]]:
 def _medians_to_others(apart: list[list[float]]) -> list[float]:
     """Each input's median distance to the other inputs (0 for a lone input)."""
     return [statistics.median(row[:j] + row[j + 1:]) if len(row) > 1 else 0.0 for j, row in enumerate(apart)]
+
+
+def _against_most(apart: list[list[float]], lengths: list[float]) -> list[bool]:
+    """Whether each input's inner product with most of the others is negative: ⟨x_i, x_j⟩ = (‖x_i‖² + ‖x_j‖² −
+    ‖x_i − x_j‖²) / 2, from what the Gram matrix gave (distances do not depend on where they were measured from)."""
+    n = len(apart)
+    return [sum(lengths[i] ** 2 + lengths[j] ** 2 < apart[i][j] ** 2 for j in range(n) if j != i) > (n - 1) / 2
+            for i in range(n)]
 
 
 def _distances_to_mean(gram: list[list[float]]) -> list[float]:

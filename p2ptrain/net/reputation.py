@@ -39,7 +39,12 @@ OFFENCES: dict[str, float] = {
     "malformed": 1.0,  # a message we could not parse, or metadata of the wrong types
     "invalid_payload": 1.0,  # tensors that do not decode, do not fit, or are not finite
     "clipped": 1.0,  # a value more than HARD_CLIP_FACTOR (4) × the clipping radius away: not disagreement
-    "clipped_far": 4.0,  # an all-reduce input beyond FAR_CLIP_FACTOR (64) × the radius: an attack, banned at once
+    # an all-reduce input beyond FAR_CLIP_FACTOR (64) × the radius, or beyond HARD_CLIP_FACTOR (4) × it pointing
+    # against the mean: an attack, banned at once
+    "clipped_far": 4.0,
+    # an all-reduce input beyond SPREAD (2) × the radius pointing against the others': a second bans (2.0 did not:
+    # the first had decayed a little by the next round, 3.98 of 4)
+    "reversed": 2.5,
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
     # a state its round's synced peers do not hold, yet no worse than ours on our batches: what an honest donor serves
