@@ -1,10 +1,11 @@
 """How long `p2ptrain status --json` takes to answer while a netns testnet trains (root only), by both paths side by
 side: a DHT client of its own (`--initial-peers`), and a status page's JSON (`--page`, no DHT node).
 
-A netns testnet of N peers trains on the machine's cores; in the bootstrap's namespace (a host of the testnet) a
-status page reads the run every 2 s, and the two commands run alternately, each a fresh process as a user would
-type it. Per path: the median and the slowest wall time, and how many answers listed every peer. Writes Markdown and
-JSON to benchmarks/results/. The target (issue 32): an answer within 3 s at any load the testnet makes.
+A netns testnet of N peers trains on the machine's cores; its bootstrap serves the run's status page (which reads
+the run every 5 s), and the testnet prints the command that reads it. In the bootstrap's namespace, that command and
+a DHT client's run alternately, each a fresh process as a user would type it. Per path: the median and the slowest
+wall time, and how many answers listed every peer. Writes Markdown and JSON to benchmarks/results/. The target
+(issue 32): an answer within 3 s at any load the testnet makes.
 
     sudo python benchmarks/status_latency.py [--peers 4] [--tries 5] [--duration-s 150]
 """
@@ -26,19 +27,24 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_S = 3.0
-PAGE_PORT = 8765  # inside the bootstrap's namespace: no other listener there
 
 
-def bootstrap_of(workdir: Path, timeout_s: float) -> tuple[str, str]:
-    """The testnet bootstrap's address on its host's link (not loopback) and the run id it serves, once written."""
-    address_file, log = workdir / "bootstrap.addr", workdir / "bootstrap.log"
+def watch_command(printed: Path, timeout_s: float) -> tuple[str, str]:
+    """The namespace and the page address in the testnet's `testnet: watch the run with `...`` line, once printed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if address_file.exists() and address_file.read_text().strip():
-            address = next(m for m in address_file.read_text().split() if "/127.0.0.1/" not in m)
-            return address, re.search(r"--run-id (\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
+        found = re.search(r"watch the run with `ip netns exec (\S+) p2ptrain status --page (\S+) ", printed.read_text())
+        if found:
+            return found.group(1), found.group(2)
         time.sleep(0.5)
-    raise SystemExit(f"{address_file} did not appear within {timeout_s:.0f} s")
+    raise SystemExit(f"the testnet printed no watch command within {timeout_s:.0f} s (see {printed})")
+
+
+def bootstrap_of(workdir: Path) -> tuple[str, str]:
+    """The testnet bootstrap's address on its host's link (not loopback) and the run id it serves."""
+    address_file, log = workdir / "bootstrap.addr", workdir / "bootstrap.log"
+    address = next(m for m in address_file.read_text().split() if "/127.0.0.1/" not in m)
+    return address, re.search(r"--run-id (\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
 
 
 def timed(namespace: str, args: list[str], peers: int) -> dict[str, Any]:
@@ -65,18 +71,16 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("the netns testnet needs root")
     workdir = Path(tempfile.mkdtemp(prefix="status-latency-"))
-    testnet = subprocess.Popen([sys.executable, "-m", "p2ptrain", "testnet", "--backend", "netns", "--peers",
-                                str(args.peers), "--duration", str(args.duration_s), "--workdir", str(workdir)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    page = None
+    printed = workdir.parent / f"{workdir.name}.out"
+    with open(printed, "wb") as out:  # the testnet serves its page and prints the command that reads it
+        testnet = subprocess.Popen([sys.executable, "-m", "p2ptrain", "testnet", "--backend", "netns", "--peers",
+                                    str(args.peers), "--duration", str(args.duration_s), "--workdir", str(workdir)],
+                                   stdout=out, stderr=subprocess.STDOUT)
     try:
-        address, run_id = bootstrap_of(workdir, 120)
-        namespace = f"p2pt-tn{testnet.pid}-h0"  # the bootstrap's host: netns_run.py's prefix, hosts in start order
+        namespace, page_url = watch_command(printed, 120)
+        address, run_id = bootstrap_of(workdir)
         dht = ["--initial-peers", address, "--run-id", run_id, "--no-nat-port-map", "--no-auto-nat", "--no-relay"]
-        page = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "p2ptrain", "status", *dht,
-                                 "--serve", str(PAGE_PORT), "--watch", "2"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        paths = {"dht": dht, "page": ["--page", f"http://127.0.0.1:{PAGE_PORT}/"]}
+        paths = {"dht": dht, "page": ["--page", page_url]}
         deadline = time.monotonic() + 120  # the peers start and the page makes its first read
         while timed(namespace, paths["page"], args.peers)["listed"] != args.peers:
             if time.monotonic() > deadline:
@@ -88,9 +92,6 @@ def main() -> None:
                 answers[name].append(timed(namespace, path_args, args.peers))
         assert testnet.poll() is None, "the testnet ended before the last answer: raise --duration-s"
     finally:
-        if page is not None:
-            page.terminate()
-            page.wait(timeout=30)
         testnet.terminate()
         testnet.wait(timeout=120)
     rows = []

@@ -10,7 +10,7 @@ import click
 
 from p2ptrain import __version__
 from p2ptrain.choices import PRECISIONS, STATE_DEVICES, SYNC_MODES
-from p2ptrain.console import configure_logging, run_command
+from p2ptrain.console import LOG_LEVELS, configure_logging, run_command
 from p2ptrain.peer_command import (
     PEER_SECTIONS,
     SectionedCommand,
@@ -22,7 +22,6 @@ from p2ptrain.peer_command import (
     run_peer,
     split_peers,
 )
-from p2ptrain.testnet.loopback import LOG_LEVELS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -299,6 +298,8 @@ def admit(peer_id: str, key_path: str, out_path: str, run_id: str | None) -> Non
 @click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False), help="netns/docker: scenario YAML file.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=1), help="netns/docker: run this many seconds.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), help="netns/docker: where the report goes.")
+@click.option("--status-page/--no-status-page", default=True, show_default=True,
+              help="The bootstrap serves the run's status page, and the testnet prints how to read it.")
 @click.option("--peer-image", default="p2ptrain-peer:latest", show_default=True, help="docker: the peer image.")
 @click.option("--bootstrap-image", default="p2ptrain-bootstrap:latest", show_default=True,
               help="docker: the bootstrap image.")

@@ -14,6 +14,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.net.log_noise import quiet_connection_errors
 
 EXIT_USER_ERROR = 2
+LOG_LEVELS = ("debug", "info", "warning", "error")  # `p2ptrain --log-level`, which testnet processes inherit
 
 
 def configure_logging(log_level: str) -> None:

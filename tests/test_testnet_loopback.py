@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from p2ptrain.metrics import read_metrics
+from p2ptrain.status_view import read_page
 from p2ptrain.testnet.forkserver import kept_server_pids
 from p2ptrain.testnet.loopback import TestnetOptions as LoopbackOptions
 from p2ptrain.testnet.loopback import run_testnet
@@ -41,16 +42,26 @@ def test_a_loopback_testnet_trains_together_and_leaves_no_process(tmp_path: Path
 
 def test_a_sigterm_to_the_launcher_stops_every_process_it_started(tmp_path: Path) -> None:
     """The peers lead sessions of their own (a stop kills each with its daemons), so no signal reaches them from
-    the launcher's: it must stop them itself, on SIGTERM as on Ctrl-C."""
-    launcher = subprocess.Popen([sys.executable, "-m", "p2ptrain.cli", "testnet", "--peers", "2", "--model", "tiny",
-                                 "--rounds", "500", "--workdir", str(tmp_path)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    the launcher's: it must stop them itself, on SIGTERM as on Ctrl-C. Before that, the status page the command
+    line's testnet prints lists both peers."""
+    out = tmp_path / "launcher.out"
+    with open(out, "wb") as printed:
+        launcher = subprocess.Popen([sys.executable, "-m", "p2ptrain.cli", "testnet", "--peers", "2", "--model",
+                                     "tiny", "--rounds", "500", "--workdir", str(tmp_path)], stdin=subprocess.DEVNULL,
+                                    stdout=printed, stderr=subprocess.DEVNULL, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not all(read_metrics(path) if path.exists() else [] for path in
                       (tmp_path / "peer0.jsonl", tmp_path / "peer1.jsonl")):
             assert launcher.poll() is None and time.monotonic() < deadline, "the peers logged no round"
             time.sleep(0.2)
+        listed = None
+        while listed != 2:  # the page reads the run every 5 s
+            assert launcher.poll() is None and time.monotonic() < deadline, f"the page listed {listed} peers"
+            url = next((line.split()[5] for line in out.read_text().splitlines()
+                        if line.startswith("testnet: watch the run at")), None)
+            listed = None if url is None else read_page(url)["live_peers"]
+            time.sleep(0.5)
         started = psutil.Process(launcher.pid).children(recursive=True)
         assert len(started) >= 3  # the fork server, the bootstrap, the peers (and their daemons)
         launcher.send_signal(signal.SIGTERM)

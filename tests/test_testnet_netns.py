@@ -43,7 +43,8 @@ LAUNCHER = """
 import sys
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 try:
-    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=sys.argv[1], workdir=sys.argv[2], name_prefix=sys.argv[3]))
+    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=sys.argv[1], workdir=sys.argv[2], name_prefix=sys.argv[3],
+                                               status_page=sys.argv[4:] == ["page"]))
 except KeyboardInterrupt:
     sys.exit(130)
 sys.exit(0 if ok else 1)
@@ -94,6 +95,13 @@ def can_connect(namespace: str, address: str, timeout_s: float = 1.0) -> bool:
     return done.returncode == 0
 
 
+def page_lists(status_argv: list[str], peers: int) -> bool:
+    """Whether `p2ptrain status --page ... --json` ran as given lists `peers` live peers."""
+    done = subprocess.run(status_argv, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])["live_peers"] == peers
+
+
 def our_namespaces(prefix: str) -> list[str]:
     return [ns for ns in list_namespaces() if ns.startswith(f"p2pt-{prefix}-")]
 
@@ -129,11 +137,13 @@ def namespace_inodes(prefix: str) -> set[int]:
     return {os.stat(f"/run/netns/{ns}").st_ino for ns in our_namespaces(prefix)}
 
 
-def start_launcher(scenario: Path, workdir: Path, prefix: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_launcher(scenario: Path, workdir: Path, prefix: str,
+                   status_page: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     log = workdir.parent / f"{prefix}-launcher.log"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(scenario), str(workdir), prefix],
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(scenario), str(workdir), prefix,
+                                     *(["page"] if status_page else [])],
                                     cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     return launcher, log
 
@@ -280,9 +290,15 @@ def test_sigkilled_launcher_leaves_no_namespace_or_process(netns_ok: None, tmp_p
     prefix, workdir, root_before = f"sk{os.getpid() % 100000}", tmp_path / "run", root_links_and_qdiscs()
     scenario = write_scenario(tmp_path, peers=2, duration_s=300)
     workdir.mkdir()
-    launcher, log = start_launcher(scenario, workdir, prefix)
+    launcher, log = start_launcher(scenario, workdir, prefix, status_page=True)
     try:
         wait_until(lambda: all(rows_of(workdir, f"peer{i}") for i in range(2)), 120, "both peers to train a round")
+        # the command the testnet printed, as typed in this shell, lists both peers (the page reads every 5 s)
+        watch = next(line for line in log.read_text().splitlines() if line.startswith("testnet: watch the run"))
+        command = watch.split("`")[1].removesuffix(" [--json | --watch 5]").replace(" p2ptrain ", " p2ptrain.cli ")
+        argv = command.split()
+        argv[argv.index("p2ptrain.cli"):argv.index("p2ptrain.cli")] = [sys.executable, "-m"]
+        wait_until(lambda: page_lists(argv + ["--json"], 2), 60, "the status page to list both peers")
         inodes = namespace_inodes(prefix)
         assert len(inodes) == 4  # switch, bootstrap, two peers
         in_namespaces = pids_in_net_namespaces(inodes)

@@ -123,6 +123,9 @@ class DockerHosts:
     def address(self, host: str) -> str:
         return f"{self.subnet}{self.index[host] + 2}"
 
+    def shell_prefix(self, host: str) -> list[str]:
+        return ["docker", "exec", self._holder(host)]  # the peer image, in the host's network for the whole run
+
     def start(self, host: str, command: str, args: list[str], log: Path) -> int:
         self.lives[host] = self.lives.get(host, 0) + 1
         name = f"{self._holder(host)}-{self.lives[host]}"

@@ -45,6 +45,7 @@ from p2ptrain.testnet.scenario import BOOTSTRAP, Event, Scenario, load_scenario,
 from p2ptrain.timing import LAUNCH_S
 
 PORT = 31337  # every host has its own network stack, so one fixed port serves all
+STATUS_PORT = 8080  # the bootstrap's status page, on its host's loopback
 STOP_GRACE_S = 20.0  # SIGTERM -> SIGKILL: a peer finishes the averaging it is in, then writes a checkpoint
 PEER_FLAGS = ("--torch-threads", "1", "--no-progress", "--device", "cpu", "--no-nat-port-map", "--no-auto-nat",
               "--no-relay")  # every peer of every backend, besides --config
@@ -65,6 +66,7 @@ class ScenarioOptions:
     report_dir: str | None = None  # report.json and plots (default: <workdir>/report)
     timeout_s: float = 900.0
     name_prefix: str | None = None  # names of the backend's namespaces or containers (default: from the pid)
+    status_page: bool = False  # the bootstrap serves the run's status page on its host (the CLI's default: on)
 
     def __post_init__(self) -> None:
         if self.rounds is not None and self.duration_s is not None:
@@ -76,8 +78,9 @@ class ScenarioOptions:
 class Fleet:
     """The bootstrap and the peers of one run: start, signal, restart, and follow their lives and metrics."""
 
-    def __init__(self, hosts: HostControl, workdir: Path, plan: RunPlan, peer_args: list[str], num_shards: int):
-        self.hosts, self.workdir, self.plan = hosts, workdir, plan
+    def __init__(self, hosts: HostControl, workdir: Path, plan: RunPlan, peer_args: list[str], num_shards: int,
+                 status_page: bool = False):
+        self.hosts, self.workdir, self.plan, self.status_page = hosts, workdir, plan, status_page
         self.peer_args, self.num_shards = peer_args, num_shards  # the flags every peer gets; the corpus's shards
         self.run_id = f"{hosts.kind}-{uuid.uuid4().hex[:8]}"
         self.bootstrap_maddr = ""
@@ -102,7 +105,8 @@ class Fleet:
         address_file.unlink(missing_ok=True)
         self._start("bootstrap", "bootstrap", [
             "--identity", str(self.workdir / "bootstrap.key"), "--address-file", str(address_file),
-            "--run-id", self.run_id, "--no-nat-port-map", "--no-auto-nat", "--no-relay"])
+            "--run-id", self.run_id, "--no-nat-port-map", "--no-auto-nat", "--no-relay",
+            *(["--status-port", str(STATUS_PORT)] if self.status_page else [])])
         deadline = time.monotonic() + LAUNCH_S
         while not (address_file.exists() and address_file.read_text().strip()):
             self.hosts.refresh()
@@ -116,6 +120,10 @@ class Fleet:
         own = f"/ip4/{self.hosts.address('bootstrap')}/"
         maddrs = address_file.read_text().split()
         self.bootstrap_maddr = next((m for m in maddrs if m.startswith(own)), maddrs[0])
+        if self.status_page:  # the page is on the bootstrap host's loopback: read it from there
+            watch = " ".join([*self.hosts.shell_prefix("bootstrap"), "p2ptrain", "status", "--page",
+                              f"http://127.0.0.1:{STATUS_PORT}/"])
+            click.echo(f"testnet: watch the run with `{watch} [--json | --watch 5]` (it answers within a second)")
 
     def start_peer(self, peer: str, resume: bool) -> str:
         """Start a peer, from its latest checkpoint when ``resume`` and one exists; returns how it started."""
@@ -327,7 +335,7 @@ def run_scenario(options: ScenarioOptions, hosts: HostControl, plan: RunPlan, wo
                  rates: Mapping[str, float | None], where: str) -> bool:
     """Run a planned scenario on a backend's hosts; True when every check passed."""
     config_path, num_shards = merged_peer_config(options, plan, workdir)
-    fleet = Fleet(hosts, workdir, plan, ["--config", str(config_path), *PEER_FLAGS], num_shards)
+    fleet = Fleet(hosts, workdir, plan, ["--config", str(config_path), *PEER_FLAGS], num_shards, options.status_page)
     bound = f"{plan.rounds} rounds" if plan.rounds is not None else f"{plan.duration_s:g} s"
     click.echo(f"testnet: bootstrap + {len(plan.initial_peers)} peers {where}, {bound}, {len(plan.events)} "
                f"scripted + {len(plan.churn_events)} churn events, logs in {workdir}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from p2ptrain.console import LOG_LEVELS
 from p2ptrain.errors import UserError
 from p2ptrain.metrics import read_metrics
 from p2ptrain.testnet.forkserver import ForkedProcess, ForkServer, kept_server
@@ -37,6 +38,7 @@ class TestnetOptions:
     workdir: str | None = None
     timeout_s: int = 900
     extra_peer_args: tuple[str, ...] = ()
+    status_page: bool = False  # the bootstrap serves the run's status page on 127.0.0.1 (the CLI's default: on)
 
     @property
     def resolved_rounds(self) -> int:
@@ -106,9 +108,6 @@ def _signal_group(process: TestnetProcess, signum: int) -> None:
         pass
 
 
-LOG_LEVELS = ("debug", "info", "warning", "error")  # `p2ptrain --log-level`, which testnet processes inherit
-
-
 RED_TEAM = "red-team"  # the command of a hostile peer: `python -m p2ptrain.testnet.red_team`, not the p2ptrain CLI
 
 
@@ -151,8 +150,9 @@ def peer_command(options: TestnetOptions, index: int, bootstrap_maddr: str, run_
 def start_swarm(group: ProcessGroup, options: TestnetOptions, run_id: str,
                 workdir: Path) -> tuple[TestnetProcess, dict[str, TestnetProcess]]:
     """The bootstrap, once it has written its address, then the peers `peer0`... that join through it."""
+    page = ["--status-port", "0"] if options.status_page else []
     bootstrap = group.start("bootstrap", cli_module("bootstrap", "--loopback", "--run-id", run_id, "--address-file",
-                                                    str(workdir / "bootstrap.addr")), workdir / "bootstrap.log")
+                                                    str(workdir / "bootstrap.addr"), *page), workdir / "bootstrap.log")
     maddr = wait_for_file(workdir / "bootstrap.addr", bootstrap, 60).split()[0]
     peers = {f"peer{i}": group.start(f"peer{i}", peer_command(options, i, maddr, run_id, workdir),
                                      workdir / f"peer{i}.log") for i in range(options.num_peers)}
@@ -172,7 +172,7 @@ def run_testnet(options: TestnetOptions) -> bool:
     with handling_signals(interrupt):  # a SIGTERM too stops the peers: they lead sessions of their own
         try:
             _bootstrap, peers = start_swarm(group, options, run_id, workdir)
-            _follow_until_done(peers, workdir, options.timeout_s)
+            _follow_until_done(peers, workdir, options.timeout_s, options.status_page)
         finally:
             with handling_signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the stop short
                 group.stop_all()
@@ -189,11 +189,26 @@ def _read_rounds(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.exists() else []
 
 
-def _follow_until_done(peers: dict[str, TestnetProcess], workdir: Path, timeout_s: float) -> None:
-    """Print each round as peers report it, until all peers exit or the timeout passes."""
+def status_page_url(bootstrap_log: Path) -> str | None:
+    """The status page's address once the bootstrap has printed it (`Status page: URL ...`)."""
+    try:
+        lines = bootstrap_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.split()[2] for line in lines if line.startswith("Status page: http")), None)
+
+
+def _follow_until_done(peers: dict[str, TestnetProcess], workdir: Path, timeout_s: float,
+                       status_page: bool = False) -> None:
+    """Print each round as peers report it (and the status page's address once served), until all peers exit or
+    the timeout passes."""
     seen = dict.fromkeys(peers, 0)
     deadline = time.monotonic() + timeout_s
+    page_told = not status_page
     while time.monotonic() < deadline:
+        if not page_told and (url := status_page_url(workdir / "bootstrap.log")):
+            click.echo(f"testnet: watch the run at {url} or with `p2ptrain status --page {url} [--json | --watch 5]`")
+            page_told = True
         for name in peers:
             rows = _read_rounds(workdir / f"{name}.jsonl")
             for row in rows[seen[name]:]:

@@ -55,6 +55,9 @@ class NetnsHosts:
     def address(self, host: str) -> str:
         return self.testbed.address(host)
 
+    def shell_prefix(self, host: str) -> list[str]:
+        return ["ip", "netns", "exec", self.testbed.namespace(host)]
+
     def start(self, host: str, command: str, args: list[str], log: Path) -> int:
         assert self.server is not None, "create() first"
         module, module_args = cli_module(command, *args, "--host-maddrs", f"/ip4/{self.address(host)}/tcp/{PORT}")

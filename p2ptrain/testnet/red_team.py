@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from p2ptrain.console import configure_logging, run_command
+from p2ptrain.console import LOG_LEVELS, configure_logging, run_command
 from p2ptrain.peer_command import (
     PEER_SECTIONS,
     SectionedCommand,
@@ -22,7 +22,6 @@ from p2ptrain.peer_command import (
     run_peer,
 )
 from p2ptrain.testnet.adversary import ATTACKS, Attack, HostileConduct
-from p2ptrain.testnet.loopback import LOG_LEVELS
 
 logger = logging.getLogger(__name__)
 
