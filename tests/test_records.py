@@ -24,7 +24,20 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.bootstrap import BootstrapNode
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
-from p2ptrain.net.dht_keys import MAX_LIFETIME_S, MAX_VALUE_BYTES, RunKeysValidator, averager_prefix, round_group_bits
+from p2ptrain.net.dht_keys import (
+    MAX_GROUP_RECORDS,
+    MAX_GROUP_SUBKEY_BYTES,
+    MAX_GROUP_VALUE_BYTES,
+    MAX_LIFETIME_S,
+    MAX_SUBKEY_BYTES,
+    MAX_VALUE_BYTES,
+    RunKeysValidator,
+    SubkeyBudget,
+    averager_prefix,
+    claims_key,
+    key_id,
+    round_group_bits,
+)
 from p2ptrain.net.discovery import (
     Announcer,
     PeerRecord,
@@ -137,6 +150,31 @@ def test_a_node_of_the_run_takes_only_the_runs_keys_small_values_and_bounded_lif
     with pytest.raises(ValueError, match="not one of the run's DHT keys"):
         averager_prefix(RUN, "mix3")  # an averager whose records every node would refuse
     assert validator.merge_with(RunKeysValidator(RUN)) and not validator.merge_with(RunKeysValidator("another-run"))
+    # a subkey is bounded too (a peer record's holds a public key), and a group record's both parts more tightly
+    assert validator.validate(DHTRecord(key_id(peers_key(RUN)), b"s" * MAX_SUBKEY_BYTES, b"x", now + TTL_S))
+    assert not validator.validate(DHTRecord(key_id(peers_key(RUN)), b"s" * (MAX_SUBKEY_BYTES + 1), b"x", now + TTL_S))
+    assert not validator.validate(DHTRecord(key_id(group_key), b"s" * (MAX_GROUP_SUBKEY_BYTES + 1), b"x", now + 1))
+    assert not accepted(group_key, b"x" * (MAX_GROUP_VALUE_BYTES + 1))
+
+
+def test_a_key_holds_a_bounded_number_of_live_subkeys_and_a_heartbeat_keeps_its_place() -> None:
+    """Identities are cheap and each may add a subkey to the peers key or a group key: a full key refuses new ones
+    until one expires; a subkey it holds is renewed; other keys have budgets of their own."""
+    budget = pickle.loads(pickle.dumps(SubkeyBudget(RUN, peer_records=3, group_records=2)))
+    now = get_dht_time()
+    peers, group = key_id(peers_key(RUN)), key_id(f"{averager_prefix(RUN, 'diloco')}.0b{round_group_bits(4)}")
+
+    def take(key: bytes, subkey: bytes, expires_in_s: float = TTL_S) -> bool:
+        return budget.validate(DHTRecord(key, subkey, b"x", now + expires_in_s))
+
+    assert [take(peers, b"a", 0.5), take(peers, b"b"), take(peers, b"c")] == [True, True, True]
+    assert not take(peers, b"sybil")  # full
+    assert take(peers, b"b", TTL_S + 5)  # a heartbeat of a record it holds
+    assert take(group, b"a") and take(group, b"b") and not take(group, b"c")  # its own budget
+    assert take(key_id(claims_key(RUN, 0)), b"any")  # a claim key's subkeys are its pieces: bounded by shape
+    time.sleep(0.6)  # "a" expires: its place is free
+    assert take(peers, b"newcomer") and not take(peers, b"sybil")
+    assert budget.merge_with(SubkeyBudget(RUN, peer_records=3, group_records=2))  # its state is not its identity
 
 
 # ---- a real DHT pair on loopback --------------------------------------------------------------------------------
@@ -271,6 +309,10 @@ def test_a_flood_under_foreign_keys_or_of_large_values_is_not_stored() -> None:
         assert store(group_key, size=1, subkey=b"peer")  # the run's own key: stored
         assert reader.run_coroutine(_stored_key_count) == 1
         assert reader.run_coroutine(functools.partial(_stored_subkeys, key=group_key)) == [b"peer"]
+        # as many identities as it likes, one subkey each: the key holds MAX_GROUP_RECORDS (it held all of them)
+        for i in range(MAX_GROUP_RECORDS + 20):
+            store(group_key, size=1, subkey=f"sybil-{i}".encode())
+        assert len(reader.run_coroutine(functools.partial(_stored_subkeys, key=group_key))) == MAX_GROUP_RECORDS
 
 
 @pytest.mark.network

@@ -9,9 +9,14 @@ A run's peers (and `status`) store and serve only:
   into the bits; hivemind reshuffles them after a group forms, within the same length).
 Left to itself, a hivemind DHT node stores whatever another node sends it, under any key, as large and for as long
 as the sender says: 400 values of 1 MiB under random keys took 443 MB of one peer's memory. `RunKeysValidator`
-refuses a record under any other key, a value larger than `MAX_VALUE_BYTES`, and one set to expire more than
-`MAX_LIFETIME_S` ahead, so a flood costs a node at most the records of its run's keys. Every node of a run
-installs it, its bootstrap included (started with the run's `--run-id`).
+refuses a record under any other key, a value larger than `MAX_VALUE_BYTES` (group keys: `MAX_GROUP_VALUE_BYTES`), a
+subkey larger than `MAX_SUBKEY_BYTES` (group keys: `MAX_GROUP_SUBKEY_BYTES`), and one set to expire more than
+`MAX_LIFETIME_S` ahead. Identities are cheap, and each may add a subkey to the peers key or a group key:
+`SubkeyBudget` holds each key to a number of live subkeys (`MAX_PEER_RECORDS`, `MAX_GROUP_RECORDS`; a claim key's
+subkeys are its pieces), refusing a new one while the key is full. So a flood costs a node at most its run's keys,
+full: 4,096 peer records of ≤ 17 KiB (68 MiB; a real one is under 3 kB), 512 group keys of 64 records of ≤ 320 bytes
+(10 MiB) and 1,024 claim blocks of 64 claims (~10 MiB). Every node of a run installs both, its bootstrap included
+(started with the run's `--run-id`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ MAX_VALUE_BYTES = 16 * 1024
 # the farthest ahead a record may be set to expire (a peer record's TTL is checked, more tightly, by its own
 # validator; the averagers' group records live for one matchmaking, seconds)
 MAX_LIFETIME_S = 3600.0
+MAX_SUBKEY_BYTES = 1024  # a peer record's subkey holds its signer's RSA public key (~400 bytes)
+# a group record (hivemind's matchmaking) is a peer id under a bool: 40 and 1 bytes
+MAX_GROUP_SUBKEY_BYTES, MAX_GROUP_VALUE_BYTES = 64, 256
+MAX_PEER_RECORDS = 4096  # live subkeys of the peers key: a swarm of thousands, and a bound on a Sybil flood
+MAX_GROUP_RECORDS = 64  # live subkeys of one group key: the averagers looking for a group in one round
 PIECES_PER_KEY = 64  # subkeys of one data claim key: reading a block is one small record set
 MAX_BLOCKS = 1024  # data claim keys of a run: 65,536 pieces (corpus.MAX_PIECES)
 MAX_CLAIMANT_CHARS = 128  # a claim's value, a peer id (52 characters)
@@ -60,9 +70,19 @@ def round_group_bits(round_: int) -> str:
 @functools.lru_cache(maxsize=16)
 def run_key_ids(run_id: str) -> frozenset[bytes]:
     """The DHT ids (hashes) of every key the run stores."""
-    keys = [peers_key(run_id)] + [f"{averager_prefix(run_id, name)}.0b{round_group_bits(r)}"
-                                  for name in AVERAGER_NAMES for r in range(2**ROUND_BITS)]
-    return frozenset(DHTID.generate(source=key).to_bytes() for key in keys) | claim_key_ids(run_id)
+    return frozenset([key_id(peers_key(run_id))]) | group_key_ids(run_id) | claim_key_ids(run_id)
+
+
+@functools.lru_cache(maxsize=16)
+def group_key_ids(run_id: str) -> frozenset[bytes]:
+    """The DHT ids of the group keys of the run's averagers (hivemind's matchmaking)."""
+    return frozenset(key_id(f"{averager_prefix(run_id, name)}.0b{round_group_bits(r)}")
+                     for name in AVERAGER_NAMES for r in range(2**ROUND_BITS))
+
+
+@functools.lru_cache(maxsize=64)
+def key_id(key: str) -> bytes:
+    return DHTID.generate(source=key).to_bytes()
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,13 +112,55 @@ class RunKeysValidator(RecordValidatorBase):
     run_id: str
 
     def validate(self, record: DHTRecord) -> bool:
-        return (record.key in run_key_ids(self.run_id) and len(record.value) <= MAX_VALUE_BYTES
+        group = record.key in group_key_ids(self.run_id)
+        return (record.key in run_key_ids(self.run_id)
+                and len(record.value) <= (MAX_GROUP_VALUE_BYTES if group else MAX_VALUE_BYTES)
+                and len(record.subkey) <= (MAX_GROUP_SUBKEY_BYTES if group else MAX_SUBKEY_BYTES)
                 and record.expiration_time <= get_dht_time() + MAX_LIFETIME_S + MAX_CLOCK_SKEW_S
                 and (record.key not in claim_key_ids(self.run_id) or is_claim_record(record)))
 
     @property
     def priority(self) -> int:
         return 20  # before the signature validator (10): a foreign key costs no signature check
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return other == self
+
+
+@dataclasses.dataclass
+class SubkeyBudget(RecordValidatorBase):
+    """hivemind validator: at most `peer_records` live subkeys under the peers key and `group_records` under each
+    group key; a new subkey of a full key is refused until one of its subkeys expires, a known one is always taken
+    (a heartbeat renews its record). It counts every record it passes, stored or read (a read of a full key's
+    dictionary from another node is refused whole, as hivemind refuses a dictionary with any invalid record), so it
+    runs last, on records every other validator passed: an unsigned or foreign record takes no place. State lives in
+    hivemind's DHT process, where validators are unpickled: it starts empty there."""
+
+    run_id: str
+    peer_records: int = MAX_PEER_RECORDS
+    group_records: int = MAX_GROUP_RECORDS
+    live: dict[bytes, dict[bytes, float]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key == key_id(peers_key(self.run_id)):
+            budget = self.peer_records
+        elif record.key in group_key_ids(self.run_id):
+            budget = self.group_records
+        else:
+            return True
+        subkeys = self.live.setdefault(record.key, {})
+        if record.subkey not in subkeys and len(subkeys) >= budget:
+            now = get_dht_time()
+            for subkey in [s for s, expires in subkeys.items() if expires < now]:
+                del subkeys[subkey]
+            if len(subkeys) >= budget:
+                return False
+        subkeys[record.subkey] = max(subkeys.get(record.subkey, record.expiration_time), record.expiration_time)
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 0  # the last: below the peer records' validator (5), after the signature's (10)
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return other == self

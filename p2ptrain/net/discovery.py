@@ -29,7 +29,7 @@ from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, co
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
-from p2ptrain.net.dht_keys import RunKeysValidator, peers_key
+from p2ptrain.net.dht_keys import RunKeysValidator, SubkeyBudget, peers_key
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
@@ -178,7 +178,7 @@ def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float,
     policy = admission.policy if admission is not None else AdmissionPolicy(run_id)
     signature_validator = RSASignatureValidator(dht.signing_key)
     dht.add_validators([RunKeysValidator(run_id), SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
-                        PeerRecordValidator(run_id, ttl_s, policy)])
+                        PeerRecordValidator(run_id, ttl_s, policy), SubkeyBudget(run_id)])
     return signature_validator
 
 
