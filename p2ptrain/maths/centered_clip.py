@@ -55,22 +55,21 @@ class RobustMean:
     def far_inputs(self) -> list[int]:
         """Inputs that were not disagreeing but offending: farther than HARD_CLIP_FACTOR × τ from the mean, or
         farther than SPREAD × τ and pointing against the others."""
-        return [j for j in range(len(self.distances)) if self._beyond(j) > 0]
+        return [j for j in range(len(self.distances)) if self._offence(j) is not None]
 
     def offence_of(self, j: int) -> str:
         """The offence of far input `j`: `clipped_far` (a ban at once) beyond FAR_CLIP_FACTOR × τ, or beyond
         HARD_CLIP_FACTOR × τ pointing against the others; `reversed` nearer, pointing against them; else `clipped`."""
-        return {3: "clipped_far", 2: "reversed", 1: "clipped"}[self._beyond(j)]
+        return self._offence(j) or "clipped"
 
-    def _beyond(self, j: int) -> int:
-        """0: no offence; 1: a hard clip; 2: reversed; 3: an attack beyond doubt."""
+    def _offence(self, j: int) -> str | None:
         d, tau = self.distances[j], self.radius
         against = bool(self.against) and self.against[j]
         if tau <= 0 or d <= (SPREAD if against else HARD_CLIP_FACTOR) * tau:
-            return 0
+            return None
         if d > FAR_CLIP_FACTOR * tau or (against and d > HARD_CLIP_FACTOR * tau):
-            return 3
-        return 2 if against else 1
+            return "clipped_far"
+        return "reversed" if against else "clipped"
 
 
 def centered_clip(inputs: Sequence[Sequence[torch.Tensor]], multiplier: float = 2.0,
