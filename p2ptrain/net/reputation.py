@@ -40,11 +40,13 @@ OFFENCES: dict[str, float] = {
     "invalid_payload": 1.0,  # tensors that do not decode, do not fit, or are not finite
     "clipped": 1.0,  # a value more than HARD_CLIP_FACTOR (4) × the clipping radius away: not disagreement
     # an all-reduce input beyond FAR_CLIP_FACTOR (64) × the radius, or beyond HARD_CLIP_FACTOR (4) × it pointing
-    # against the mean: an attack, banned at once
+    # against the others' inputs: an attack, banned at once
     "clipped_far": 4.0,
-    # an all-reduce input beyond SPREAD (2) × the radius pointing against the others': a second bans (2.0 did not:
-    # the first had decayed a little by the next round, 3.98 of 4)
+    # an all-reduce input beyond SPREAD (2) × the radius pointing against the others': a second within a half-life
+    # bans (2.5, not 2: the first has decayed a little by the next round)
     "reversed": 2.5,
+    # a value that is, bit for bit, what the partner sent for an earlier round (sync/replay_check.py): a second bans
+    "replayed": 2.5,
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
     # a state its round's synced peers do not hold, yet no worse than ours on our batches: what an honest donor serves

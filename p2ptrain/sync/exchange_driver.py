@@ -36,6 +36,7 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
 from p2ptrain.sync.relay_retries import RelayRetries
+from p2ptrain.sync.replay_check import ReplayCheck
 from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
 
@@ -146,7 +147,8 @@ class OfferingRound(Protocol):
     round: int
     weight: float  # the mixing weight our offers carry
     keeps_unconfirmed_mix: bool  # whether a partner's value whose ack was lost is applied
-    measures_link: bool  # whether its exchanges measure the link (a payload, not a digest)
+    # whether its exchanges carry a value, not a digest's token: they measure the link, and a replay is judged
+    measures_link: bool
     sent: list[torch.Tensor]  # our value, the yardstick a partner's is decoded against
     slots: RoundSlots
 
@@ -174,6 +176,7 @@ class AnsweringRound(Protocol):
 
     round: int
     extra_offers_offend: bool  # whether an offer beyond a partner's share is an offence (else only refused)
+    measures_link: bool  # as OfferingRound's: whether a replay of a partner's value is judged
     slots: RoundSlots
 
     @property
@@ -257,6 +260,7 @@ class Incoming:
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         policy = self.driver.policy
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
+        self.driver.judge_replay(self.rnd, self.sender, partner_header, theirs)
         theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
@@ -289,8 +293,18 @@ class ExchangeDriver:
         self.routes = routes if routes is not None else Routes("")
         self.gate = RoundGate()  # the round we are in, and offers held for the next one
         self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
+        self.replays = ReplayCheck()  # partners' values, to tell one sent again for a later round
         self.offer_limit, self.holds_offers = offer_limit, holds_offers
         self._current: Any = None
+
+    def judge_replay(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
+                     theirs: Sequence[torch.Tensor]) -> None:
+        """A value the partner sent, bit for bit, for an earlier round it claimed is an offence (`replay_check`);
+        a stage whose payload is a token (an all-reduce's confirmation: the digest is in the header) is not judged.
+        The value is still mixed, clipped, this once: an all-reduce's members must all reduce the same inputs."""
+        if self.config.robust and rnd.measures_link and self.replays.repeats(partner, header.get("round"), theirs):
+            self.reputation.penalise(partner, "replayed", f"its value for round {header.get('round')} is the one it "
+                                                          f"sent for an earlier round, bit for bit")
 
     @property
     def current(self) -> Any:  # the latest round (closed once its exchange returned)
@@ -421,6 +435,7 @@ class ExchangeDriver:
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
+            self.judge_replay(rnd, partner, answer, theirs)
             theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
             self.policy.note_partner(rnd, partner, answer)
             return lambda: rnd.apply_(partner, theirs, outgoing=True, weight=weight)

@@ -111,6 +111,7 @@ class ParamAnswers:
     # a partner faster than us opens more than its share of our round (a slow or joining peer's round is many of
     # theirs): refused, not penalised; a prober pays for its "uncommitted" opens
     extra_offers_offend = False
+    measures_link = True  # answers carry parameters
 
     def __init__(self, gossip: ParamGossip, round_: int):
         self.gossip, self.round = gossip, round_
