@@ -45,7 +45,8 @@ OFFENCES: dict[str, float] = {
     # an all-reduce input beyond SPREAD (2) × the radius pointing against the others': a second within a half-life
     # bans (2.5, not 2: the first has decayed a little by the next round)
     "reversed": 2.5,
-    # a value that is, bit for bit, what the partner sent for an earlier round (sync/replay_check.py): a second bans
+    # a value that is, bit for bit, what the partner sent two or more claimed rounds before (sync/replay_check.py):
+    # a second bans
     "replayed": 2.5,
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
