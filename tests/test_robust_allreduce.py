@@ -380,6 +380,15 @@ def assert_honest_peers_train_in_step(histories: list[list[RoundMetrics]], param
         assert distance(other, params[0]) <= 1e-5 * norm(params[0])
 
 
+def assert_banned_by_the_end_of_round(histories: list[list[RoundMetrics]], last_round: int) -> None:
+    """Every honest peer banned the attacker in a round up to `last_round`, and averaged without it after."""
+    for history in histories:
+        banned_at = next((m.round for m in history if m.banned_peers), None)
+        assert banned_at is not None and banned_at <= last_round, [m.banned_peers for m in history]
+        assert all(m.peers_averaged <= HONEST for m in history if m.round > banned_at), \
+            [m.peers_averaged for m in history]
+
+
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
@@ -406,11 +415,7 @@ def test_a_member_aiming_inside_the_distance_bound_is_clipped_then_banned_within
     caplog.set_level(logging.INFO, logger="p2ptrain")  # a failure shows the rounds' story (joins, out of step)
     histories, params = run_attacked_swarm(-7.0)
     assert_honest_peers_train_in_step(histories, params)
-    for history in histories:
-        banned_at = next((m.round for m in history if m.banned_peers), None)
-        assert banned_at is not None and banned_at <= 1, [m.banned_peers for m in history]
-        assert all(m.peers_averaged <= HONEST for m in history if m.round > banned_at), \
-            [m.peers_averaged for m in history]
+    assert_banned_by_the_end_of_round(histories, 1)
 
 
 @pytest.mark.network
@@ -422,11 +427,7 @@ def test_a_member_replaying_its_first_delta_is_banned_by_its_fourth_round():
     honest loss over 30 rounds, never banned). Sent again for round 2 it is a replay (2.5), and for round 3 a ban."""
     histories, params = run_attacked_swarm(None)
     assert_honest_peers_train_in_step(histories, params)
-    for history in histories:
-        banned_at = next((m.round for m in history if m.banned_peers), None)
-        assert banned_at is not None and banned_at <= 3, [m.banned_peers for m in history]
-        assert all(m.peers_averaged <= HONEST for m in history if m.round > banned_at), \
-            [m.peers_averaged for m in history]
+    assert_banned_by_the_end_of_round(histories, 3)
 
 
 @pytest.mark.network
