@@ -43,6 +43,7 @@ from p2ptrain.net.data_claims import ClaimedPieces
 from p2ptrain.net.dht import start_dht
 from p2ptrain.net.discovery import (
     BLOCKING_PUBLISH_HEARTBEATS,
+    MAX_TOKENS,
     PROTOCOL_VERSION,
     Announcer,
     PeerRecord,
@@ -70,6 +71,7 @@ from p2ptrain.peer_checkpoint import (
 from p2ptrain.peer_state import PeerState
 from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
+from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers, why_alone
 
 logger = logging.getLogger(__name__)
@@ -161,6 +163,8 @@ class TrainingPeer:
             raise
         # one record of offences for every transport of this peer; it also refuses peers the run does not admit
         self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
+        self.contributions = Contributions()  # what partners' outer gradients showed of their work
+        self.tokens_trained = 0  # by our inner phases since this process started: what our record claims
         self._snapshot: StateSnapshot | None = None
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=cfg.network.startup_timeout_s)
         self.services = start_services(self.p2p, self.loop, cfg.network, self.admission)
@@ -176,7 +180,8 @@ class TrainingPeer:
         self.sync: OuterSync = build_outer_sync(cfg.sync, self.dht, self.p2p, self.loop, self.outer, cfg.run.run_id,
                                                 self.fingerprint, self.initial_params, seed=hash(self.peer_id),
                                                 reputation=self.reputation, routes=self.routes,
-                                                entry=self.services.entry, conduct=self.conduct)
+                                                entry=self.services.entry, conduct=self.conduct,
+                                                contributions=self.contributions)
         self.conduct.follow(lambda: self.state.round)
         self.state = PeerState([n for n, _ in self.named_params], self.outer, self.sync, start_round)
         self.joiner = Joiner(self)
@@ -346,7 +351,7 @@ class TrainingPeer:
         sync_started = time.monotonic()
         view = self.swarm()
         self._sync_view = (time.monotonic(), view)
-        context = self._context(view, inner_steps=phase.steps)
+        context = dataclasses.replace(self._context(view, inner_steps=phase.steps), tokens=phase.tokens)
         result = self.sync.finish_round(context)
         blocked_s = time.monotonic() - sync_started
         self.blocked_s = _ema(self.blocked_s, blocked_s)
@@ -391,9 +396,11 @@ class TrainingPeer:
             mix2_averaged=result.mix2_group_size, eval_s=self.inner.last_eval_s if evaluated else 0.0,
             evaluated=evaluated)
         self.metrics_log.write(metrics)
+        self.tokens_trained = min(self.tokens_trained + phase.tokens, MAX_TOKENS)
         self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.state.synced,
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers),
-                              bytes_sent=bytes_sent, bytes_received=bytes_received)
+                              bytes_sent=bytes_sent, bytes_received=bytes_received, tokens=self.tokens_trained,
+                              vouched=self.contributions.vouches())
         return metrics
 
     def _count_from(self, round_: int) -> None:

@@ -3,6 +3,7 @@ and reads a status page instead, without a DHT node)."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -12,15 +13,34 @@ from hivemind.utils import get_dht_time
 from p2ptrain.config import PeerConfig
 from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht
-from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers, present
+from p2ptrain.net.discovery import SHORT_ID_CHARS, PeerRecord, add_record_validators, fetch_peers, present
 from p2ptrain.status_view import show_status
 
 
 def status_document(run_id: str, signed: bool, records: Sequence[PeerRecord], now: float) -> dict[str, Any]:
-    """The run's live peers as JSON-ready data: every record field (the ticket aside), and `seen_s`, the seconds
-    since its last heartbeat."""
-    peers = [{**record.dict(exclude={"ticket"}), "seen_s": round(now - record.updated, 3)} for record in records]
+    """The run's live peers as JSON-ready data: every record field (the ticket aside), `seen_s`, the seconds since
+    its last heartbeat, and `verified_tokens` (`verified_tokens`; None where no other record vouches for it)."""
+    verified = verified_tokens(records)
+    peers = [{**record.dict(exclude={"ticket"}), "seen_s": round(now - record.updated, 3),
+              "verified_tokens": verified.get(record.peer_id)} for record in records]
     return {"run_id": run_id, "signed": signed, "time": now, "live_peers": len(records), "peers": peers}
+
+
+def verified_tokens(records: Sequence[PeerRecord]) -> dict[str, int]:
+    """Per peer, the lower median of the tokens its partners' records say they verified of its claims (by its
+    outer gradients, sync/contribution.py); peers no other record vouches for are left out. What `status` shows
+    beside the tokens a peer claims. A vouch is a claim too, which cheap identities can make about anyone: the
+    median needs half the vouchers to lie, and decides nothing but this display."""
+    by_short: dict[str, list[str]] = {}
+    for record in records:
+        by_short.setdefault(record.peer_id[-SHORT_ID_CHARS:], []).append(record.peer_id)
+    vouches: dict[str, list[int]] = {}
+    for voucher in records:
+        for short, tokens in voucher.vouched.items():
+            for peer in by_short.get(short, []):
+                if peer != voucher.peer_id:
+                    vouches.setdefault(peer, []).append(tokens)
+    return {peer: statistics.median_low(tokens) for peer, tokens in vouches.items()}
 
 
 class RunReader:

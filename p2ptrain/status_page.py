@@ -201,9 +201,10 @@ th:first-child, td:first-child { text-align: left; font-family: monospace; }
 <h1 id="title">p2ptrain run</h1>
 <p id="summary" class="muted">reading the run…</p>
 <table id="peers"><thead><tr><th>peer</th><th>round</th><th>phase</th><th>train loss</th><th>val loss</th>
-<th>tokens/s</th><th>link Mbit/s</th><th>MB sent</th><th>MB received</th><th>reach</th><th>bans</th><th>seen</th>
-</tr></thead><tbody></tbody></table>
-<p class="muted">bytes: each peer's latest round, measured on its streams</p>
+<th>tokens/s</th><th>tokens</th><th>verified</th><th>link Mbit/s</th><th>MB sent</th><th>MB received</th><th>reach</th>
+<th>bans</th><th>seen</th></tr></thead><tbody></tbody></table>
+<p class="muted">bytes: each peer's latest round, measured on its streams; tokens: what it claims to have trained,
+verified: what its partners verified of that by its outer gradients (- where none did)</p>
 <h2>Validation loss over time</h2>
 <p class="muted">each peer a thin line, the swarm's median thick</p>
 <svg id="chart" width="900" height="360" xmlns="http://www.w3.org/2000/svg"></svg>
@@ -233,7 +234,8 @@ function table(doc) {
     row.className = "peer";
     row.dataset.peer = p.peer_id;
     const cells = [p.peer_id, p.round, p.phase, fixed(p.train_loss, 3), fixed(p.val_loss, 3),
-                   fixed(p.tokens_per_s, 0), p.bandwidth_bps ? fixed(p.bandwidth_bps / 1e6, 1) : "?",
+                   fixed(p.tokens_per_s, 0), fixed(p.tokens, 0), fixed(p.verified_tokens, 0),
+                   p.bandwidth_bps ? fixed(p.bandwidth_bps / 1e6, 1) : "?",
                    fixed(p.bytes_sent / 1e6, 3), fixed(p.bytes_received / 1e6, 3), reach(p), p.banned,
                    fixed(p.seen_s, 1) + " s"];
     for (const value of cells) {

@@ -39,15 +39,18 @@ def reach_of(peer: Mapping[str, Any]) -> str:
 
 def format_status_table(document: Mapping[str, Any]) -> str:
     """One line per peer of a status document; `reach`: how others reach it (`reach_of`); `bans`: how many peers
-    it bans now (its reputation record of offences); `seen`: seconds since its last heartbeat, as of the read."""
-    header = (f"{'peer':<54} {'round':>5} {'phase':<7} {'loss':>7} {'val':>7} {'tok/s':>8} {'reach':<19} {'bans':>5} "
-              f"{'seen':>6}")
+    it bans now (its reputation record of offences); `tokens`: the tokens it claims to have trained, `verified`:
+    those its partners verified by its outer gradients (status.verified_tokens; "-": nobody vouched); `seen`:
+    seconds since its last heartbeat, as of the read."""
+    header = (f"{'peer':<54} {'round':>5} {'phase':<7} {'loss':>7} {'val':>7} {'tok/s':>8} {'tokens':>7} "
+              f"{'verified':>8} {'reach':<19} {'bans':>5} {'seen':>6}")
     lines = [header, "-" * len(header)]
     peers = [p for p in document.get("peers", []) if isinstance(p, Mapping)]
     for p in peers:
         lines.append(f"{_text(p.get('peer_id'), 54):<54} {_shown(p.get('round'), '{:.0f}'):>5} "
                      f"{_text(p.get('phase'), 7):<7} {_shown(p.get('train_loss'), '{:.3f}'):>7} "
                      f"{_shown(p.get('val_loss'), '{:.3f}'):>7} {_shown(p.get('tokens_per_s'), '{:.0f}'):>8} "
+                     f"{_count(p.get('tokens')):>7} {_count(p.get('verified_tokens')):>8} "
                      f"{reach_of(p):<19} {_shown(p.get('banned'), '{:.0f}'):>5} "
                      f"{_shown(p.get('seen_s'), '{:.1f}s'):>6}")
     lines.append(f"{len(peers)} live peer(s)")
@@ -57,6 +60,16 @@ def format_status_table(document: Mapping[str, Any]) -> str:
 def _text(value: object, width: int) -> str:
     """A stranger's string as one line of printable text, cut to `width`; "" for anything else."""
     return "".join(c for c in value[:width] if c.isprintable()) if isinstance(value, str) else ""
+
+
+def _count(value: object) -> str:
+    """A count of tokens in at most 7 characters: 950, 12.35k, 4.568M, 1.2G, 3.4e+12; "-" for a non-number."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g}{unit}" if value < 999.95 * scale else f"{value:.1e}"
+    return f"{value:.0f}"
 
 
 def _shown(value: object, form: str) -> str:

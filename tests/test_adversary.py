@@ -129,6 +129,18 @@ def test_the_conduct_lies_from_its_round_on_and_only_about_its_kind() -> None:
     assert [(n, t.item()) for n, t in liar.served_state(named)] == [("param:w", -5.0), ("outer:m", 2.0)]
 
 
+def test_a_free_rider_sends_a_millionth_of_its_outer_gradient_and_its_parameters_as_they_are() -> None:
+    round_ = [0]
+    rider = HostileConduct(Attack.parse("free_rider@1"))
+    rider.follow(lambda: round_[0])
+    value, theta0 = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 0.5])]
+    assert rider.sent_outer_gradient(value) is value
+    round_[0] = 1
+    for sent in (rider.sent_outer_gradient(value), rider.own_outer_gradient(value)):
+        assert torch.allclose(sent[0], torch.tensor([1e-6, -2e-6]))
+    assert rider.sent_params(value, theta0) is value and rider.announced_round(1) == 1
+
+
 def test_replay_sends_theta0_for_parameters_and_the_first_outer_gradient_it_lied_about() -> None:
     replay = HostileConduct(Attack("replay", 0))
     theta0 = [torch.tensor([0.5, 0.5])]

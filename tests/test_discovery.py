@@ -82,6 +82,25 @@ def test_the_status_document_holds_every_field_but_the_ticket_and_round_trips_th
                for p in document["peers"])
 
 
+def test_the_status_shows_each_peers_claimed_tokens_and_the_median_its_partners_verified() -> None:
+    """A peer's vouches name partners by their ids' last 8 characters; a peer's own vouch for itself, and a vouch
+    for nobody live, count for nothing; the lower median of the others' is shown."""
+    ids = ["12D3KooWhonestAA", "12D3KooWhonestBB", "12D3KooWriderCCC", "12D3KooWxDDDDDDD"]
+    vouched = [{"honestBB": 900, "riderCCC": 100, "honestAA": 5_000},  # A's vouch for itself is not counted
+               {"honestAA": 1_000, "riderCCC": 100},
+               {"honestAA": 1_000, "honestBB": 1_000},
+               {"riderCCC": 10**12, "honestAA": 0, "goneEEEE": 7}]  # a liar of four
+    records = [PeerRecord(peer_id=p, round=3, inner_step=0, phase="inner", round_eta=0.0, updated=NOW, tokens=t,
+                          vouched=v) for p, t, v in zip(ids, (1_000, 1_000, 4_000, 0), vouched, strict=True)]
+    document = status_document("run", False, records, NOW)
+    assert [p["verified_tokens"] for p in document["peers"]] == [1_000, 900, 100, None]
+    lines = format_status_table(document).splitlines()
+    assert lines[0].split()[6:8] == ["tokens", "verified"]
+    assert [line.split()[6:8] for line in lines[2:6]] == [["1k", "1k"], ["1k", "900"], ["4k", "100"], ["0", "-"]]
+    big = format_status_table({"peers": [{"tokens": 12_345_678, "verified_tokens": 2.5e12}]}).splitlines()[2]
+    assert "12.35M" in big and "2.5e+12" in big
+
+
 class SilentDHT:
     """A DHT whose reads never come back (a reply lost inside hivemind's DHT process)."""
 

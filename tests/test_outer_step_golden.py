@@ -124,13 +124,14 @@ class FakeAverager:
         self.swarm, self.peer = swarm, peer
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-                partners: Sequence[str]) -> AveragingResult:
+                partners: Sequence[str], tokens: int = 0) -> AveragingResult:
         assert weight == INNER_STEPS and len(partners) == PEERS - 1  # equal weights: the weighted mean is the mean
         self.swarm.deposits[self.peer] = _clone(delta)
         self.swarm.barrier.wait()
         return AveragingResult(_clone(self.swarm.means[-1]), group_size=PEERS)
 
-    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: Sequence[str]) -> _Done:
+    def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float, partners: Sequence[str],
+               tokens: int = 0) -> _Done:
         return _Done(self.average(delta, round_, weight, partners))
 
     def forget_(self) -> None:

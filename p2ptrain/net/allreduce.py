@@ -160,14 +160,14 @@ class AllReduceAverager:
         )
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-                round_peers: Sequence[str]) -> AveragingResult:
+                round_peers: Sequence[str], tokens: int = 0) -> AveragingResult:
         """Blocking: the weighted mean of Δ over the group (Δ itself when alone or when the all-reduce fails)."""
         return self.launch(delta, round_, weight, round_peers).result()
 
     def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-               round_peers: Sequence[str]) -> PendingAverage:
+               round_peers: Sequence[str], tokens: int = 0) -> PendingAverage:
         """Start averaging Δ in the background (with the peers of the round, if `round_peers` names any);
-        `result()` of the returned handle finishes it."""
+        `result()` of the returned handle finishes it. `tokens` is not sent: no member sees another's Δ here."""
         started = time.monotonic()
         own = [d.detach().float().cpu().clone() for d in delta]
         if not round_peers:

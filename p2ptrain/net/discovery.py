@@ -25,7 +25,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, constr, validator
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
@@ -46,6 +46,9 @@ LEFT = "left"  # the phase of a departed peer's last record
 # from before records carried it (those peers hashed their agreement digests with SHA-256, not BLAKE3). 2: the
 # averagers' group keys hold 8 round bits, not 16, and nodes store only the run's keys (net/dht_keys.py)
 PROTOCOL_VERSION = 2
+MAX_VOUCHES = 8  # partners a record vouches for (sync/contribution.py): the ones judged most recently
+SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer id (status shows them)
+MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
 
 
 class PeerRecord(BaseModel):
@@ -77,6 +80,17 @@ class PeerRecord(BaseModel):
     version: constr(max_length=32, regex=r"^[0-9A-Za-z.+-]*$", strict=True) = ""  # type: ignore[valid-type]  # release
     # signed runs: the organiser's signature of (run id, peer id), base64 (net/admission.py); "" in open runs
     ticket: constr(max_length=MAX_TICKET_CHARS, regex=r"^[A-Za-z0-9+/=]*$", strict=True) = ""  # type: ignore[valid-type]
+    # the tokens its inner phases trained since it started (its claim), and the tokens it verified of its latest
+    # partners' claims by their outer gradients (sync/contribution.py), by the last SHORT_ID_CHARS of their ids
+    tokens: conint(ge=0, le=MAX_TOKENS, strict=True) = 0  # type: ignore[valid-type]
+    vouched: dict[constr(min_length=1, max_length=SHORT_ID_CHARS, regex=BASE58, strict=True),  # type: ignore[valid-type]
+                  conint(ge=0, le=MAX_TOKENS, strict=True)] = {}  # type: ignore[valid-type]
+
+    @validator("vouched")
+    def _few_vouches(cls, vouched: dict[str, int]) -> dict[str, int]:
+        if len(vouched) > MAX_VOUCHES:
+            raise ValueError(f"at most {MAX_VOUCHES} vouches")
+        return vouched
 
 
 class SwarmSchema(BaseModel):

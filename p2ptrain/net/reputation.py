@@ -48,6 +48,9 @@ OFFENCES: dict[str, float] = {
     # a value that is, bit for bit, what the partner sent two or more claimed rounds before (sync/replay_check.py):
     # a second bans
     "replayed": 2.5,
+    # an outer gradient under a ten-thousandth of ours: a peer that trains nothing (sync/contribution.py); a third
+    # within a half-life bans
+    "idle": 1.5,
     "oversize": 2.0,  # more bytes than announced or allowed
     "wrong_state": 4.0,  # a state snapshot that failed corroboration (quorum, sketch or validation loss)
     # a state its round's synced peers do not hold, yet no worse than ours on our batches: what an honest donor serves

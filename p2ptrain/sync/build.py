@@ -18,6 +18,7 @@ from p2ptrain.net.relay import RelayEntry
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.diloco import DilocoSync, mean_check
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce
 from p2ptrain.sync.exchange_averager import ExchangeAverager
@@ -34,11 +35,13 @@ from p2ptrain.timing import PATIENCE_S
 def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: BackgroundLoop, outer: OuterOptimizer,
                      run_id: str, fingerprint: str, reference: Sequence[torch.Tensor], seed: int,
                      reputation: Reputation, routes: Routes | None = None,
-                     entry: RelayEntry | None = None, conduct: Conduct = HONEST) -> OuterSync:
+                     entry: RelayEntry | None = None, conduct: Conduct = HONEST,
+                     contributions: Contributions | None = None) -> OuterSync:
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
     transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans, opens its
-    streams as the peer's `routes` say (directly or through a relay), is served through relays at `entry`, and
-    sends what the peer's `conduct` forms."""
+    streams as the peer's `routes` say (directly or through a relay), is served through relays at `entry`, sends
+    what the peer's `conduct` forms, and counts what partners' outer gradients show of their work in the peer's
+    one `contributions`."""
     def averager(prefix: str, group_size: int | None, shows_state: bool = False) -> Averager:
         if config.allreduce_transport == "hivemind":
             return AllReduceAverager(dht, averager_prefix(run_id, prefix), outer.params, config.matchmaking_s,
@@ -46,7 +49,8 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
                                      robust=config.robust, refuses=reputation.refuses)
         transport = ScatterAllReduce if config.allreduce_transport == "scatter" else ExchangeAllReduce
         exchange = transport(p2p, run_id, fingerprint, reference, config, kind=f"allreduce.{prefix}",
-                             group_size=group_size, reputation=reputation, routes=routes, conduct=conduct)
+                             group_size=group_size, reputation=reputation, routes=routes, conduct=conduct,
+                             contributions=contributions)
         loop.run(serve_exchanges(p2p, exchange.driver, entry), timeout=PATIENCE_S)
         state = (lambda round_: state_sample(outer.anchor, round_, run_id)) if shows_state else None
         return ExchangeAverager(exchange, loop, config.matchmaking_s, state)
@@ -66,7 +70,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
         return GaslocSync(outer, mixer, loop, config)
     if config.mix2_transport == "gossip":
         gossip = GradGossip(p2p, run_id, fingerprint, reference, config, seed, links=links, reputation=reputation,
-                            routes=routes, conduct=conduct)
+                            routes=routes, conduct=conduct, contributions=contributions)
         loop.run(serve_exchanges(p2p, gossip.driver, entry), timeout=PATIENCE_S)
         return FactoredSync(outer, mixer, GossipMix2(gossip, loop, overlapped=config.overlap != "none"), loop, config)
     mix2_averager = averager("mix2", config.mix2_group_size)

@@ -92,7 +92,8 @@ class DilocoSync:
     def finish_round(self, context: RoundContext) -> RoundSync:
         delta = self.conduct.own_outer_gradient(self.outer.outer_gradient())
         if self.delayed is None:
-            result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
+            result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers,
+                                           context.tokens)
             result, refused = judged(self.averager, result, delta, self.check, context.round,
                                      context.steps_cut_stretch())
             if result.discarded:  # the members did not agree on the inputs: all keep the anchor they share
@@ -105,7 +106,8 @@ class DilocoSync:
     def _finish_overlapped(self, delta: list[torch.Tensor], context: RoundContext) -> RoundSync:
         """Collect the average of the previous round's Δ, launch this round's, apply the delayed/eager gradient."""
         previous, refused = self._collect_previous()
-        self.pending = self.averager.launch(delta, context.round, float(context.inner_steps), context.round_peers)
+        self.pending = self.averager.launch(delta, context.round, float(context.inner_steps), context.round_peers,
+                                           context.tokens)
         self.pending_own, self.pending_round, self.pending_stretch = delta, context.round, context.steps_cut_stretch()
         own_weight = self.config.own_weight(previous.group_size) if previous is not None else 1.0
         assert self.delayed is not None

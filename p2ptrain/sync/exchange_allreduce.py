@@ -62,6 +62,7 @@ from p2ptrain.sync.allreduce_agreement import (
     outvoted,
 )
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.contribution import Contributions, OwnWork
 from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots, same_round
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
@@ -137,6 +138,9 @@ class GatherRound:
         self.reports: dict[str, Reduction] = {}  # member → what its previous all-reduce reduced, as it says
         self.confirmed: dict[str, str] = {}  # member → the digest it confirmed (confirmation stage)
         self.state: list[float] | None = None  # our anchor's sample, shown in the data stage (DiLoCo only)
+        # our Δ's length and claimed tokens, where members' values are judged for their work (the all-to-all's data
+        # stage: sync/contribution.py); None elsewhere (digests, a reduce-scatter's chunks)
+        self.own_work: OwnWork | None = None
         self.states: dict[str, list[float]] = {}  # member → the sample of its anchor it showed
         self.complete = asyncio.Event()  # set once every expected member is done
         self._check_complete()
@@ -223,7 +227,7 @@ class ExchangeAllReduce:
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
                  reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST,
-                 stages: int = 2, all_to_all_stage: int = 0):
+                 stages: int = 2, all_to_all_stage: int = 0, contributions: Contributions | None = None):
         self.p2p, self.run_id, self.config, self.kind = p2p, run_id, config, kind
         self.stages, self.all_to_all_stage = stages, all_to_all_stage
         self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
@@ -231,20 +235,23 @@ class ExchangeAllReduce:
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.routes = routes if routes is not None else Routes("")  # who we can open streams to, and how
         self.driver = ExchangeDriver(p2p, run_id, fingerprint, kind, config, self, GRAD_CODECS,
-                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, self.routes)
+                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, self.routes,
+                                     contributions=contributions)
         self.links = self.driver.links  # the peer's one table of measured links
         self.group_size = group_size
+        self.own_tokens = 0  # what the round in flight's inner phase trained, claimed to the members
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
         self._token = [torch.zeros(1)]  # the confirmation stage's payload: the digest travels in the header
         self._token_payload = compress_all(self.feedback.codec, self._token)
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
-                     patience_s: float, state: list[float] | None = None) -> AveragingResult:
+                     patience_s: float, state: list[float] | None = None, tokens: int = 0) -> AveragingResult:
         """Blocking all-reduce of round `round_`: the group's robust mean (our own Δ when alone), and its cost.
         `delta` must not change meanwhile (`ExchangeAverager.launch` hands over a copy). `state`: our anchor's
-        sample (sync/state_evidence.py), shown to the members and judged against theirs (DiLoCo's peers only)."""
-        started, own = time.monotonic(), [d.detach().float().cpu() for d in delta]
+        sample (sync/state_evidence.py), shown to the members and judged against theirs (DiLoCo's peers only);
+        `tokens`: what our inner phase trained, claimed to the members."""
+        started, own, self.own_tokens = time.monotonic(), [d.detach().float().cpu() for d in delta], tokens
         prepared, group = await self.prepare(own, round_), self.our_group(round_peers, round_)
         if prepared is None or group is None:
             return AveragingResult(own, group_size=1)
@@ -279,6 +286,8 @@ class ExchangeAllReduce:
         rnd = GatherRound(self.stages * round_ + self.all_to_all_stage, self.own_id, sent, payload,
                           self.feedback.codec.name, set(group))
         rnd.state = state
+        if self.config.robust:  # the members' values are judged for their work against ours
+            rnd.own_work = OwnWork(norm(sent), self.own_tokens)
         rnd = await self.run_stage(rnd, patience_s, stats)
         out_of_step = self.judge_previous_(rnd)[0] if judge else False
         inputs = rnd.inputs()
@@ -395,7 +404,9 @@ class ExchangeAllReduce:
             return rnd.claims.header()
         if isinstance(rnd, GatherRound) and rnd.digest is not None:
             return {"digest": rnd.digest}
-        shown = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
+        shown: dict[str, Any] = {"state": rnd.state} if isinstance(rnd, GatherRound) and rnd.state is not None else {}
+        if isinstance(rnd, GatherRound) and rnd.own_work is not None:
+            shown["tokens"] = rnd.own_work.tokens
         return (self.previous.header() if self.previous is not None else {}) | shown
 
     def note_partner(self, rnd: GatherRound, partner: str, header: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ class AllReduceTransport(Protocol):
     def driver(self) -> ExchangeDriver: ...
 
     def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int, patience_s: float,
-               state: list[float] | None = None) -> Coroutine[Any, Any, AveragingResult]: ...
+               state: list[float] | None = None, tokens: int = 0) -> Coroutine[Any, Any, AveragingResult]: ...
 
     def undo_commit_(self) -> None: ...
 
@@ -55,16 +55,17 @@ class ExchangeAverager:
         self.state = state  # round → our anchor's sample (DiLoCo: sync/state_evidence.py); None: none shown
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-                round_peers: Sequence[str]) -> AveragingResult:
-        return self.launch(delta, round_, weight, round_peers).result()
+                round_peers: Sequence[str], tokens: int = 0) -> AveragingResult:
+        return self.launch(delta, round_, weight, round_peers, tokens).result()
 
     def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-               round_peers: Sequence[str]) -> PendingGather:
-        """Start the all-reduce on the event loop; `weight` (the inner steps) is not sent: the receiver fixes 1/n."""
+               round_peers: Sequence[str], tokens: int = 0) -> PendingGather:
+        """Start the all-reduce on the event loop; `weight` (the inner steps) is not sent: the receiver fixes 1/n.
+        `tokens` is claimed to the members, which judge our work by our Δ (sync/contribution.py)."""
         own = [d.detach().float().cpu().clone() for d in delta]
         state = self.state(round_) if self.state is not None else None  # taken now: the anchor moves on
-        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s, state)),
-                             own)
+        return PendingGather(self.loop.submit(self.exchange.gather(own, round_peers, round_, self.patience_s, state,
+                                                                   tokens)), own)
 
     def forget_(self) -> None:
         """Report no previous reduction next round: we do not hold what it left; and give the error feedback back

@@ -33,12 +33,14 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
 from p2ptrain.sync.relay_retries import RelayRetries
 from p2ptrain.sync.replay_check import ReplayCheck
 from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
+from p2ptrain.tensor_layout import norm
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,10 @@ class OfferingRound(Protocol):
     sent: list[torch.Tensor]  # our value, the yardstick a partner's is decoded against
     slots: RoundSlots
 
+    @property
+    def own_work(self) -> OwnWork | None:  # where partners' values are outer gradients judged for their work: ours
+        ...
+
     def value_for(self, partner: str, codec: str | None) -> tuple[str, Payload]:
         """The codec and payload we send `partner`: in our offer (`codec` None: ours to choose), or in our answer to
         its offer in `codec`; ValueError when our value cannot be sent."""
@@ -178,6 +184,10 @@ class AnsweringRound(Protocol):
     extra_offers_offend: bool  # whether an offer beyond a partner's share is an offence (else only refused)
     measures_link: bool  # as OfferingRound's: whether a replay of a partner's value is judged
     slots: RoundSlots
+
+    @property
+    def own_work(self) -> OwnWork | None:  # as OfferingRound's
+        ...
 
     @property
     def sent(self) -> list[torch.Tensor]:  # our value as answered, the yardstick a partner's is decoded against
@@ -260,7 +270,7 @@ class Incoming:
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         policy = self.driver.policy
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
-        self.driver.judge_replay(self.rnd, self.sender, partner_header, theirs)
+        self.driver.judge_value(self.rnd, self.sender, partner_header, theirs)
         theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
@@ -283,7 +293,8 @@ class ExchangeDriver:
     def __init__(self, p2p: P2P | None, run_id: str, fingerprint: str, kind: str, config: SyncConfig,
                  policy: ExchangePolicy, codecs: Collection[str], max_payload_bytes: int,
                  links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None,
-                 offer_limit: OfferLimit | None = None, holds_offers: bool = True):
+                 offer_limit: OfferLimit | None = None, holds_offers: bool = True,
+                 contributions: Contributions | None = None):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.policy, self.codecs, self.max_payload_bytes = policy, codecs, max_payload_bytes
         self.own_id = p2p.peer_id.to_base58() if p2p is not None else ""  # None: a policy's maths, no exchanges
@@ -294,17 +305,33 @@ class ExchangeDriver:
         self.gate = RoundGate()  # the round we are in, and offers held for the next one
         self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
         self.replays = ReplayCheck()  # partners' values, to tell one sent again for a later round
+        # what partners' outer gradients showed of their work: the peer's one ledger, where it keeps one
+        self.contributions = contributions if contributions is not None else Contributions()
         self.offer_limit, self.holds_offers = offer_limit, holds_offers
         self._current: Any = None
 
-    def judge_replay(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
-                     theirs: Sequence[torch.Tensor]) -> None:
-        """A value the partner sent, bit for bit, for an earlier round it claimed is an offence (`replay_check`);
-        a stage whose payload is a token (an all-reduce's confirmation: the digest is in the header) is not judged.
-        The value is still mixed, clipped, this once: an all-reduce's members must all reduce the same inputs."""
-        if self.config.robust and rnd.measures_link and self.replays.repeats(partner, header.get("round"), theirs):
-            self.reputation.penalise(partner, "replayed", f"its value for round {header.get('round')} is the one it "
+    def judge_value(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
+                    theirs: Sequence[torch.Tensor]) -> None:
+        """With `sync.robust`: a value the partner sent, bit for bit, for an earlier round it claimed is an offence
+        (`replay_check`); an outer gradient far shorter than ours is one too, and otherwise verifies the tokens the
+        partner claims for it (`contribution`). A stage whose payload is a token (an all-reduce's confirmation: the
+        digest is in the header) is not judged. The value is still mixed, clipped, this once: an all-reduce's
+        members must all reduce the same inputs."""
+        if not self.config.robust or not rnd.measures_link:
+            return
+        claimed_round = header.get("round")
+        replayed = self.replays.repeats(partner, claimed_round, theirs)
+        if replayed:
+            self.reputation.penalise(partner, "replayed", f"its value for round {claimed_round} is the one it "
                                                           f"sent for an earlier round, bit for bit")
+        own = rnd.own_work
+        if own is None or type(claimed_round) is not int:
+            return
+        theirs_norm = norm(theirs)
+        if self.contributions.judge_(partner, claimed_round, claimed_tokens(header), theirs_norm, own.norm,
+                                     own.tokens, replayed):
+            self.reputation.penalise(partner, "idle", f"its outer gradient for round {claimed_round} is "
+                                                      f"{theirs_norm:.3g} long, ours {own.norm:.3g}: no training")
 
     @property
     def current(self) -> Any:  # the latest round (closed once its exchange returned)
@@ -435,7 +462,7 @@ class ExchangeDriver:
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
-            self.judge_replay(rnd, partner, answer, theirs)
+            self.judge_value(rnd, partner, answer, theirs)
             theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
             self.policy.note_partner(rnd, partner, answer)
             return lambda: rnd.apply_(partner, theirs, outgoing=True, weight=weight)

@@ -41,7 +41,8 @@ class AllReduceMix2:
         self.averager, self.codec, self.check = averager, codec, check
 
     def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
-        result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers)
+        result = self.averager.average(delta, context.round, float(context.inner_steps), context.round_peers,
+                                       context.tokens)
         result, refused = judged(self.averager, result, delta, self.check, context.round, context.steps_cut_stretch())
         return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
@@ -70,7 +71,8 @@ class GossipMix2:
                 patience_s = max(patience_s, context.inner_phase_s)
             self.stopped.clear()
             stop = self.stopped
-        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, stop))
+        return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, stop,
+                                             context.tokens))
 
     def stop_(self) -> None:
         self.stopped.set()

@@ -49,6 +49,7 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
+from p2ptrain.sync.contribution import Contributions, OwnWork
 from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundClosed, RoundSlots, same_round
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
@@ -67,11 +68,12 @@ class Mix2Round:
     measures_link = True  # its exchanges carry a payload
 
     def __init__(self, round_: int, own_id: str, sent: list[torch.Tensor], payload: Payload, codec: str,
-                 degree_cap: int, own_scale: float | None = None, round_gap: int = 0):
+                 degree_cap: int, own_scale: float | None = None, round_gap: int = 0, tokens: int = 0):
         self.round, self.own_id, self.sent, self.payload, self.codec = round_, own_id, sent, payload, codec
         self.slots = RoundSlots(round_, own_id, degree_cap, round_gap)
         self.weight = uniform_weight(degree_cap)
         self.own_scale = own_scale if own_scale is not None else norm(sent)  # τ's yardstick: ‖s_i‖
+        self.own_work = OwnWork(self.own_scale, tokens)  # partners' s are judged for their work against ours
         self.mixed = [s.clone() for s in sent]
 
     @property
@@ -122,7 +124,7 @@ class GradGossip:
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  seed: int, links: LinkSpeeds | None = None, reputation: Reputation | None = None,
                  kind: str = KIND, error_feedback_decay: float | None = None, routes: Routes | None = None,
-                 conduct: Conduct = HONEST):
+                 conduct: Conduct = HONEST, contributions: Contributions | None = None):
         self.p2p, self.config, self.kind = p2p, config, kind
         self.own_id, self.conduct = p2p.peer_id.to_base58(), conduct  # the conduct forms the s we send
         self.degree_cap = config.mix2_group_size - 1
@@ -131,7 +133,8 @@ class GradGossip:
         self.rng = random.Random(seed)
         self.reputation = reputation if reputation is not None else Reputation()  # the peer's one record of offences
         self.driver = ExchangeDriver(p2p, run_id, fingerprint, kind, config, self, GRAD_CODECS,
-                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, routes)
+                                     sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, routes,
+                                     contributions=contributions)
         self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
 
     @property
@@ -140,8 +143,10 @@ class GradGossip:
 
     # ---- one round ------------------------------------------------------------------------------------------------
     async def mix(self, delta: Sequence[torch.Tensor], live_peers: Sequence[str], round_: int,
-                  patience_s: float, stop: threading.Event | None = None) -> tuple[list[torch.Tensor], RoundSync]:
-        """Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost.
+                  patience_s: float, stop: threading.Event | None = None,
+                  tokens: int = 0) -> tuple[list[torch.Tensor], RoundSync]:
+        """Mix2 of round `round_`: m (or Δ itself when no exchange completed) and what it cost. `tokens`: what our
+        inner phase trained, claimed to partners.
 
         Peers not yet in our round are asked again (`retry_delay_s`) for up to `patience_s` seconds. With `stop`
         (an overlapped Mix2) the round also keeps answering partners' offers until then, or until `stop` is set
@@ -153,7 +158,7 @@ class GradGossip:
             logger.warning(f"round {round_}: not mixing this outer gradient ({e})")
             return list(delta), RoundSync(codec=self.feedback.codec.name)
         rnd = self.driver.current = Mix2Round(round_, self.own_id, sent, payload, self.feedback.codec.name,
-                                              self.degree_cap, scale, self.config.mix2_round_gap)
+                                              self.degree_cap, scale, self.config.mix2_round_gap, tokens)
         stats = RoundSync(codec=rnd.codec)
         watcher = asyncio.create_task(_give_up_when_set(rnd, stop)) if stop is not None else None
         try:
@@ -181,10 +186,11 @@ class GradGossip:
                              f"(bound {self.config.max_partner_distance})")
         return theirs
 
-    # ---- what else a header carries: nothing ----------------------------------------------------------------------
+    # ---- what else a header carries: the tokens we claim for our s --------------------------------------------------
     def header_extra(self) -> dict[str, Any]:
         """Fields added to every header we send, offers and answers."""
-        return {}
+        rnd = self.current
+        return {"tokens": rnd.own_work.tokens} if rnd is not None else {}
 
     def note_partner(self, rnd: Mix2Round, partner: str, header: dict[str, Any]) -> None:
         """A partner's header, once its payload passed the checks (unverified claims)."""

@@ -33,6 +33,7 @@ class RoundContext:
     # late, and a peer one round behind is most likely finishing it (an all-reduce waits for it a while)
     round_peers: list[str] = dataclasses.field(default_factory=list)
     full_steps: int = 0  # the inner steps this round's phase was to run (more than `inner_steps` when cut short)
+    tokens: int = 0  # the tokens this round's inner phase trained: what our outer gradient's exchanges claim
 
     def steps_cut_stretch(self) -> float:
         """How much longer a full phase's Δ would be than ours (≥ 1): a phase cut short to end with the round's
@@ -134,10 +135,13 @@ class Averager(Protocol):
     sync/exchange_allreduce.py's exchange): `launch` starts it, the handle's `result()` finishes it."""
 
     def average(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-                round_peers: Sequence[str]) -> AveragingResult: ...
+                round_peers: Sequence[str], tokens: int = 0) -> AveragingResult: ...
 
     def launch(self, delta: Sequence[torch.Tensor], round_: int, weight: float,
-               round_peers: Sequence[str]) -> PendingResult: ...
+               round_peers: Sequence[str], tokens: int = 0) -> PendingResult:
+        """Start the all-reduce of Δ; `tokens`: what its inner phase trained, claimed to the members that judge
+        their partners' work (sync/contribution.py)."""
+        ...
 
     def forget_(self) -> None:
         """Our parameters are no longer what the last all-reduce left (its mean refused, or a state adopted)."""

@@ -76,6 +76,7 @@ class ParamOffer:
     """One mix we start (the initiator's side): `sent` offered to up to `degree_cap` partners, and the running mix."""
     keeps_unconfirmed_mix = False  # a mix whose ack was lost is not applied (the partner may not have)
     measures_link = True
+    own_work = None  # parameters show no one round's work (sync/contribution.py)
 
     def __init__(self, gossip: ParamGossip, round_: int, value: list[torch.Tensor], degree_cap: int):
         self.gossip, self.round, self.sent = gossip, round_, value
@@ -112,6 +113,7 @@ class ParamAnswers:
     # theirs): refused, not penalised; a prober pays for its "uncommitted" opens
     extra_offers_offend = False
     measures_link = True  # answers carry parameters
+    own_work = None  # parameters show no one round's work (sync/contribution.py)
 
     def __init__(self, gossip: ParamGossip, round_: int):
         self.gossip, self.round = gossip, round_

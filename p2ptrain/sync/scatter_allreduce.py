@@ -54,6 +54,7 @@ from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.sync.allreduce_agreement import MAX_MEMBERS, MAX_PEER_ID, Reduction, is_digest, value_hash
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.exchange_allreduce import ExchangeAllReduce, GatherRound
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.tensor_layout import norm
@@ -191,9 +192,11 @@ class ScatterAllReduce:
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, like: Sequence[torch.Tensor], config: SyncConfig,
                  kind: str, group_size: int | None, links: LinkSpeeds | None = None,
-                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST):
+                 reputation: Reputation | None = None, routes: Routes | None = None, conduct: Conduct = HONEST,
+                 contributions: Contributions | None = None):
         self.fallback = ExchangeAllReduce(p2p, run_id, fingerprint, like, config, kind, group_size, links, reputation,
-                                          routes, conduct, stages=self.STAGES, all_to_all_stage=FALLBACK)
+                                          routes, conduct, stages=self.STAGES, all_to_all_stage=FALLBACK,
+                                          contributions=contributions)
         self.p2p, self.config, self.own_id, self.driver = p2p, config, self.fallback.own_id, self.fallback.driver
         self.reputation, self.feedback = self.fallback.reputation, self.fallback.feedback  # the all-to-all's own
         # a member in any stage of the round before still holds our offer
@@ -216,11 +219,12 @@ class ScatterAllReduce:
         self.fallback.undo_commit_()
 
     async def gather(self, delta: Sequence[torch.Tensor], round_peers: Sequence[str], round_: int,
-                     patience_s: float, state: list[float] | None = None) -> AveragingResult:
+                     patience_s: float, state: list[float] | None = None, tokens: int = 0) -> AveragingResult:
         """Blocking all-reduce of round `round_`, as `ExchangeAllReduce.gather`: by reduce-scatter, or, when that
-        does not hold, by the all-to-all in the same round."""
+        does not hold, by the all-to-all in the same round (whose members alone judge our claimed `tokens`)."""
         started, own = time.monotonic(), [d.detach().float().cpu() for d in delta]
         fallback = self.fallback
+        fallback.own_tokens = tokens
         prepared, group = await fallback.prepare(own, round_), fallback.our_group(round_peers, round_)
         if prepared is None or group is None:
             return AveragingResult(own, group_size=1)

@@ -10,6 +10,8 @@ the protocol perfectly and only its values lie:
 - ``sign_flip``: −1000 × its value; ``scale``: +1000 × its value;
 - ``replay``: a stale value: θ_0 for parameters, the outer gradient of the attack's first round for Δ;
 - ``nan``: its value with NaN in it;
+- ``free_rider``: its outer gradient × FREE_RIDER_SCALE, as if it trained at a millionth of the learning rate (the
+  modes that exchange outer gradients; its parameters go out as they are);
 - ``state_liar``: announces round +100000 and serves −5 × its anchor as its round-start snapshot.
 """
 
@@ -22,7 +24,8 @@ from p2ptrain.errors import UserError
 from p2ptrain.sync.interface import NamedTensors, Tensors
 
 VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "nan")
-ATTACKS = (*VALUE_ATTACKS, "state_liar")
+ATTACKS = (*VALUE_ATTACKS, "free_rider", "state_liar")
+FREE_RIDER_SCALE = 1e-6
 LIAR_ROUND_LEAD = 100_000
 
 
@@ -88,6 +91,8 @@ class HostileConduct:
         return self._outer_gradient("own", value)
 
     def _outer_gradient(self, channel: str, value: Tensors) -> Tensors:
+        if self.attack.kind == "free_rider" and self.active():
+            return [FREE_RIDER_SCALE * v for v in value]
         if not self.lies_about_values():
             return value
         first = self.first.setdefault(channel, [v.detach().clone() for v in value])

@@ -1,0 +1,108 @@
+"""What each partner's outer gradients show of its work: a free rider is an offence, and the tokens a partner claims
+are counted as verified only for values that did work.
+
+A peer that trains nothing (no inner steps that move it: a learning rate of ~0, or a Δ scaled to ~0) still sends a
+value every round and takes the swarm's mean in return. Honest outer gradients of one round are of one scale: each
+holds at least one inner AdamW step, which moves every parameter by about the step's learning rate, and at most a
+round's H steps at the schedule's highest rate; with H ≤ 1000 and a cosine floor of 1/10, the shortest honest Δ is
+over IDLE_FRACTION = 1e-4 of the longest. A partner's Δ shorter than that fraction of ours is `idle` (an offence:
+three within a half-life ban), except the first value we judge of it (a joiner's first round, whatever its warmup).
+
+What a partner claims: the tokens its round's inner phase trained (`tokens` in its exchange header, unverified).
+A value that is neither idle nor replayed (sync/replay_check.py) verifies its claim, up to MAX_CLAIM_FACTOR × our own
+round's tokens (a faster GPU trains more tokens in the round's time, but not without bound). Judged per partner on
+the exchanges that carry an outer gradient (the exchange all-reduce's all-to-all, gossip Mix2), with `sync.robust`.
+Not judged: parameters (GASLoC, Mix1) and a reduce-scatter's chunks, which show no one partner's whole Δ.
+
+What remains: a partner that trains a small fraction of what it claims passes, with its Δ; a copy of another
+member's Δ of the round, or of the last mean, passes unless it is a bit-for-bit replay of the partner's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import OrderedDict
+
+from p2ptrain.net.discovery import MAX_TOKENS, MAX_VOUCHES, SHORT_ID_CHARS
+
+IDLE_FRACTION = 1e-4  # a Δ shorter than this × ours is no training (see above)
+MAX_CLAIM_FACTOR = 16.0  # a claim verifies at most this × our own round's tokens
+MAX_ROUND_TOKENS = 10**12  # a header's claim beyond this is malformed (500 steps × 4096 sequences × 8192 tokens: 2e10)
+MAX_PARTNERS = 256  # partners remembered (identities are cheap: the one judged least recently goes first)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnWork:
+    """Our own outer gradient of a round, as the yardstick of partners': its length and the tokens we claim for it."""
+
+    norm: float
+    tokens: int
+
+
+@dataclasses.dataclass
+class PartnerWork:
+    """One partner's values as we judged them: how many, how many idle, and the tokens it claimed and we verified."""
+
+    first_round: int
+    last_round: int
+    values: int = 0
+    idle: int = 0
+    tokens_claimed: int = 0
+    tokens_verified: int = 0
+
+
+def claimed_tokens(header: dict[str, object]) -> int:
+    """The tokens a partner's header claims its round trained (0 when it claims none or an impossible number)."""
+    tokens = header.get("tokens", 0)
+    return tokens if type(tokens) is int and 0 <= tokens <= MAX_ROUND_TOKENS else 0
+
+
+def short_id(peer_id: str) -> str:
+    """How a vouch names a peer: the last SHORT_ID_CHARS characters of its id."""
+    return peer_id[-SHORT_ID_CHARS:]
+
+
+class Contributions:
+    """Per partner, what its outer gradients showed of its work (`judge_`); thread-safe (the event loop judges, the
+    round loop reads)."""
+
+    def __init__(self, max_partners: int = MAX_PARTNERS):
+        self.max_partners = max_partners
+        self._work: OrderedDict[str, PartnerWork] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def judge_(self, partner: str, round_: int, claimed: int, theirs_norm: float, own_norm: float, own_tokens: int,
+               replayed: bool = False) -> bool:
+        """Count one value of `partner` for its claimed round `round_`; True if it is idle (an offence). A value
+        of a round already judged counts once (an all-reduce's stages); `replayed` values verify nothing."""
+        idle = math.isfinite(own_norm) and own_norm > 0 and not theirs_norm >= IDLE_FRACTION * own_norm
+        with self._lock:
+            work = self._work.pop(partner, None)
+            if work is None:
+                work, idle = PartnerWork(round_, round_ - 1), False  # its first value: a joiner's first round
+            self._work[partner] = work
+            while len(self._work) > self.max_partners:
+                self._work.popitem(last=False)
+            if round_ <= work.last_round:
+                return False
+            work.last_round, work.values = round_, work.values + 1
+            work.idle += idle
+            work.tokens_claimed += claimed
+            if not idle and not replayed:
+                cap = MAX_CLAIM_FACTOR * own_tokens if own_tokens > 0 else math.inf
+                work.tokens_verified += int(min(claimed, cap))
+        return idle
+
+    def work(self) -> dict[str, PartnerWork]:
+        """Every remembered partner's record (copies), the most recently judged last."""
+        with self._lock:
+            return {partner: dataclasses.replace(work) for partner, work in self._work.items()}
+
+    def vouches(self) -> dict[str, int]:
+        """The tokens we verified of the MAX_VOUCHES partners judged most recently, by `short_id`: what our record
+        says of them, for `status`."""
+        with self._lock:
+            recent = list(self._work.items())[-MAX_VOUCHES:]
+        return {short_id(partner): min(work.tokens_verified, MAX_TOKENS) for partner, work in recent}
