@@ -65,6 +65,11 @@ class Verdict:
     held_by_round: bool = False  # most (and at least two) of the synced peers of its round hold this state
 
 
+def nobody(_peer: str) -> bool:
+    """No peer: the `vouched` of a peer that has verified no partner's work yet (a joiner, a GASLoC peer)."""
+    return False
+
+
 def quorum_round(records: Sequence[PeerRecord]) -> int | None:
     """The lower median of the rounds the records announce (None without records): liars announcing a later
     round move it only if they are more than half the peers, and two peers' rounds resolve to the lower one."""
@@ -72,11 +77,22 @@ def quorum_round(records: Sequence[PeerRecord]) -> int | None:
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
-def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
-                    is_banned: Callable[[str], bool]) -> tuple[int | None, list[PeerRecord], list[PeerRecord]]:
-    """(quorum round, trusted, suspects) among other live peers that are not joining and not banned."""
+def voters(records: Sequence[PeerRecord], vouched: Callable[[str], bool]) -> list[PeerRecord]:
+    """Whose rounds count: the records of partners whose work we verified, or all of them if none is."""
+    return [r for r in records if vouched(r.peer_id)] or list(records)
+
+
+def split_by_quorum(others: Sequence[PeerRecord], max_lead: int, is_banned: Callable[[str], bool],
+                    vouched: Callable[[str], bool] = nobody
+                    ) -> tuple[int | None, list[PeerRecord], list[PeerRecord]]:
+    """(quorum round, trusted, suspects) among other live peers that are not joining and not banned.
+
+    Identities are free, verified work is not: when any of those peers is a partner whose work we verified
+    (`vouched`: sync/contribution.py), the quorum is their lower median alone. Twenty identities of one process
+    announcing a stale round made it every honest peer's quorum, so each took the others for suspects and tried the
+    identities' states every round (issue 31). A peer that verified nobody yet counts every identity."""
     live = [r for r in others if r.phase != "joining" and not is_banned(r.peer_id)]
-    quorum = quorum_round(live)
+    quorum = quorum_round(voters(live, vouched))
     if quorum is None:
         return None, [], []
     return (quorum, [r for r in live if r.round <= quorum + max_lead],
@@ -85,7 +101,7 @@ def split_by_quorum(others: Sequence[PeerRecord], max_lead: int,
 
 def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
                   max_lead: int, is_banned: Callable[[str], bool], last_round_syncing_s: float = 0.0,
-                  now: float = 0.0, own_id: str = "") -> DonorChoice:
+                  now: float = 0.0, own_id: str = "", vouched: Callable[[str], bool] = nobody) -> DonorChoice:
     """Peers to download state from, best first; none when we are in step with the swarm.
 
     Aligned rounds (DiLoCo): catch up when a trusted peer is ahead, or when our last group was not the swarm's
@@ -93,7 +109,9 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     counting us, is more than the lead behind us. A peer that averaged alone (it started before the others could
     see it) races ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer is
     in its round: it would train alone for the whole run. It takes the majority's state. Every
-    mode: a `fresh` process (round 0, never joined) takes a trusted peer's state.
+    mode: a `fresh` process (round 0, never joined) takes a trusted peer's state. The quorum and the majority are
+    those of the partners whose work we verified, where there are any (`vouched`, `split_by_quorum`), and they come
+    first among donors of one round.
 
     `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for
     at most that long since the end of its inner phase as it announced it (`now`, DHT time), is a donor too.
@@ -107,10 +125,11 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     Then the round's out-of-step peers, us (`own_id`) included, rank by `split_rank`: all but the first take the
     first's state, which makes them synced; the first takes theirs once they are.
     """
-    quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned)
+    quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned, vouched)
     ahead = [r for r in trusted if r.round > own_round] if aligned else []
-    behind = [r for r in trusted if r.round < own_round - max_lead]
-    ran_ahead = aligned and not fresh and 2 * len(behind) > len(trusted) + len(suspects) + 1
+    counted = voters(trusted + suspects, vouched)
+    behind = [r for r in counted if r.round < own_round - max_lead]
+    ran_ahead = aligned and not fresh and 2 * len(behind) > len(counted) + 1
     if ahead or (fresh and trusted):
         candidates = [r for r in trusted if r.round >= own_round]
     elif ran_ahead:
@@ -127,7 +146,8 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
         candidates = []
     # the most advanced first; among equals, the fastest announced link (a download from a slow home uplink can
     # take much of a joiner's first minute)
-    donors = sorted(candidates, key=lambda r: (-r.round, not r.synced, -r.bandwidth_bps, r.peer_id))
+    donors = sorted(candidates, key=lambda r: (-r.round, not vouched(r.peer_id), not r.synced, -r.bandwidth_bps,
+                                               r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
 
 
@@ -149,12 +169,13 @@ def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, 
 
 
 def choose_witnesses(trusted: Sequence[PeerRecord], donor: str, round_: int, count: int,
-                     rng: random.Random) -> list[PeerRecord]:
-    """Up to `count` trusted peers other than the donor, those of `round_` first, then synced, then the nearest
-    rounds; random among equals (a fixed order would let a set of colluders pick ids that always come first)."""
+                     rng: random.Random, vouched: Callable[[str], bool] = nobody) -> list[PeerRecord]:
+    """Up to `count` trusted peers other than the donor: partners whose work we verified first (`vouched`), then
+    those of `round_`, then synced, then the nearest rounds; random among equals (a fixed order would let a set of
+    colluders pick ids that always come first)."""
     pool = [r for r in trusted if r.peer_id != donor]
     rng.shuffle(pool)
-    pool.sort(key=lambda r: (r.round != round_, not r.synced, abs(r.round - round_)))
+    pool.sort(key=lambda r: (not vouched(r.peer_id), r.round != round_, not r.synced, abs(r.round - round_)))
     return pool[:count]
 
 

@@ -77,6 +77,7 @@ from p2ptrain.net.state_sharing import (
 )
 from p2ptrain.net.wire import WireTimeout
 from p2ptrain.peer_state import PeerState
+from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.interface import OuterSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
 from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S, TICK_S, matchmaking_bound_s
@@ -154,6 +155,9 @@ class JoiningPeer(Protocol):
     def reputation(self) -> Reputation: ...
 
     @property
+    def contributions(self) -> Contributions: ...
+
+    @property
     def announcer(self) -> Announcer: ...
 
     @property
@@ -197,7 +201,8 @@ class Joiner:
         own_round = 0 if fresh else peer.state.round  # a retrying peer's round counts its own rounds alone
         choice = choose_donors(view.others, own_round, peer.state.synced, fresh, peer.sync.aligned_rounds,
                                self.config.join_max_round_lead, peer.reputation.is_banned,
-                               self._last_round_syncing_s(), get_dht_time(), peer.peer_id)
+                               self._last_round_syncing_s(), get_dht_time(), peer.peer_id,
+                               peer.contributions.vouches_for)
         for suspect in choice.suspects:
             if suspect.peer_id not in self._suspects_logged:
                 self._suspects_logged.add(suspect.peer_id)
@@ -319,7 +324,8 @@ class Joiner:
         if peer.state.round != 0 or peer.state.joined_ever or not choice.donors or choice.donors[0].round != 0:
             return False
         seed = secrets.randbits(64)
-        answers = self._ask(choose_witnesses(peer.routes.best_first(choice.trusted), "", 0, WITNESSES, self.rng), seed)
+        answers = self._ask(choose_witnesses(peer.routes.best_first(choice.trusted), "", 0, WITNESSES, self.rng,
+                                             peer.contributions.vouches_for), seed)
         own = Sketch(0, parameter_sketch(peer.params, seed), parameter_norm(peer.params))
         alike = [a for a in answers if a.sketch.round == 0 and own.distance(a.sketch) <= ALIGNED_MAX_DISTANCE]
         return bool(answers) and 2 * len(alike) > len(answers)
@@ -364,7 +370,7 @@ class Joiner:
         others = [r for r in choice.trusted if r.peer_id != donor.peer_id
                   and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
         witnesses = choose_witnesses(self.peer.routes.best_first(others), donor.peer_id, snapshot.round, WITNESSES,
-                                     self.rng)
+                                     self.rng, self.peer.contributions.vouches_for)
         tight = self.peer.sync.aligned_rounds and not self.config.own_delta_first and donor.synced
         candidate, answers = snapshot.sketch(seed), self._ask(witnesses, seed)
         sketches = judge_sketches(candidate, answers, tight, ALIGNED_MAX_DISTANCE, self.config.join_gossip_max_distance)

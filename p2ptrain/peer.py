@@ -362,9 +362,10 @@ class TrainingPeer:
         """Whether we are in step with the swarm, the next round, and its validation loss where it is measured
         (`_evaluates_this_round`); whether it was."""
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
-        # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step).
+        # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step). A
+        # liar's round must not unsettle us, nor identities that never did any work
         _, trusted, _ = split_by_quorum(synced.view.others, self.config.sync.join_max_round_lead,
-                                        self.reputation.is_banned)  # a liar's round must not unsettle us
+                                        self.reputation.is_banned, self.contributions.vouches_for)
         here_or_ahead = [r for r in trusted if r.round >= round_]
         others_here = max(synced.context.same_round_peers, len(here_or_ahead))
         if not synced.result.nothing_due:

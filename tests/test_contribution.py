@@ -54,6 +54,17 @@ def test_a_zero_or_non_finite_length_is_idle_but_our_own_zero_judges_nobody() ->
     assert not ledger.judge_("q", 0, 10, 0.0, 0.0, 10) and not ledger.judge_("q", 1, 10, 0.0, 0.0, 10)
 
 
+def test_a_partner_vouches_once_one_of_its_values_did_work() -> None:
+    """What the quorum round counts (join_rules.py): idle or replayed values earn no vote."""
+    ledger = Contributions()
+    assert not ledger.vouches_for("p")
+    judge(ledger, "rider", 0, OWN_NORM, replayed=True)
+    judge(ledger, "rider", 1, 0.0)
+    assert not ledger.vouches_for("rider")
+    judge(ledger, "p", 0, OWN_NORM)
+    assert ledger.vouches_for("p") and ledger.work()["p"].worked == 1
+
+
 def test_a_claim_verifies_at_most_a_multiple_of_ours_and_a_replay_verifies_nothing() -> None:
     ledger = Contributions()
     judge(ledger, "p", 0, OWN_NORM, claimed=10**11)

@@ -34,9 +34,11 @@ from p2ptrain.join_rules import (
     judge_outer_state,
     judge_sketches,
     median_claim,
+    nobody,
     own_loss_bound,
     quorum_round,
     snapshot_rounds,
+    split_by_quorum,
     split_rank,
 )
 from p2ptrain.joining import (
@@ -47,6 +49,7 @@ from p2ptrain.joining import (
     parameters_set_to,
 )
 from p2ptrain.metrics import RoundMetrics
+from p2ptrain.net.dht import start_dht
 from p2ptrain.net.discovery import PeerRecord, SwarmView
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.remote_hosts import RemoteHosts
@@ -77,8 +80,10 @@ from p2ptrain.net.wire import WireError, WireTimeout
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.peer_state import PeerState
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
+from p2ptrain.testnet.sybils import SybilRecords
 from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S
 
 LIAR_ROUND = 100_000
@@ -131,6 +136,35 @@ def test_the_usual_catching_up_cases_still_find_their_donor():
     assert donors_of([record("a", 9)], 5, aligned=False) == []  # gossip peers never catch up after joining
 
 
+def test_identities_whose_work_we_never_verified_do_not_vote_beside_partners_whose_work_we_did():
+    """Issue 31: 20 identities of one process announcing a stale round were the quorum of every honest peer, which
+    then took the others for suspects and tried the identities' states every round, and one knocked out of step
+    could not resync. Partners whose values did work (sync/contribution.py) decide the round once there are any."""
+    honest = [record("h1", 40), record("h2", 40, synced=False), record("h3", 41)]
+    sybils = [record(f"sybil{i}", 3) for i in range(20)]
+    partners = {"h1", "h2", "h3"}
+    worked = partners.__contains__
+    for own_round, in_step in ((40, True), (40, False)):
+        blind = choose_donors(honest + sybils, own_round, in_step, False, True, 2, nobody_banned)
+        assert blind.quorum == 3 and blind.ran_ahead and {r.peer_id for r in blind.suspects} == partners
+        choice = choose_donors(honest + sybils, own_round, in_step, False, True, 2, nobody_banned, vouched=worked)
+        assert choice.quorum == 40 and not choice.ran_ahead and choice.suspects == []
+        # a partner one round ahead: it first, then those of our round, the synced one first; no identity
+        assert [r.peer_id for r in choice.donors] == ["h3", "h1", "h2"]
+    assert split_by_quorum(honest + sybils, 2, nobody_banned, vouched=worked)[0] == 40
+    # a joiner has verified nobody: every identity counts (the issue's item 5 for joiners is not met by this)
+    assert choose_donors(honest + sybils, 0, True, True, True, 2, nobody_banned, vouched=nobody).quorum == 3
+    # among donors of one round, a verified partner comes first; among witnesses too
+    assert donors_of_vouched([record("new", 7), record("known", 7)], {"known"}) == ["known", "new"]
+    pool = [record("known", 5), record("new", 7), record("newer", 7)]
+    assert choose_witnesses(pool, "", 7, 1, random.Random(0), vouched={"known"}.__contains__)[0].peer_id == "known"
+
+
+def donors_of_vouched(others: list[PeerRecord], vouched: set[str]) -> list[str]:
+    return [r.peer_id for r in choose_donors(others, 0, True, True, True, 2, nobody_banned,
+                                             vouched=vouched.__contains__).donors]
+
+
 def test_a_peer_that_ran_ahead_of_most_of_the_swarm_takes_the_majoritys_state():
     """A peer that averaged alone raced ahead: the others count it a suspect and never take its state, so it must
     take theirs, or it trains alone for the rest of the run (CI, Docker backend: 121 rounds alone)."""
@@ -181,7 +215,8 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
                                  swarm=swarm, state=types.SimpleNamespace(round=0, synced=True, joined_ever=False),
                                  sync=types.SimpleNamespace(aligned_rounds=config.mode == "diloco"),
                                  routes=Routes("me"),
-                                 reputation=types.SimpleNamespace(is_banned=nobody_banned), announced=[])
+                                 reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 contributions=Contributions(), announced=[])
     peer.announce = lambda **fields: peer.announced.append(fields)
     return Joiner(peer), reads  # type: ignore[arg-type]
 
@@ -261,6 +296,7 @@ def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace
     peer = types.SimpleNamespace(peer_id="12D3KooWme", config=types.SimpleNamespace(sync=config), state=state,
                                  sync=sync,
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 contributions=Contributions(),
                                  announcer=types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0)),
                                  routes=Routes("me"))
     joiner = Joiner(peer)  # type: ignore[arg-type]
@@ -485,6 +521,7 @@ def test_a_joiner_refuses_a_donors_state_whose_outer_momentum_is_out_of_scale():
     peer = types.SimpleNamespace(config=types.SimpleNamespace(sync=config), state=state,
                                  params=params, val_batches=[], routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 contributions=Contributions(),
                                  inner=types.SimpleNamespace(evaluate=lambda _batches: 3.0),
                                  sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
                                                             aligned_rounds=config.mode == "diloco"))
@@ -542,6 +579,7 @@ def corroborating_joiner(own: list[torch.Tensor], swarm: list[torch.Tensor], wit
                                                              named_tensors=lambda: []),
                                  params=params, val_batches=[], routes=Routes("me"),
                                  reputation=types.SimpleNamespace(is_banned=nobody_banned),
+                                 contributions=Contributions(),
                                  inner=types.SimpleNamespace(evaluate=evaluate),
                                  sync=types.SimpleNamespace(outer_state_problem=lambda _params, _tensors: None,
                                                             aligned_rounds=config.mode == "diloco"))
@@ -1238,3 +1276,53 @@ def test_a_slow_download_reads_the_swarm_again_before_the_next_donor(monkeypatch
     assert asked[0] == ("b", 31)  # the most advanced first
     assert asked[1:] == [("a", 34), ("c", 33)]  # read again: a's new round, and c, which had joined meanwhile
     assert len(reads) == 3  # once after each try
+
+
+SYBIL_ROUNDS = 8
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.alone  # the all-reduce's groups are decided by deadlines
+def test_twenty_identities_announcing_a_stale_round_do_not_move_the_round_of_peers_that_trained_together():
+    """Issue 31: 20 identities from one process announcing a stale round made it the quorum of every honest DiLoCo
+    peer, which took the others for suspects and tried the identities' states every round. Here 3 honest peers
+    train 8 rounds with 20 such identities live from round 1 on: they keep averaging all together, download no state,
+    and end with one state. The same views, counted by identity, give the stale round (the rule this replaces)."""
+    config = tiny_config(f"sybil-{uuid.uuid4().hex[:6]}", run={"rounds": SYBIL_ROUNDS, "min_peers": 3})
+    first = start_peer(config)
+    peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]
+    threads = [PeerThread(p) for p in peers]
+    sybil_dht = start_dht(config.network, first.maddrs)
+    sybils = None
+    views = []
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.wait_for_round(0, timeout_s=120)
+        sybils = SybilRecords(sybil_dht, config.run.run_id, 20, 0, first.fingerprint, config.network.record_ttl_s,
+                              config.network.heartbeat_s).start()
+        threads[0].wait_for_round(3, timeout_s=120)
+        views = [p.swarm() for p in peers]  # what each honest peer reads, the identities included
+        histories = [thread.join(timeout_s=300) for thread in threads]
+    finally:
+        if sybils is not None:
+            sybils.stop()
+        for peer in peers:
+            peer.shutdown()
+        sybil_dht.shutdown()
+    lead = config.sync.join_max_round_lead
+    for peer, view in zip(peers, views, strict=True):
+        assert sum(r.peer_id in sybils.peer_ids for r in view.others) == 20, "the identities were not read"
+        blind_quorum = split_by_quorum(view.others, lead, nobody_banned)[0]
+        quorum = split_by_quorum(view.others, lead, nobody_banned, peer.contributions.vouches_for)[0]
+        assert blind_quorum == 0 and quorum >= 3, (blind_quorum, quorum)
+    for history in histories:
+        print(f"rounds {[m.round for m in history]}, group {[m.peers_averaged for m in history]}, "
+              f"joined {[m.joined for m in history]}")
+        assert [m.round for m in history] == list(range(SYBIL_ROUNDS)) and not any(m.joined for m in history)
+        assert sum(m.peers_averaged == 3 for m in history) >= SYBIL_ROUNDS - 1  # a deadline may cost one round
+    last = [t.params_after_round[SYBIL_ROUNDS - 1] for t in threads]
+    assert all(relative_distance(p, last[0]) < 1e-5 for p in last[1:])

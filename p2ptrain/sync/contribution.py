@@ -49,6 +49,7 @@ class PartnerWork:
     last_round: int
     values: int = 0
     idle: int = 0
+    worked: int = 0  # values that were neither idle nor replayed
     tokens_claimed: int = 0
     tokens_verified: int = 0
 
@@ -91,9 +92,17 @@ class Contributions:
             work.idle += idle
             work.tokens_claimed += claimed
             if not idle and not replayed:
+                work.worked += 1
                 cap = MAX_CLAIM_FACTOR * own_tokens if own_tokens > 0 else math.inf
                 work.tokens_verified += int(min(claimed, cap))
         return idle
+
+    def vouches_for(self, partner: str) -> bool:
+        """Whether at least one of `partner`'s values did work: its round counts in ours (join_rules.py's quorum),
+        and it comes first as a donor or a witness. An identity costs nothing; a value that trained does."""
+        with self._lock:
+            work = self._work.get(partner)
+            return work is not None and work.worked > 0
 
     def work(self) -> dict[str, PartnerWork]:
         """Every remembered partner's record (copies), the most recently judged last."""
