@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import cache_bytecode  # noqa: F401  (first: the imports below are cached as bytecode)
 import psutil
 import pytest
 import torch
