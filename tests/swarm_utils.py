@@ -44,6 +44,7 @@ class PeerThread:
     def __init__(self, peer: TrainingPeer):
         self.peer = peer
         self.params_after_round: dict[int, list[torch.Tensor]] = {}
+        self.round_ended_at: dict[int, float] = {}  # time.monotonic() at the end of each round
         self.history: list[RoundMetrics] = []
         self.error: BaseException | None = None
         self.round_done = threading.Condition()
@@ -53,6 +54,7 @@ class PeerThread:
     def _on_round(self, peer: TrainingPeer, metrics: RoundMetrics) -> None:
         with self.round_done:
             self.params_after_round[metrics.round] = [p.detach().clone() for p in peer.params]
+            self.round_ended_at[metrics.round] = time.monotonic()
             self.round_done.notify_all()
 
     def _run(self) -> None:
@@ -71,6 +73,10 @@ class PeerThread:
             ok = self.round_done.wait_for(
                 lambda: round_ in self.params_after_round or not self.thread.is_alive(), timeout=timeout_s)
         assert ok and round_ in self.params_after_round, f"peer did not finish round {round_} in {timeout_s} s"
+
+    def params_at(self, moment: float) -> list[torch.Tensor]:
+        """Its parameters as they stood at `moment` (time.monotonic()): those after its last round ended by then."""
+        return self.params_after_round[max(r for r, t in self.round_ended_at.items() if t <= moment)]
 
     def join(self, timeout_s: float) -> list[RoundMetrics]:
         self.thread.join(timeout_s)

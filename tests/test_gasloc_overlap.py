@@ -163,11 +163,12 @@ def test_an_overlapped_gasloc_swarm_trains_and_its_peers_agree():
         assert min(m.val_loss for m in history[2:]) < history[0].val_loss
         # round r reports the exchanges of round r − 1 (its own, collected at r's end) and those others started
         assert sum(m.peers_averaged > 1 for m in history[1:]) >= 4, [m.peers_averaged for m in history]
-    # the peers' parameters after the last round all did, against how far training moved each since its first
-    last = min(max(t.params_after_round) for t in threads)
-    finals = [t.params_after_round[last] for t in threads]
-    travelled = min(distance(t.params_after_round[last], t.params_after_round[min(t.params_after_round)])
-                    for t in threads)
+    # the peers' parameters when the first of them ended its last round, against how far training moved each since
+    # its first. Compared at one moment, not one round number: gossip rounds count a peer's own steps, and a peer
+    # that ran 4 rounds ahead while the others started (3 of 11 CI runs) was compared with them 4 of its rounds early
+    moment = min(max(t.round_ended_at.values()) for t in threads)
+    finals = [t.params_at(moment) for t in threads]
+    travelled = min(distance(t.params_at(moment), t.params_after_round[min(t.params_after_round)]) for t in threads)
     spread = max(distance(a, b) for a in finals for b in finals)
-    print(f"peers {spread:.4g} apart after round {last}, each moved at least {travelled:.4g}")
+    print(f"peers {spread:.4g} apart when the first ended, each moved at least {travelled:.4g}")
     assert spread < 0.5 * travelled, (spread, travelled)
