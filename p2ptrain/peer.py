@@ -351,7 +351,7 @@ class TrainingPeer:
         sync_started = time.monotonic()
         view = self.swarm()
         self._sync_view = (time.monotonic(), view)
-        context = dataclasses.replace(self._context(view, inner_steps=phase.steps), tokens=phase.tokens)
+        context = self._context(view, inner_steps=phase.steps, tokens=phase.tokens)
         result = self.sync.finish_round(context)
         blocked_s = time.monotonic() - sync_started
         self.blocked_s = _ema(self.blocked_s, blocked_s)
@@ -413,7 +413,7 @@ class TrainingPeer:
         every = self.config.run.eval_every
         return self.rounds_run % every == 0 or self.state.joined_this_round or self.state.round == self.end_round
 
-    def _context(self, view: SwarmView, inner_steps: int) -> RoundContext:
+    def _context(self, view: SwarmView, inner_steps: int, tokens: int = 0) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
@@ -421,7 +421,7 @@ class TrainingPeer:
         return RoundContext(round_, inner_steps, [r.peer_id for r in others], len(view.at_round(round_)),
                             phase_s, {r.peer_id: r.bandwidth_bps / 8 for r in others if r.bandwidth_bps > 0},
                             round_peers=round_peers(others, round_, self.config.sync.overlap != "none"),
-                            full_steps=self._inner_steps())
+                            full_steps=self._inner_steps(), tokens=tokens)
 
     def _inner_steps(self) -> int:
         """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule). The target round is

@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.config import PeerConfig
 from p2ptrain.net.admission import Admission
 from p2ptrain.net.dht import start_dht
-from p2ptrain.net.discovery import SHORT_ID_CHARS, PeerRecord, add_record_validators, fetch_peers, present
+from p2ptrain.net.discovery import PeerRecord, add_record_validators, fetch_peers, present, short_id
 from p2ptrain.status_view import show_status
 
 
@@ -33,7 +33,7 @@ def verified_tokens(records: Sequence[PeerRecord]) -> dict[str, int]:
     median needs half the vouchers to lie, and decides nothing but this display."""
     by_short: dict[str, list[str]] = {}
     for record in records:
-        by_short.setdefault(record.peer_id[-SHORT_ID_CHARS:], []).append(record.peer_id)
+        by_short.setdefault(short_id(record.peer_id), []).append(record.peer_id)
     vouches: dict[str, list[int]] = {}
     for voucher in records:
         for short, tokens in voucher.vouched.items():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2ptrain.net.discovery import MAX_VOUCHES, PeerRecord
+from p2ptrain.net.discovery import MAX_VOUCHES, PeerRecord, short_id
 from p2ptrain.net.reputation import OFFENCES, Reputation
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.contribution import (
@@ -18,7 +18,6 @@ from p2ptrain.sync.contribution import (
     Contributions,
     OwnWork,
     claimed_tokens,
-    short_id,
 )
 from p2ptrain.sync.exchange_driver import ExchangeDriver
 from p2ptrain.testnet.adversary import FREE_RIDER_SCALE

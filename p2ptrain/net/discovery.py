@@ -97,6 +97,11 @@ class SwarmSchema(BaseModel):
     peers: dict[BytesWithPublicKey, PeerRecord]  # type: ignore[valid-type]
 
 
+def short_id(peer_id: str) -> str:
+    """How a record's vouch names a peer: the last SHORT_ID_CHARS characters of its id."""
+    return peer_id[-SHORT_ID_CHARS:]
+
+
 def record_problem(record: PeerRecord, now: float, ttl_s: float, policy: AdmissionPolicy, signer: str | None = None,
                    expiration_time: float | None = None) -> str | None:
     """Why a parsed record is refused, or None: the one check of the DHT validator and of `parse_records`.

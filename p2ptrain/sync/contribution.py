@@ -25,7 +25,7 @@ import math
 import threading
 from collections import OrderedDict
 
-from p2ptrain.net.discovery import MAX_TOKENS, MAX_VOUCHES, SHORT_ID_CHARS
+from p2ptrain.net.discovery import MAX_TOKENS, MAX_VOUCHES, short_id
 
 IDLE_FRACTION = 1e-4  # a Δ shorter than this × ours is no training (see above)
 MAX_CLAIM_FACTOR = 16.0  # a claim verifies at most this × our own round's tokens
@@ -58,11 +58,6 @@ def claimed_tokens(header: dict[str, object]) -> int:
     """The tokens a partner's header claims its round trained (0 when it claims none or an impossible number)."""
     tokens = header.get("tokens", 0)
     return tokens if type(tokens) is int and 0 <= tokens <= MAX_ROUND_TOKENS else 0
-
-
-def short_id(peer_id: str) -> str:
-    """How a vouch names a peer: the last SHORT_ID_CHARS characters of its id."""
-    return peer_id[-SHORT_ID_CHARS:]
 
 
 class Contributions:
