@@ -17,6 +17,7 @@ from benchmarks import production_codec  # noqa: E402
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
+@pytest.mark.alone  # every round averaged by both peers: wall-clock rounds of 3 steps (a loaded CI run lost one)
 def test_quick_run(tmp_path: Path) -> None:
     settings, _ = production_codec.parse_args(["--quick"])
     assert settings == production_codec.QUICK
