@@ -54,6 +54,7 @@ from p2ptrain.net.discovery import (
 )
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.reachability import reachable_before_joining
+from p2ptrain.net.record_shards import RecordShards
 from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.run_manifest import NAMESPACE as MANIFEST_NAMESPACE
@@ -188,13 +189,14 @@ class TrainingPeer:
         record = PeerRecord(peer_id=self.peer_id, round=self.state.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint, relay=cfg.network.relay, protocol=PROTOCOL_VERSION,
                             version=__version__)
+        shards = RecordShards(cfg.run.run_id, self.peer_id)  # where our record goes, and which records we read
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
-                                   cfg.network.record_ttl_s, admission=self.admission)
+                                   cfg.network.record_ttl_s, admission=self.admission, shards=shards)
         self.announcer.start()
         self.services.start_presence(self.p2p, self.loop, cfg.network, initial_peers,
                                      lambda **fields: self.announcer.update(publish=True, **fields))
         self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s,
-                                    admission=self.admission)
+                                    admission=self.admission, shards=shards)
         if not self.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
             self.watcher.start()
 

@@ -12,6 +12,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
+from p2ptrain.net.dht_keys import peers_key
 from p2ptrain.net.discovery import (
     PROTOCOL_VERSION,
     PeerRecord,
@@ -116,13 +117,17 @@ def test_a_dht_that_never_answers_yields_no_peers_instead_of_a_hang() -> None:
 
 
 class ScriptedDHT:
-    """A DHT whose reads return these results in turn (the last one from then on)."""
+    """A DHT whose reads of the run's peers key return these results in turn (the last one from then on); its
+    shards are empty."""
 
     def __init__(self, *results: SimpleNamespace | None) -> None:
         self.results, self.reads = list(results), 0
 
     def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        if key != peers_key("run"):
+            future.set_result(None)
+            return future
         future.set_result(self.results[min(self.reads, len(self.results) - 1)])
         self.reads += 1
         return future

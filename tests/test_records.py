@@ -36,7 +36,10 @@ from p2ptrain.net.dht_keys import (
     averager_prefix,
     claims_key,
     key_id,
+    peers_key,
     round_group_bits,
+    shard_index,
+    shard_key,
 )
 from p2ptrain.net.discovery import (
     Announcer,
@@ -46,12 +49,14 @@ from p2ptrain.net.discovery import (
     add_record_validators,
     fetch_peers,
     parse_records,
-    peers_key,
 )
 from p2ptrain.net.identity import peer_id_of_signer
+from p2ptrain.net.record_shards import RecordShards
+from p2ptrain.testnet.sybils import SybilRecords
 from p2ptrain.timing import MAX_CLOCK_SKEW_S
 
 RUN, TTL_S = "records-test", 8.0
+PEERS_KEY_ID = key_id(peers_key(RUN))
 FAR = 1e9  # the measured attack: a heartbeat or expiry 10^9 s (~30 years) ahead
 
 
@@ -75,7 +80,7 @@ class Signer:
 def dht_record(validator: PeerRecordValidator, subkey: bytes, value: dict[str, Any], expires_in_s: float = TTL_S,
                key_id: bytes | None = None) -> DHTRecord:
     """A record as the validator sees it: serialised, its signature already stripped by the RSA validator."""
-    return DHTRecord(key_id or validator.key_id, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value),
+    return DHTRecord(key_id or PEERS_KEY_ID, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value),
                      get_dht_time() + expires_in_s)
 
 
@@ -94,12 +99,24 @@ def test_the_record_validator_refuses_forgeries_and_accepts_a_fresh_record_of_it
         "another peer's id": dht_record(validator, me.subkey, record(other.peer_id)),
         "a subkey that names no signer": dht_record(validator, b"ghost", record(me.peer_id)),
         "a schema violation": dht_record(validator, me.subkey, record(me.peer_id, phase="hacking")),
-        "not msgpack": DHTRecord(validator.key_id, MSGPackSerializer.dumps(me.subkey), b"\xc1", now + TTL_S),
+        "not msgpack": DHTRecord(PEERS_KEY_ID, MSGPackSerializer.dumps(me.subkey), b"\xc1", now + TTL_S),
     }
     refused = {name: not validator.validate(r) for name, r in forgeries.items()}
     assert refused == dict.fromkeys(forgeries, True)
     other_key = DHTID.generate(source="someone-else's-key").to_bytes()
     assert validator.validate(dht_record(validator, b"ghost", {"anything": 1}, key_id=other_key))  # not ours to judge
+
+
+def test_a_shard_of_the_peer_records_holds_only_its_own_peers_records_in_the_schema_s_types() -> None:
+    validator = PeerRecordValidator(RUN, TTL_S, AdmissionPolicy(RUN))
+    me = Signer()
+    mine, not_mine = (key_id(shard_key(RUN, 3, index)) for index in (shard_index(me.peer_id, 3),
+                                                                     (shard_index(me.peer_id, 3) + 1) % 8))
+    assert validator.validate(dht_record(validator, me.subkey, record(me.peer_id), key_id=mine))
+    assert not validator.validate(dht_record(validator, me.subkey, record(me.peer_id), key_id=not_mine))
+    partial = {k: v for k, v in record(me.peer_id).items() if k != "tokens"}  # a default filled in: a conversion
+    assert validator.validate(dht_record(validator, me.subkey, partial))  # level 0: the schema validator's to judge
+    assert not validator.validate(dht_record(validator, me.subkey, partial, key_id=mine))
 
 
 def test_the_validator_survives_pickling_and_merges_only_with_its_twin() -> None:
@@ -337,3 +354,26 @@ def test_a_bootstrap_stores_only_its_runs_keys() -> None:
     finally:
         attacker.shutdown()
         bootstrap.shutdown()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_swarm_split_into_shards_is_found_by_a_newcomer_and_listed_whole_by_status() -> None:
+    """12 identities of one node announce in their shards of level 2 (net/record_shards.py, with a target of 2 a
+    shard); the reader's nodes validate each shard's records as they do the peers key's."""
+    with reader_and_others(1) as (reader, publisher):
+        identities = SybilRecords(publisher, RUN, count=12, round_=5, fingerprint="", ttl_s=TTL_S, heartbeat_s=1.0,
+                                  level=2)
+        assert identities.publish() == 12
+        everyone = sorted(identities.peer_ids)
+        watcher = SwarmWatcher(reader, RUN, ttl_s=TTL_S, refresh_s=1.0, shards=RecordShards(RUN, "newcomer", 2))
+        watcher.read_(watcher.shards.refresh_shards())  # levels 0 and 1 hold nobody: it reads its lineage too
+        assert watcher.records() and watcher.shards.level == 2  # where it found them
+        assert [r.peer_id for r in watcher.records(current=True)] == everyone  # every shard of the levels near
+        assert [r.peer_id for r in fetch_peers(reader, RUN, TTL_S)] == everyone  # what `status` lists
+        # a record stored in a shard not its own is refused by the reader's node, as a forgery is
+        stranger = identities.peer_ids[0]
+        wrong = shard_key(RUN, 2, (shard_index(stranger, 2) + 1) % 4)
+        publisher.store(wrong, subkey=identities.subkeys[0], value=record(stranger),
+                        expiration_time=get_dht_time() + TTL_S)
+        assert identities.subkeys[0] not in reader.run_coroutine(functools.partial(_stored_subkeys, key=wrong))

@@ -19,9 +19,10 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Iterable
 
 import hivemind
-from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -29,8 +30,9 @@ from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, co
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
-from p2ptrain.net.dht_keys import RunKeysValidator, SubkeyBudget, peers_key
+from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, RunKeysValidator, SubkeyBudget, shard_index, shard_key, shard_key_ids
 from p2ptrain.net.identity import peer_id_of_signer
+from p2ptrain.net.record_shards import RecordShards, Shard
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,9 @@ LEFT = "left"  # the phase of a departed peer's last record
 # What peers must share to train together: the records, the exchanges' formats and the agreement digests. A change to
 # any of them raises it; peers of another protocol are left out of rounds and told apart in one line. 0: a record
 # from before records carried it (those peers hashed their agreement digests with SHA-256, not BLAKE3). 2: the
-# averagers' group keys hold 8 round bits, not 16, and nodes store only the run's keys (net/dht_keys.py)
-PROTOCOL_VERSION = 2
+# averagers' group keys hold 8 round bits, not 16, and nodes store only the run's keys (net/dht_keys.py). 3: the
+# records split into shards as the swarm grows (net/record_shards.py), which nodes of protocol 2 refuse to store
+PROTOCOL_VERSION = 3
 MAX_VOUCHES = 8  # partners a record vouches for (sync/contribution.py): the ones judged most recently
 SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer id (status shows them)
 MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
@@ -160,21 +163,25 @@ class PeerRecordValidator(RecordValidatorBase):
     ttl_s: float
     policy: AdmissionPolicy
 
-    def __post_init__(self) -> None:
-        self.key_id = DHTID.generate(source=peers_key(self.run_id)).to_bytes()
-
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self.key_id:
+        shard = shard_key_ids(self.run_id).get(record.key)
+        if shard is None:
             return True  # not a peer record of this run
         try:
-            subkey = MSGPackSerializer.loads(record.subkey)
-            parsed = PeerRecord.parse_obj(MSGPackSerializer.loads(record.value))
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+            parsed = PeerRecord.parse_obj(value)
         except Exception:  # msgpack and pydantic raise many types; every one means a malformed record
             logger.debug("refusing a malformed peer record", exc_info=True)
             return False
         signer = peer_id_of_signer(subkey) if isinstance(subkey, bytes) else None
         if signer is None:
             logger.debug(f"refusing a peer record of {parsed.peer_id}: its subkey names no signer")
+            return False
+        level, index = shard
+        if level > 0 and (shard_index(signer, level) != index or parsed.dict() != value):
+            # the schema validator checks level 0's records for conversions; a shard holds only its own peers
+            logger.debug(f"refusing a peer record of {parsed.peer_id} in shard {index} of level {level}: not its "
+                         f"shard, or not in the schema's types")
             return False
         problem = record_problem(parsed, get_dht_time(), self.ttl_s, self.policy, signer, record.expiration_time)
         if problem is not None:
@@ -242,19 +249,43 @@ def keep_freshest_(known: dict[str, PeerRecord], records: list[PeerRecord]) -> N
 DHT_CALL_LOCK = threading.Lock()
 
 
+def fetch_shards(dht: hivemind.DHT, run_id: str, shards: Iterable[Shard], ttl_s: float,
+                 timeout_s: float = PATIENCE_S, admission: Admission | None = None) -> dict[Shard, list[PeerRecord]]:
+    """The live records (`parse_records`) of each shard whose read the DHT answered within `timeout_s`, all read at
+    once (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply); a
+    warning when none answered."""
+    futures = {}
+    for shard in dict.fromkeys(shards):
+        with DHT_CALL_LOCK:
+            futures[shard] = dht.get(shard_key(run_id, *shard), latest=True, return_future=True)
+    deadline = time.monotonic() + timeout_s
+    found = {}
+    for shard, future in futures.items():
+        try:
+            raw = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
+            future.cancel()
+            continue
+        found[shard] = parse_records(raw, ttl_s, get_dht_time(), admission)
+    if futures and not found:
+        logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on with the records read before")
+    return found
+
+
 def fetch_peers(dht: hivemind.DHT, run_id: str, ttl_s: float, timeout_s: float = PATIENCE_S,
                 admission: Admission | None = None) -> list[PeerRecord]:
-    """The run's live peers, as of now (`parse_records`); none (with a warning) when the DHT does not answer within
-    `timeout_s` (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply)."""
-    with DHT_CALL_LOCK:
-        future = dht.get(peers_key(run_id), latest=True, return_future=True)
-    try:
-        raw = future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
-        future.cancel()
-        logger.warning(f"the DHT did not answer within {timeout_s:g} s; carrying on with the records read before")
-        return []
-    return parse_records(raw, ttl_s, get_dht_time(), admission)
+    """Every live record of the run, as of now (what `status` lists): the first shard of every level is read, then
+    every shard of the levels where it found records (net/record_shards.py); none when the DHT does not answer."""
+    deadline = time.monotonic() + timeout_s
+    probes = fetch_shards(dht, run_id, [(level, 0) for level in range(MAX_SHARD_LEVEL + 1)], ttl_s, timeout_s,
+                          admission)
+    rest = [(level, index) for (level, _), records in probes.items() if records and level > 0
+            for index in range(1, 2**level)]
+    found = fetch_shards(dht, run_id, rest, ttl_s, max(0.0, deadline - time.monotonic()), admission) if rest else {}
+    by_peer: dict[str, PeerRecord] = {}
+    for records in [*probes.values(), *found.values()]:
+        keep_freshest_(by_peer, records)
+    return sorted(by_peer.values(), key=lambda r: r.peer_id)
 
 
 class Announcer:
@@ -264,16 +295,19 @@ class Announcer:
     a round trip or more (tenths of a second on a loaded swarm), so `update(publish=True)` only wakes the
     thread: training never waits for the DHT. When the peer stops, the record stops being refreshed and expires
     after `record_ttl_s` for everyone else. The record is signed with the node's identity key; in a signed run
-    it carries this peer's ticket (`admission.ticket`).
+    it carries this peer's ticket (`admission.ticket`). It is stored in our shard at the level `shards` keeps
+    (net/record_shards.py; shared with the peer's `SwarmWatcher`, which moves it).
     """
 
     def __init__(self, dht: SwarmDHT, run_id: str, record: PeerRecord, heartbeat_s: float, ttl_s: float,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, shards: RecordShards | None = None):
         self.dht, self.run_id, self.heartbeat_s, self.ttl_s = dht, run_id, heartbeat_s, ttl_s
+        self.shards = shards or RecordShards(run_id, record.peer_id)
         self._validator = add_record_validators(dht, run_id, ttl_s, admission)
         if admission is not None and admission.ticket:
             record = record.copy(update=dict(ticket=admission.ticket))
         self._record = record
+        self._stored_at: dict[Shard, float] = {}  # the shards our record was stored in, and when
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._publish_now = threading.Event()
@@ -301,27 +335,35 @@ class Announcer:
         if publish:
             self._publish_now.set()
 
-    def publish(self, timeout_s: float = PATIENCE_S) -> bool:
-        """Store our record now; whether the DHT confirmed it within `timeout_s` (else it goes on in the background)."""
+    def publish(self, timeout_s: float = PATIENCE_S, shards: Iterable[Shard] | None = None) -> bool:
+        """Store our record now, in our shard (or in `shards`); whether the DHT confirmed every store within
+        `timeout_s` (else they go on in the background)."""
         now = get_dht_time()
         with self._lock:
             self._record = self._record.copy(update=dict(updated=now))
             value = self._record.dict()
+        targets = list(shards) if shards is not None else [self.shards.publish_shard()]
         try:
-            with DHT_CALL_LOCK:
-                future = self.dht.store(peers_key(self.run_id), subkey=self.subkey,
-                                        value=value, expiration_time=now + self.ttl_s, return_future=True)
-            return bool(future.result(timeout=timeout_s))
+            futures = []
+            for shard in targets:
+                self._stored_at[shard] = now
+                with DHT_CALL_LOCK:
+                    futures.append(self.dht.store(shard_key(self.run_id, *shard), subkey=self.subkey, value=value,
+                                                  expiration_time=now + self.ttl_s, return_future=True))
+            deadline = time.monotonic() + timeout_s
+            return all([bool(f.result(timeout=max(0.0, deadline - time.monotonic()))) for f in futures])
         except Exception:  # a late store, or the DHT process shutting down: the next heartbeat tries again
             logger.debug("peer record not stored", exc_info=True)
             return False
 
     def leave(self, timeout_s: float = BRIEF_S) -> None:
-        """Stop the heartbeat and store a last record saying we left (the others drop us at their next read),
-        waiting at most `timeout_s` for the DHT to store it."""
+        """Stop the heartbeat and store a last record saying we left (the others drop us at their next read), in
+        every shard that may still hold our record, waiting at most `timeout_s` for the DHT to store it."""
         self.stop()
         self.update(phase=LEFT)
-        if not self.publish(timeout_s):
+        now = get_dht_time()
+        live = [shard for shard, stored in self._stored_at.items() if now - stored <= self.ttl_s]
+        if not self.publish(timeout_s, live or None):
             logger.debug("the record saying this peer left was not stored in time: it expires after its TTL instead")
 
     def _loop(self) -> None:
@@ -349,13 +391,16 @@ class SwarmWatcher:
     Reads are merged, not replaced: a record stands until its own expiry (`ttl_s` after its heartbeat), as it
     does in the DHT. One read that timed out or reached only some of the nodes (it may find none of the records)
     would otherwise leave the peer believing itself alone until the next read. With `admission`, reads keep its
-    list of admitted peers current (`Admission.allows`).
+    list of admitted peers current (`Admission.allows`). Which shards a read covers, `shards` says
+    (net/record_shards.py): a background read, our own and one at random; a `current` read, every shard of our
+    level; a read that found nobody, our shard at every level as well.
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, shards: RecordShards | None = None):
         self.dht, self.run_id, self.ttl_s, self.refresh_s = dht, run_id, ttl_s, refresh_s
         self.admission = admission
+        self.shards = shards or RecordShards(run_id, "")
         self._known: dict[str, PeerRecord] = {}
         self._read_once = False
         self._lock = threading.Lock()
@@ -370,12 +415,31 @@ class SwarmWatcher:
         id. A `current` read waits at most `timeout_s` (the first read, PATIENCE_S): a DHT slowed by a
         silent node then leaves the records of the last read."""
         if current or not self._read_once:
-            timeout_s = timeout_s if self._read_once else PATIENCE_S
-            self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, timeout_s, admission=self.admission))
+            self.read_(self.shards.every_shard(), timeout_s if self._read_once else PATIENCE_S)
         now = get_dht_time()
         with self._lock:
             live = [r for r in self._known.values() if is_live(r, now, self.ttl_s)]
         return sorted(present(live), key=lambda r: r.peer_id)
+
+    def read_(self, shards: list[Shard], timeout_s: float = PATIENCE_S) -> None:
+        """Read `shards` and merge what they hold; tell `self.shards` how many records each held; where nobody but
+        us was found, read our shard at every level as well (a swarm that split before we came)."""
+        deadline = time.monotonic() + timeout_s
+        found = fetch_shards(self.dht, self.run_id, shards, self.ttl_s, timeout_s, admission=self.admission)
+        others = any(r.peer_id != self.shards.peer_id for records in found.values() for r in records)
+        lost = bool(found) and not others and time.monotonic() < deadline
+        if lost:  # within the same wait
+            lineage = [shard for shard in self.shards.lineage() if shard not in found]
+            found.update(fetch_shards(self.dht, self.run_id, lineage, self.ttl_s,
+                                      max(0.0, deadline - time.monotonic()), self.admission))
+        freshest: dict[str, PeerRecord] = {}
+        keep_freshest_(freshest, [r for records in found.values() for r in records])
+        self.merge_(list(freshest.values()))
+        # a peer that moved to another level leaves its older record behind until it expires: counted once, where
+        # its latest record is
+        me = self.shards.peer_id
+        self.shards.observe_({shard: sum(freshest[r.peer_id] is r and r.phase != LEFT and r.peer_id != me
+                                         for r in records) for shard, records in found.items()}, lost)
 
     def merge_(self, records: list[PeerRecord]) -> None:
         """Keep each peer's freshest record; forget expired ones."""
@@ -388,7 +452,7 @@ class SwarmWatcher:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.merge_(fetch_peers(self.dht, self.run_id, self.ttl_s, admission=self.admission))
+                self.read_(self.shards.refresh_shards())
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
                 logger.debug("swarm records not read", exc_info=True)
             self._stop.wait(self.refresh_s)

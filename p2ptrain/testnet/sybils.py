@@ -17,9 +17,15 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.net.dht import SwarmDHT
-from p2ptrain.net.dht_keys import peers_key
+from p2ptrain.net.dht_keys import shard_index, shard_key
 from p2ptrain.net.discovery import PROTOCOL_VERSION, PeerRecord, add_record_validators
 from p2ptrain.net.identity import peer_id_of_signer
+
+
+# keys handed to the DHT's process in one call: hivemind's pipe to it is read without blocking, so a message over
+# PIPE_BUF (4 KiB, what Linux writes at once) can be read half-written and stops the process ("Resource temporarily
+# unavailable"); a pickled key is 1.8 kB
+KEYS_PER_MESSAGE = 1
 
 
 class ManyKeysSigner(RecordValidatorBase):
@@ -43,16 +49,19 @@ class ManyKeysSigner(RecordValidatorBase):
 
 class SybilRecords:
     """`count` identities of a run announcing round `round_` through `dht` (a node of the run) every `heartbeat_s`
-    until `stop()`, with `fingerprint` (the run's model, or peers leave them out)."""
+    until `stop()`, with `fingerprint` (the run's model, or peers leave them out), each in its shard of `level`
+    (net/record_shards.py; 0: the one peers key)."""
 
     def __init__(self, dht: SwarmDHT, run_id: str, count: int, round_: int, fingerprint: str, ttl_s: float,
-                 heartbeat_s: float):
+                 heartbeat_s: float, level: int = 0):
         self.dht, self.run_id, self.round, self.ttl_s, self.heartbeat_s = dht, run_id, round_, ttl_s, heartbeat_s
+        self.level = level
         keys = [RSAPrivateKey() for _ in range(count)]
         self.subkeys = [RSASignatureValidator(key).local_public_key for key in keys]
         self.peer_ids = [peer_id_of_signer(subkey) or "" for subkey in self.subkeys]
         add_record_validators(dht, run_id, ttl_s)
-        dht.add_validators([ManyKeysSigner(keys)])
+        for first in range(0, count, KEYS_PER_MESSAGE):
+            dht.add_validators([ManyKeysSigner(keys[first:first + KEYS_PER_MESSAGE])])
         self.fingerprint = fingerprint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="p2ptrain-sybils", daemon=True)
@@ -65,7 +74,8 @@ class SybilRecords:
     def publish(self) -> int:
         """Store every identity's record once, with a fresh heartbeat; how many the DHT confirmed."""
         now = get_dht_time()
-        futures = [self.dht.store(peers_key(self.run_id), subkey=subkey, expiration_time=now + self.ttl_s,
+        futures = [self.dht.store(shard_key(self.run_id, self.level, shard_index(peer_id, self.level)), subkey=subkey,
+                                  expiration_time=now + self.ttl_s,
                                   value=PeerRecord(peer_id=peer_id, round=self.round, inner_step=0, phase="inner",
                                                    round_eta=now + 60.0, fingerprint=self.fingerprint,
                                                    protocol=PROTOCOL_VERSION, updated=now).dict(),

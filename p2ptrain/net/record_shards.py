@@ -1,0 +1,117 @@
+"""Where the run's peer records live in the DHT, and which of them a peer reads: a directory that splits as the
+swarm grows, so that what a peer reads a heartbeat stays flat in the swarm's size.
+
+One key holding every record costs each read the whole swarm: n signed records of 1.3 kB, every heartbeat, at every
+peer (n² across the swarm; at 1,000 peers a peer would read 1.3 MB a second). The records are spread instead over
+the 2^L shard keys of a level L; a peer's shard is the low L bits of a hash of its id, so the shards of level L + 1
+split those of L in two. Each peer estimates the swarm's size from the shards it reads and keeps its level where a
+shard holds about `target` records: it moves up when a shard would hold over twice the target, to the level where
+it holds at most the target, and down when one holds under a quarter (a swarm of up to 2 × `target` peers stays at
+level 0, the single key every record was in before). It publishes at its level and, each refresh, reads its own
+shard at its level and the two next to it (peers whose levels differ by one still meet there) and one shard of its
+level drawn at random, keeping each record until its TTL: a view of its own shard and a sample of the rest, which
+gossip needs (random partners, the quorum round's median). A peer that finds nobody reads its shard at every level
+as well, and moves to the level where it found most peers (a joiner of a swarm that has split). An all-reduce
+(DiLoCo) reads every shard of its level and of the two next to it: its exchange is O(n) anyway. docs/design.md
+("Discovery") gives the measured costs (benchmarks/discovery_scale.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+import statistics
+import threading
+
+from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index, shard_key
+
+SHARD_TARGET = 16  # records a shard is kept near: a shard of the level holds a quarter to twice this many
+# the level follows the median of the latest estimates of the swarm's size, not one read's: up after at least
+# ESTIMATES_TO_MOVE reads at a level, down only after ESTIMATES_KEPT
+ESTIMATES_KEPT, ESTIMATES_TO_MOVE = 8, 3
+
+
+Shard = tuple[int, int]  # (level, index)
+
+
+class RecordShards:
+    """A peer's place in the directory: the level it publishes at, and the shards each read covers.
+
+    `observe_` takes how many live records each shard read held and moves the level by at most one a read. Shared
+    by the peer's announcer (which publishes at `level`) and its swarm watcher (which reads and observes)."""
+
+    def __init__(self, run_id: str, peer_id: str, target: int = SHARD_TARGET, rng: random.Random | None = None):
+        if target < 1:
+            raise ValueError(f"a shard's target must be >= 1 record, got {target}")
+        self.run_id, self.peer_id, self.target = run_id, peer_id, target
+        self.rng = rng or random.Random()
+        self._level = 0
+        self._estimates: collections.deque[float] = collections.deque(maxlen=ESTIMATES_KEPT)
+        self._lock = threading.Lock()
+
+    @property
+    def level(self) -> int:
+        with self._lock:
+            return self._level
+
+    def key(self, shard: Shard) -> str:
+        return shard_key(self.run_id, *shard)
+
+    def own(self, level: int) -> Shard:
+        return level, shard_index(self.peer_id, level)
+
+    def publish_shard(self) -> Shard:
+        return self.own(self.level)
+
+    def refresh_shards(self) -> list[Shard]:
+        """What a background read covers: our shard at our level and the two next to it, and one shard of our level
+        drawn at random."""
+        level = self.level
+        shards = [self.own(lvl) for lvl in range(max(0, level - 1), min(MAX_SHARD_LEVEL, level + 1) + 1)]
+        roaming = (level, self.rng.randrange(2**level))
+        return shards + ([roaming] if roaming not in shards else [])
+
+    def every_shard(self) -> list[Shard]:
+        """What a read of the whole swarm covers: every shard of our level and of the two next to it (peers whose
+        estimate differs from ours by a level)."""
+        level = self.level
+        return [(lvl, index) for lvl in (level, level - 1, level + 1) if 0 <= lvl <= MAX_SHARD_LEVEL
+                for index in range(2**lvl)]
+
+    def lineage(self) -> list[Shard]:
+        """Our shard at every level: where a peer that found nobody looks for a swarm that has split."""
+        return [self.own(level) for level in range(MAX_SHARD_LEVEL + 1)]
+
+    def observe_(self, counts: dict[Shard, int], lost: bool = False) -> None:
+        """Update the estimate of the swarm's size from one read's live records of other peers per shard (read
+        shards that held none count as 0). Where a shard would hold over twice the target once ESTIMATES_TO_MOVE
+        reads agree: up to the level where it holds at most the target; under a quarter of the target for a full
+        window: down one level; straight to the level where the read found most peers when we were `lost` (our
+        level's shards held nobody, and this read covered our lineage: a joiner of a swarm that split, or the last
+        peer of one that shrank)."""
+        if not counts or (lost and not any(counts.values())):
+            return  # nothing read, or nobody found even in our lineage: no evidence to move on
+        by_level: dict[int, list[int]] = {}
+        for (level, _), count in counts.items():
+            by_level.setdefault(level, []).append(count)
+        # each level's shards sample its peers: a shard of level l holding c stands for c × 2^l of them. Only the
+        # levels next to the one that held most count: one straggler read at level 8 would stand for 256 peers
+        densest = max(by_level, key=lambda level: (sum(by_level[level]), -level))
+        estimate = 1 + sum(statistics.fmean(found) * 2**level for level, found in by_level.items()
+                           if abs(level - densest) <= 1)
+        with self._lock:
+            self._estimates.append(estimate)
+            swarm = statistics.median(self._estimates)
+            per_shard = swarm / 2**self._level
+            # the level where a shard holds at most the target: twice the margin to the next move either way
+            fitting = min(MAX_SHARD_LEVEL, max(0, math.ceil(math.log2(max(swarm, 1.0) / self.target))))
+            if lost:  # to the level that held most of the others: where the swarm is, not where one read guesses
+                self._level = densest
+                self._estimates.clear()  # the next reads are of the new level's shards
+            elif per_shard > 2 * self.target and len(self._estimates) >= ESTIMATES_TO_MOVE:
+                self._level = max(self._level, fitting)
+                self._estimates.clear()
+            elif per_shard < self.target / 4 and self._level > 0 and len(self._estimates) == ESTIMATES_KEPT:
+                self._level -= 1
+                self._estimates.clear()
