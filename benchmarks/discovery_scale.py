@@ -170,24 +170,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     record_bytes = record_wire_bytes()
     rows = []
-    print(f"a signed record: {record_bytes} bytes; heartbeat {HEARTBEAT_S:g} s, TTL {TTL_S:g} s, target "
-          f"{args.target} records a shard")
-    print("| peers | levels | one key: records a read | shards: records a read (median, max) | kB a heartbeat "
-          "(one key, shards) | keys read | view (median, min) | peers in no view | joiner's first read |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    lines = [f"`python benchmarks/discovery_scale.py --peers {args.peers} --target {args.target} --heartbeats "
+             f"{args.heartbeats}`: a signed record is {record_bytes} bytes; heartbeat {HEARTBEAT_S:g} s, TTL "
+             f"{TTL_S:g} s; per peer and heartbeat, after {args.heartbeats // 2 + 2} heartbeats of warm-up", "",
+             "| peers | levels | one key: records a read | shards: records a read (median, max) | kB a heartbeat "
+             "(one key, shards) | keys read | view (median, min) | peers in no view | joiner's first read |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     for peers in (int(p) for p in args.peers.split(",")):
-        row = simulate(peers, args.target, args.heartbeats)
+        row = simulate(peers, args.target, args.heartbeats, warmup=args.heartbeats // 2 + 2)
         row["one_key_records_per_read"] = one_key_rows(peers)
         row["record_bytes"] = record_bytes
         rows.append(row)
-        print(f"| {peers} | {row['levels']} | {row['one_key_records_per_read']} | "
-              f"{row['records_per_read_median']:g}, {row['records_per_read_max']} | "
-              f"{row['one_key_records_per_read'] * record_bytes / 1e3:.0f}, "
-              f"{row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
-              f"{row['keys_per_read_median']:g} | {row['view_median']:g}, {row['view_min']} | "
-              f"{row['peers_in_no_view']} | {row['joiner_first_read_peers_min']} peers |", flush=True)
+        lines.append(f"| {peers} | {row['levels']} | {row['one_key_records_per_read']} | "
+                     f"{row['records_per_read_median']:g}, {row['records_per_read_max']} | "
+                     f"{row['one_key_records_per_read'] * record_bytes / 1e3:.0f}, "
+                     f"{row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
+                     f"{row['keys_per_read_median']:g} | {row['view_median']:g}, {row['view_min']} | "
+                     f"{row['peers_in_no_view']} | {row['joiner_first_read_peers_min']} peers |")
+        print(lines[-1], flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"record_bytes": record_bytes, "rows": rows}, indent=1))
+    args.json.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 
 

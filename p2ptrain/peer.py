@@ -189,7 +189,8 @@ class TrainingPeer:
         record = PeerRecord(peer_id=self.peer_id, round=self.state.round, inner_step=0, phase="joining", round_eta=0.0,
                             fingerprint=self.fingerprint, relay=cfg.network.relay, protocol=PROTOCOL_VERSION,
                             version=__version__)
-        shards = RecordShards(cfg.run.run_id, self.peer_id)  # where our record goes, and which records we read
+        # where our record goes, and which records we read
+        shards = RecordShards(cfg.run.run_id, self.peer_id, cfg.network.records_per_shard)
         self.announcer = Announcer(self.dht, cfg.run.run_id, record, cfg.network.heartbeat_s,
                                    cfg.network.record_ttl_s, admission=self.admission, shards=shards)
         self.announcer.start()

@@ -4,11 +4,13 @@ flat in the swarm's size, every peer stays in someone's view, and a newcomer fin
 from __future__ import annotations
 
 import random
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
+from swarm_utils import run_swarm, tiny_config
 
 from benchmarks.discovery_scale import MemoryDHT, VirtualClock, one_key_rows, simulate, virtual_time
 from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index, shard_key
@@ -27,7 +29,7 @@ def test_shards_nest_from_level_to_level_and_spread_peers_evenly() -> None:
     assert shard_key("run", 0, 0) == "run_peers" and shard_key("run", 3, 5) == "run_peers.3.5"
 
 
-def test_the_level_follows_the_median_estimate_up_at_once_and_down_only_after_a_full_window() -> None:
+def test_the_level_follows_the_latest_estimates_up_and_a_full_window_down_and_a_lineage_read_to_the_crowd() -> None:
     shards = RecordShards("run", "me", target=4, rng=random.Random(0))
     assert shards.refresh_shards() == [(0, 0), (1, shard_index("me", 1))]  # level 0's random shard is its own
     for _ in range(ESTIMATES_TO_MOVE - 1):
@@ -42,13 +44,22 @@ def test_the_level_follows_the_median_estimate_up_at_once_and_down_only_after_a_
     assert all(level == 4 for level, _ in refresh[3:])
     shards.observe_({(4, 0): 3, (4, 1): 2, (5, 0): 0, (3, 0): 0})  # 41 peers at level 4, none elsewhere
     assert shards.level == 4
-    shards.observe_({(4, 0): 0}, lost=True)  # nobody even in our lineage: no evidence either way
+    for _ in range(ESTIMATES_TO_MOVE):
+        shards.observe_({(4, 0): 2, (4, 1): 3, (8, 0): 1}, lineage=True)  # a straggler at 8: 1 peer, not 256
+    assert shards.level == 4
+    shards = RecordShards("run", "me", target=4)
+    for _ in range(ESTIMATES_KEPT - 1):
+        shards.observe_({(0, 0): 40})
     assert shards.level == 4
     for _ in range(ESTIMATES_KEPT):
         shards.observe_({(4, 0): 0, (4, 1): 0, (3, 0): 0})  # us alone
     assert shards.level == 3  # down one level, after a full window of low estimates
-    shards.observe_({(3, 1): 0, (6, 9): 3, (7, 9): 1}, lost=True)  # a lineage read finds the swarm split further
-    assert shards.level == 6  # where it found most of them
+    # a lineage read: 12 others at level 0 where we are, 5 in our shard of level 2 (20 peers): most are at level 2
+    shards = RecordShards("run", "me", target=4)
+    shards.observe_({(0, 0): 12, (1, 0): 0, (2, 1): 5, (3, 1): 0}, lineage=True)
+    assert shards.level == 2
+    shards.observe_({(2, 1): 4, (2, 3): 5, (0, 0): 8}, lineage=True)  # 18 here against 8 at level 0: stay
+    assert shards.level == 2
     with pytest.raises(ValueError, match="target"):
         RecordShards("run", "me", target=0)
 
@@ -109,3 +120,27 @@ def test_the_virtual_clock_drives_the_records_expiry_in_the_simulation() -> None
         assert dht.get("k", latest=True, return_future=True).result() is not None
         clock.now += 9.0
         assert dht.get("k", latest=True, return_future=True).result() is None
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("mode", ["gasloc", "diloco"])
+def test_a_swarm_whose_records_split_into_shards_trains_together(mode: str) -> None:
+    """One record a shard: 4 peers publish in shards of level 2, yet gossip peers find partners beyond their own shard
+    and DiLoCo's all-reduce, whose reads cover every shard, averages all 4."""
+    rounds = 5
+    config = tiny_config(f"shards-{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": rounds}, sync={"mode": mode},
+                         network={"records_per_shard": 1})
+    threads, histories = run_swarm(config, peers=4)
+    levels = [thread.peer.watcher.shards.level for thread in threads]
+    assert all(level >= 1 for level in levels), levels  # the records did split
+    partners: set[tuple[str, str]] = set()
+    for history in histories:
+        assert history[-1].train_loss < history[0].train_loss
+        partners |= {(m.peer_id, p) for m in history for p in m.partners}
+    if mode == "gasloc":
+        assert len({frozenset(pair) for pair in partners}) >= 4  # more pairs than shards could hold alone
+    else:
+        groups = [m.peers_averaged for history in histories for m in history[1:]]
+        assert groups.count(4) >= 0.75 * len(groups), groups

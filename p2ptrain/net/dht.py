@@ -21,6 +21,7 @@ from p2ptrain.errors import ConfigError, UserError, one_line
 from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them caps and counts stream frames)
 from p2ptrain.net.identity import fresh_identity_path, load_identity_key
 from p2ptrain.net.lifetime import DiesWithStarter, kill_children
+from p2ptrain.net.record_shards import SHARD_TARGET
 from p2ptrain.timing import PATIENCE_S, TICK_S
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class NetworkConfig:
     relay_mbit: float = 100.0  # every byte this relay passes, both directions, Mbit/s at most (circuits then wait)
     relay_max_circuits: int = 16  # relayed streams at once; beyond, refused as busy
     relay_max_clients: int = 64  # peers holding a slot on this relay
+    # records a shard of the run's peer records is kept near (net/record_shards.py): what a peer reads a heartbeat
+    # is one to four times this; a swarm of up to twice this many peers keeps them in one key
+    records_per_shard: int = SHARD_TARGET
     heartbeat_s: float = TICK_S  # how often the peer record is refreshed
     record_ttl_s: float = 8 * TICK_S  # a peer whose record is older than this (8 default heartbeats) is gone
     startup_timeout_s: float = PATIENCE_S  # time to start the daemon (seconds), and for its processes to answer
@@ -75,6 +79,8 @@ class NetworkConfig:
         if self.relay_mbit <= 0 or min(self.relay_max_circuits, self.relay_max_clients) < 1:
             raise ConfigError(f"network.relay_mbit must be > 0 and relay_max_circuits, relay_max_clients >= 1, got "
                               f"{self.relay_mbit}, {self.relay_max_circuits}, {self.relay_max_clients}")
+        if self.records_per_shard < 1:
+            raise ConfigError(f"network.records_per_shard must be >= 1, got {self.records_per_shard}")
         if not 0 < self.heartbeat_s < self.record_ttl_s:
             raise ConfigError(f"network.heartbeat_s must be > 0 and < network.record_ttl_s, got "
                               f"{self.heartbeat_s} and {self.record_ttl_s}")

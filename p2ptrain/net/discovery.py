@@ -32,7 +32,7 @@ from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
 from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, RunKeysValidator, SubkeyBudget, shard_index, shard_key, shard_key_ids
 from p2ptrain.net.identity import peer_id_of_signer
-from p2ptrain.net.record_shards import RecordShards, Shard
+from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, RecordShards, Shard
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ class SwarmWatcher:
     would otherwise leave the peer believing itself alone until the next read. With `admission`, reads keep its
     list of admitted peers current (`Admission.allows`). Which shards a read covers, `shards` says
     (net/record_shards.py): a background read, our own and one at random; a `current` read, every shard of our
-    level; a read that found nobody, our shard at every level as well.
+    level and the two next to it; every few reads and a read that found nobody, our shard at every level as well.
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float,
@@ -403,6 +403,7 @@ class SwarmWatcher:
         self.shards = shards or RecordShards(run_id, "")
         self._known: dict[str, PeerRecord] = {}
         self._read_once = False
+        self._reads = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="p2ptrain-swarm-watcher", daemon=True)
@@ -422,24 +423,28 @@ class SwarmWatcher:
         return sorted(present(live), key=lambda r: r.peer_id)
 
     def read_(self, shards: list[Shard], timeout_s: float = PATIENCE_S) -> None:
-        """Read `shards` and merge what they hold; tell `self.shards` how many records each held; where nobody but
-        us was found, read our shard at every level as well (a swarm that split before we came)."""
+        """Read `shards` and merge what they hold; tell `self.shards` how many fresh records of others each held.
+        Every LINEAGE_EVERY reads, and after a read that found nobody but us, read our shard at every level as well
+        (a swarm that split before we came, or part of which moved to a level we do not read)."""
         deadline = time.monotonic() + timeout_s
         found = fetch_shards(self.dht, self.run_id, shards, self.ttl_s, timeout_s, admission=self.admission)
-        others = any(r.peer_id != self.shards.peer_id for records in found.values() for r in records)
-        lost = bool(found) and not others and time.monotonic() < deadline
-        if lost:  # within the same wait
-            lineage = [shard for shard in self.shards.lineage() if shard not in found]
-            found.update(fetch_shards(self.dht, self.run_id, lineage, self.ttl_s,
+        me = self.shards.peer_id
+        self._reads += 1
+        alone = bool(found) and not any(r.peer_id != me for records in found.values() for r in records)
+        lineage = (alone or self._reads % LINEAGE_EVERY == 0) and time.monotonic() < deadline
+        if lineage:  # within the same wait
+            missing = [shard for shard in self.shards.lineage() if shard not in found]
+            found.update(fetch_shards(self.dht, self.run_id, missing, self.ttl_s,
                                       max(0.0, deadline - time.monotonic()), self.admission))
         freshest: dict[str, PeerRecord] = {}
         keep_freshest_(freshest, [r for records in found.values() for r in records])
         self.merge_(list(freshest.values()))
         # a peer that moved to another level leaves its older record behind until it expires: counted once, where
-        # its latest record is
-        me = self.shards.peer_id
+        # its latest record is, and only if refreshed within the last few heartbeats
+        fresh_after = get_dht_time() - FRESH_HEARTBEATS * self.refresh_s
         self.shards.observe_({shard: sum(freshest[r.peer_id] is r and r.phase != LEFT and r.peer_id != me
-                                         for r in records) for shard, records in found.items()}, lost)
+                                         and r.updated >= fresh_after for r in records)
+                              for shard, records in found.items()}, lineage)
 
     def merge_(self, records: list[PeerRecord]) -> None:
         """Keep each peer's freshest record; forget expired ones."""

@@ -27,9 +27,12 @@ import threading
 from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index, shard_key
 
 SHARD_TARGET = 16  # records a shard is kept near: a shard of the level holds a quarter to twice this many
-# the level follows the median of the latest estimates of the swarm's size, not one read's: up after at least
-# ESTIMATES_TO_MOVE reads at a level, down only after ESTIMATES_KEPT
+# the level follows the median of the latest estimates of the swarm's size, not one read's: up on the median of the
+# latest ESTIMATES_TO_MOVE reads at a level (within the records' TTL: peers that see the first movers' records
+# follow them), down on a whole window of ESTIMATES_KEPT
 ESTIMATES_KEPT, ESTIMATES_TO_MOVE = 8, 3
+LINEAGE_EVERY = 8  # reads: every peer reads its lineage this often, and after any read that found nobody
+FRESH_HEARTBEATS = 3  # a record refreshed longer ago than this is of a peer that moved (or is slow): not counted
 
 
 Shard = tuple[int, int]  # (level, index)
@@ -83,35 +86,39 @@ class RecordShards:
         """Our shard at every level: where a peer that found nobody looks for a swarm that has split."""
         return [self.own(level) for level in range(MAX_SHARD_LEVEL + 1)]
 
-    def observe_(self, counts: dict[Shard, int], lost: bool = False) -> None:
-        """Update the estimate of the swarm's size from one read's live records of other peers per shard (read
-        shards that held none count as 0). Where a shard would hold over twice the target once ESTIMATES_TO_MOVE
-        reads agree: up to the level where it holds at most the target; under a quarter of the target for a full
-        window: down one level; straight to the level where the read found most peers when we were `lost` (our
-        level's shards held nobody, and this read covered our lineage: a joiner of a swarm that split, or the last
-        peer of one that shrank)."""
-        if not counts or (lost and not any(counts.values())):
-            return  # nothing read, or nobody found even in our lineage: no evidence to move on
+    def observe_(self, counts: dict[Shard, int], lineage: bool = False) -> None:
+        """Update the estimate of the swarm's size from one read's fresh records of other peers per shard (read
+        shards that held none count as 0), and our level with it: up when the latest ESTIMATES_TO_MOVE estimates
+        put over twice the target in a shard, to the level where one holds at most the target; down one level
+        when a full window puts under a quarter of it in one. A `lineage` read (our shard at every level) moves us
+        to the level that holds most peers when that is not ours: peers split over levels that do not meet (some
+        moved up while the others' reads said stay) gather where most of them are."""
+        if not counts:
+            return
         by_level: dict[int, list[int]] = {}
         for (level, _), count in counts.items():
             by_level.setdefault(level, []).append(count)
-        # each level's shards sample its peers: a shard of level l holding c stands for c × 2^l of them. Only the
-        # levels next to the one that held most count: one straggler read at level 8 would stand for 256 peers
-        densest = max(by_level, key=lambda level: (sum(by_level[level]), -level))
-        estimate = 1 + sum(statistics.fmean(found) * 2**level for level, found in by_level.items()
-                           if abs(level - densest) <= 1)
+        peers = {level: _peers_at(level, found) for level, found in by_level.items()}
+        densest = max(peers, key=lambda level: (peers[level], -level))
+        estimate = 1 + sum(n for level, n in peers.items() if abs(level - densest) <= 1)
         with self._lock:
-            self._estimates.append(estimate)
-            swarm = statistics.median(self._estimates)
-            per_shard = swarm / 2**self._level
-            # the level where a shard holds at most the target: twice the margin to the next move either way
-            fitting = min(MAX_SHARD_LEVEL, max(0, math.ceil(math.log2(max(swarm, 1.0) / self.target))))
-            if lost:  # to the level that held most of the others: where the swarm is, not where one read guesses
+            if lineage and densest != self._level and peers[densest] > peers.get(self._level, 0):
                 self._level = densest
                 self._estimates.clear()  # the next reads are of the new level's shards
-            elif per_shard > 2 * self.target and len(self._estimates) >= ESTIMATES_TO_MOVE:
-                self._level = max(self._level, fitting)
+                return
+            self._estimates.append(estimate)
+            recent = statistics.median(list(self._estimates)[-ESTIMATES_TO_MOVE:])
+            if len(self._estimates) >= ESTIMATES_TO_MOVE and recent / 2**self._level > 2 * self.target:
+                # the level where a shard holds at most the target: twice the margin to the next move either way
+                self._level = min(MAX_SHARD_LEVEL, math.ceil(math.log2(recent / self.target)))
                 self._estimates.clear()
-            elif per_shard < self.target / 4 and self._level > 0 and len(self._estimates) == ESTIMATES_KEPT:
+            elif (len(self._estimates) == ESTIMATES_KEPT and self._level > 0
+                  and statistics.median(self._estimates) / 2**self._level < self.target / 4):
                 self._level -= 1
                 self._estimates.clear()
+
+
+def _peers_at(level: int, found: list[int]) -> float:
+    """How many peers a level's shards stand for: a shard of level l holding c stands for c × 2^l of them, where
+    the shards read held two or more; a lone record read at level 8 (a straggler) stands for itself, not 256."""
+    return statistics.fmean(found) * 2**level if sum(found) >= 2 else float(sum(found))

@@ -21,7 +21,6 @@ from p2ptrain.net.dht_keys import shard_index, shard_key
 from p2ptrain.net.discovery import PROTOCOL_VERSION, PeerRecord, add_record_validators
 from p2ptrain.net.identity import peer_id_of_signer
 
-
 # keys handed to the DHT's process in one call: hivemind's pipe to it is read without blocking, so a message over
 # PIPE_BUF (4 KiB, what Linux writes at once) can be read half-written and stops the process ("Resource temporarily
 # unavailable"); a pickled key is 1.8 kB
