@@ -323,6 +323,11 @@ class Announcer:
         return self._validator.local_public_key
 
     @property
+    def stored_shards(self) -> list[Shard]:
+        """The shards our record was stored in since we started (one, until the swarm outgrows a shard)."""
+        return sorted(self._stored_at)
+
+    @property
     def record(self) -> PeerRecord:
         with self._lock:
             return self._record
@@ -440,11 +445,12 @@ class SwarmWatcher:
         keep_freshest_(freshest, [r for records in found.values() for r in records])
         self.merge_(list(freshest.values()))
         # a peer that moved to another level leaves its older record behind until it expires: counted once, where
-        # its latest record is, and only if refreshed within the last few heartbeats
+        # its latest record is; where it is now, only if refreshed within the last few heartbeats
+        counted = {shard: [r for r in records if freshest[r.peer_id] is r and r.phase != LEFT and r.peer_id != me]
+                   for shard, records in found.items()}
         fresh_after = get_dht_time() - FRESH_HEARTBEATS * self.refresh_s
-        self.shards.observe_({shard: sum(freshest[r.peer_id] is r and r.phase != LEFT and r.peer_id != me
-                                         and r.updated >= fresh_after for r in records)
-                              for shard, records in found.items()}, lineage)
+        fresh = {shard: sum(r.updated >= fresh_after for r in records) for shard, records in counted.items()}
+        self.shards.observe_({shard: len(records) for shard, records in counted.items()}, lineage, fresh)
 
     def merge_(self, records: list[PeerRecord]) -> None:
         """Keep each peer's freshest record; forget expired ones."""

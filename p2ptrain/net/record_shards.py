@@ -32,7 +32,8 @@ SHARD_TARGET = 16  # records a shard is kept near: a shard of the level holds a 
 # follow them), down on a whole window of ESTIMATES_KEPT
 ESTIMATES_KEPT, ESTIMATES_TO_MOVE = 8, 3
 LINEAGE_EVERY = 8  # reads: every peer reads its lineage this often, and after any read that found nobody
-FRESH_HEARTBEATS = 3  # a record refreshed longer ago than this is of a peer that moved (or is slow): not counted
+# a record refreshed longer ago than this is of a peer that moved (or is slow): not where it is now
+FRESH_HEARTBEATS = 3
 
 
 Shard = tuple[int, int]  # (level, index)
@@ -51,6 +52,7 @@ class RecordShards:
         self.rng = rng or random.Random()
         self._level = 0
         self._estimates: collections.deque[float] = collections.deque(maxlen=ESTIMATES_KEPT)
+        self._reads_since_move = LINEAGE_EVERY + 1  # a newcomer may move at its first lineage read
         self._lock = threading.Lock()
 
     @property
@@ -86,36 +88,52 @@ class RecordShards:
         """Our shard at every level: where a peer that found nobody looks for a swarm that has split."""
         return [self.own(level) for level in range(MAX_SHARD_LEVEL + 1)]
 
-    def observe_(self, counts: dict[Shard, int], lineage: bool = False) -> None:
-        """Update the estimate of the swarm's size from one read's fresh records of other peers per shard (read
+    def observe_(self, counts: dict[Shard, int], lineage: bool = False,
+                 fresh: dict[Shard, int] | None = None) -> None:
+        """Update the estimate of the swarm's size from one read's live records of other peers per shard (read
         shards that held none count as 0), and our level with it: up when the latest ESTIMATES_TO_MOVE estimates
         put over twice the target in a shard, to the level where one holds at most the target; down one level
         when a full window puts under a quarter of it in one. A `lineage` read (our shard at every level) moves us
-        to the level that holds most peers when that is not ours: peers split over levels that do not meet (some
-        moved up while the others' reads said stay) gather where most of them are."""
+        to the level that holds most peers, counting only `fresh` records (refreshed within FRESH_HEARTBEATS: a
+        peer that moved leaves its old record behind), when that is not ours: peers split over levels that do not
+        meet (some moved up while the others' reads said stay) gather where most of them are; not in the first
+        LINEAGE_EVERY reads after a move, while our old level still holds our fresh records."""
         if not counts:
             return
-        by_level: dict[int, list[int]] = {}
-        for (level, _), count in counts.items():
-            by_level.setdefault(level, []).append(count)
-        peers = {level: _peers_at(level, found) for level, found in by_level.items()}
-        densest = max(peers, key=lambda level: (peers[level], -level))
+        peers, densest = _crowds(counts)
         estimate = 1 + sum(n for level, n in peers.items() if abs(level - densest) <= 1)
+        now_at, crowded = _crowds(counts if fresh is None else fresh)
         with self._lock:
-            if lineage and densest != self._level and peers[densest] > peers.get(self._level, 0):
-                self._level = densest
-                self._estimates.clear()  # the next reads are of the new level's shards
+            self._reads_since_move += 1
+            # a peer that just moved leaves fresh records at its old level for a few heartbeats, which a lineage
+            # read would take for a crowd there: the first LINEAGE_EVERY reads after a move do not move back
+            settled = self._reads_since_move > LINEAGE_EVERY
+            if lineage and settled and crowded != self._level and now_at[crowded] > now_at.get(self._level, 0):
+                self._move_(crowded)
                 return
             self._estimates.append(estimate)
             recent = statistics.median(list(self._estimates)[-ESTIMATES_TO_MOVE:])
             if len(self._estimates) >= ESTIMATES_TO_MOVE and recent / 2**self._level > 2 * self.target:
                 # the level where a shard holds at most the target: twice the margin to the next move either way
-                self._level = min(MAX_SHARD_LEVEL, math.ceil(math.log2(recent / self.target)))
-                self._estimates.clear()
+                self._move_(min(MAX_SHARD_LEVEL, math.ceil(math.log2(recent / self.target))))
             elif (len(self._estimates) == ESTIMATES_KEPT and self._level > 0
                   and statistics.median(self._estimates) / 2**self._level < self.target / 4):
-                self._level -= 1
-                self._estimates.clear()
+                self._move_(self._level - 1)
+
+    def _move_(self, level: int) -> None:
+        self._level = level
+        self._estimates.clear()  # the next reads are of the new level's shards
+        self._reads_since_move = 0
+
+
+def _crowds(counts: dict[Shard, int]) -> tuple[dict[int, float], int]:
+    """How many peers each level read stands for (`_peers_at`), and the level that stands for most (the lower of
+    equals)."""
+    by_level: dict[int, list[int]] = {}
+    for (level, _), count in counts.items():
+        by_level.setdefault(level, []).append(count)
+    peers = {level: _peers_at(level, found) for level, found in by_level.items()}
+    return peers, max(peers, key=lambda level: (peers[level], -level))
 
 
 def _peers_at(level: int, found: list[int]) -> float:
