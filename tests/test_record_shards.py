@@ -70,6 +70,7 @@ def test_the_level_follows_the_latest_estimates_up_and_a_full_window_down_and_a_
 
 
 @pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 def test_a_peer_reads_about_as_many_records_at_four_times_the_swarm_and_every_peer_is_in_a_view() -> None:
     """The simulation of benchmarks/discovery_scale.py: real watchers on an in-memory DHT, a shard's target of 8."""
     small, large = (simulate(peers, target=8, heartbeats=22, warmup=14, joiners=2) for peers in (32, 128))
