@@ -131,13 +131,12 @@ def test_the_virtual_clock_drives_the_records_expiry_in_the_simulation() -> None
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("mode", ["gasloc", "diloco"])
-def test_a_swarm_whose_records_split_into_shards_trains_together(mode: str) -> None:
-    """Two records a shard: 5 peers publish in the 4 shards of level 2 (one or two a shard: a read of a shard is a
-    sample this small), yet gossip peers find partners beyond their own shard and DiLoCo's all-reduce, whose reads
-    cover every shard, averages all 5."""
+def test_a_gossip_swarm_whose_records_split_into_shards_mixes_beyond_its_shards() -> None:
+    """Two records a shard: 5 GASLoC peers publish in the 4 shards of level 2 (one or two a shard: a read of a shard
+    is a sample this small), yet find partners beyond their own shard. (That an all-reduce's read covers every
+    shard: tests/test_records.py, on real DHT nodes.)"""
     rounds, peers = 5, 5
-    config = tiny_config(f"shards-{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": rounds}, sync={"mode": mode},
+    config = tiny_config(f"shards-{uuid.uuid4().hex[:6]}", run={"rounds": rounds}, sync={"mode": "gasloc"},
                          network={"records_per_shard": 2})
     threads, histories = run_swarm(config, peers=peers)
     stored = [thread.peer.announcer.stored_shards for thread in threads]
@@ -148,8 +147,4 @@ def test_a_swarm_whose_records_split_into_shards_trains_together(mode: str) -> N
     for history in histories:
         assert history[-1].train_loss < history[0].train_loss
         partners |= {frozenset((m.peer_id, p)) for m in history for p in m.partners}
-    if mode == "gasloc":
-        assert len(partners) >= peers  # more pairs than the shards could hold alone
-    else:
-        groups = [m.peers_averaged for history in histories for m in history[1:]]
-        assert groups.count(peers) >= 0.75 * len(groups), groups
+    assert len(partners) >= peers  # more pairs than the shards could hold alone

@@ -10,10 +10,11 @@ it holds at most the target, and down when one holds under a quarter (a swarm of
 level 0, the single key every record was in before). It publishes at its level and, each refresh, reads its own
 shard at its level and the two next to it (peers whose levels differ by one still meet there) and one shard of its
 level drawn at random, keeping each record until its TTL: a view of its own shard and a sample of the rest, which
-gossip needs (random partners, the quorum round's median). A peer that finds nobody reads its shard at every level
-as well, and moves to the level where it found most peers (a joiner of a swarm that has split). An all-reduce
-(DiLoCo) reads every shard of its level and of the two next to it: its exchange is O(n) anyway. docs/design.md
-("Discovery") gives the measured costs (benchmarks/discovery_scale.py).
+gossip needs (random partners, the quorum round's median). Every few reads, and when it finds nobody, a peer reads
+its shard at every level as well and moves to the level that holds most peers (a joiner of a swarm that has split,
+peers split over levels that do not meet). An all-reduce (DiLoCo) reads every shard of its level and of the two next
+to it: its exchange is O(n) anyway. docs/design.md ("Records at scale") gives the measured costs
+(benchmarks/discovery_scale.py).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ import random
 import statistics
 import threading
 
-from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index, shard_key
+from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index
 
 SHARD_TARGET = 16  # records a shard is kept near: a shard of the level holds a quarter to twice this many
 # the level follows the median of the latest estimates of the swarm's size, not one read's: up on the median of the
 # latest ESTIMATES_TO_MOVE reads at a level (within the records' TTL: peers that see the first movers' records
 # follow them), down on a whole window of ESTIMATES_KEPT
 ESTIMATES_KEPT, ESTIMATES_TO_MOVE = 8, 3
-LINEAGE_EVERY = 8  # reads: every peer reads its lineage this often, and after any read that found nobody
+# reads: every peer reads its lineage this often (and after any read that found nobody), and a lineage read does
+# not move a peer in this many reads after a move
+LINEAGE_EVERY = 8
 # a record refreshed longer ago than this is of a peer that moved (or is slow): not where it is now
 FRESH_HEARTBEATS = 3
 
@@ -42,8 +45,8 @@ Shard = tuple[int, int]  # (level, index)
 class RecordShards:
     """A peer's place in the directory: the level it publishes at, and the shards each read covers.
 
-    `observe_` takes how many live records each shard read held and moves the level by at most one a read. Shared
-    by the peer's announcer (which publishes at `level`) and its swarm watcher (which reads and observes)."""
+    `observe_` takes how many records of others each shard read held, and moves the level as it says. Shared by
+    the peer's announcer (which publishes at `level`) and its swarm watcher (which reads and observes)."""
 
     def __init__(self, run_id: str, peer_id: str, target: int = SHARD_TARGET, rng: random.Random | None = None):
         if target < 1:
@@ -59,9 +62,6 @@ class RecordShards:
     def level(self) -> int:
         with self._lock:
             return self._level
-
-    def key(self, shard: Shard) -> str:
-        return shard_key(self.run_id, *shard)
 
     def own(self, level: int) -> Shard:
         return level, shard_index(self.peer_id, level)
