@@ -147,7 +147,7 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
         "current_read_peers": whole_view,
         "joiner_first_read_peers_min": min(first for first, _ in joined) if joined else None,
         "joiner_levels": sorted({level for _, level in joined}),
-        "cpu_s_per_peer_heartbeat": (time.process_time() - cpu) / (peers * heartbeats),
+        "simulation_cpu_s_per_peer_heartbeat": (time.process_time() - cpu) / (peers * heartbeats),
     }
 
 
