@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import math
 import time
 from types import SimpleNamespace
@@ -12,7 +13,8 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
-from p2ptrain.net.dht_keys import peers_key
+from p2ptrain.net import discovery
+from p2ptrain.net.dht_keys import peers_key, shard_key
 from p2ptrain.net.discovery import (
     PROTOCOL_VERSION,
     PeerRecord,
@@ -148,6 +150,40 @@ def test_the_swarm_watcher_keeps_records_until_they_expire_not_until_a_read_miss
     assert [r.round for r in watcher.records()] == [4, 3]
     watcher.ttl_s = 2.0  # B's record (3 s old) has now expired
     assert [r.peer_id for r in watcher.records()] == ["A"]
+
+
+class SlowDHT:
+    """A DHT whose reads answer nothing, each key `delay_s` after it was asked on a clock of its own (the watcher's,
+    patched in), and that counts the keys it was asked for."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.now, self.keys = delay_s, 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+        self.keys.append(key)
+        self.now += self.delay_s
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def test_a_lineage_read_waits_for_a_read_with_time_left_instead_of_timing_out(monkeypatch, caplog) -> None:
+    """A read whose first keys took most of its wait puts off its lineage keys to the next read; issued with what
+    was left, they timed out and the read warned that the DHT did not answer, though it had."""
+    dht = SlowDHT(delay_s=0.08)
+    monkeypatch.setattr(discovery, "time", SimpleNamespace(monotonic=dht.monotonic))
+    watcher = SwarmWatcher(dht, "run", ttl_s=5.0, refresh_s=0.5)  # type: ignore[arg-type]
+    own = watcher.shards.refresh_shards()
+    with caplog.at_level(logging.WARNING):
+        watcher.read_(own, timeout_s=0.2)  # found nobody, so a lineage read is due; 0.04 s of 0.2 left: too little
+        assert dht.keys == [shard_key("run", *shard) for shard in own] and watcher._lineage_due
+        watcher.read_(own, timeout_s=1.0)  # 0.84 s left: the lineage keys come with it
+    lineage = [shard_key("run", *shard) for shard in watcher.shards.lineage() if shard not in own]
+    assert dht.keys[2 * len(own):] == lineage and not watcher._lineage_due
+    assert "did not answer" not in caplog.text
 
 
 def test_a_peer_that_left_is_gone_at_once_and_only_a_newer_record_brings_it_back() -> None:

@@ -409,6 +409,7 @@ class SwarmWatcher:
         self._known: dict[str, PeerRecord] = {}
         self._read_once = False
         self._reads = 0
+        self._lineage_due = False  # our shard at every level is to be read (LINEAGE_EVERY, or a read found nobody)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="p2ptrain-swarm-watcher", daemon=True)
@@ -436,8 +437,12 @@ class SwarmWatcher:
         me = self.shards.peer_id
         self._reads += 1
         alone = bool(found) and not any(r.peer_id != me for records in found.values() for r in records)
-        lineage = (alone or self._reads % LINEAGE_EVERY == 0) and time.monotonic() < deadline
-        if lineage:  # within the same wait
+        self._lineage_due |= alone or self._reads % LINEAGE_EVERY == 0
+        # within the same wait, when at least half of it is left; else at the next read (with what little was left,
+        # its keys timed out and the read warned that the DHT did not answer, though the first keys had)
+        lineage = self._lineage_due and deadline - time.monotonic() >= timeout_s / 2
+        if lineage:
+            self._lineage_due = False
             missing = [shard for shard in self.shards.lineage() if shard not in found]
             found.update(fetch_shards(self.dht, self.run_id, missing, self.ttl_s,
                                       max(0.0, deadline - time.monotonic()), self.admission))
