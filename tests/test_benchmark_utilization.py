@@ -40,9 +40,9 @@ def test_every_row_shares_the_swarm_and_the_paced_row_adapts(mode: str, adapt: b
 
 
 @pytest.mark.parametrize(("mode", "overlap", "momentum"), [
-    ("factored-local", "local", 0.0), ("diloco-g0", "none", 0.0), ("diloco", "none", 0.9)])
+    ("factored-local", "local", 0.0), ("diloco-g0.9", "none", 0.9), ("diloco", "none", 0.0)])
 def test_a_row_runs_its_own_overlap_and_outer_momentum(mode: str, overlap: str, momentum: float) -> None:
-    """Every row is a valid peer config; a row that sets the outer optimizer (DiLoCo without momentum) gets it."""
+    """Every row is a valid peer config; a row that sets the outer optimizer (DiLoCo's paper recipe) gets it."""
     config = build_config(bench.scenario(mode, peers=6, fast_mbit=20.0, budget_s=100.0, inner_steps=100)
                           ["peer_config"])
     assert config.sync.overlap == overlap

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import statistics
 import types
 from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase recognises typing.AsyncIterator)
 
@@ -328,9 +327,10 @@ def test_a_diloco_swarm_with_an_equivocating_member_trains_in_step():
     for history in histories[:3]:
         print([round(m.val_loss, 3) for m in history], [m.peers_averaged for m in history],
               [m.failed_exchanges for m in history])
-        # the median: outer Nesterov (γ 0.9) on rounds of 5 inner steps or fewer overshoots now and then, for one
-        # round (3.07 → 6.46 → 3.09; 1 of 4 runs without an equivocator's effect too, on the code before it was found)
-        assert statistics.median(m.val_loss for m in history[1:]) < history[0].val_loss - 1.0
+        # every round below the untrained model and the last well below it (γ 0.9 / η 0.7, the default until the
+        # outer step was measured, spiked one round now and then: 3.07 → 6.46 → 3.09)
+        losses = [m.val_loss for m in history]
+        assert max(losses[1:]) < losses[0] and losses[-1] < losses[0] - 1.0, losses
         assert members[-1].peer_id in history[-1].banned_peers
     assert all(distance(p, final[0]) <= 1e-6 * norm(final[0]) for p in final[1:])
 

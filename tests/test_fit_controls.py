@@ -152,7 +152,7 @@ def test_outer_state_is_apart_from_what_training_holds() -> None:
     host: the training device of this test is the CPU too; CUDA resolves to the host, tested above)."""
     trainer = tiny_trainer(InnerConfig(lr=1e-2, warmup_steps=1))
     params = list(trainer.model.parameters())
-    outer = OuterOptimizer(params, OuterConfig(state_device="host"))
+    outer = OuterOptimizer(params, OuterConfig(momentum=0.9, state_device="host"))
     for _ in range(2):
         trainer.run_phase(iter([batch_of(2, seed=6)] * 3), 3)
         outer.step_(outer.outer_gradient())

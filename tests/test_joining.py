@@ -1110,16 +1110,13 @@ def assert_honest_training(metrics: list[list[RoundMetrics]]) -> None:
 
 # validation losses of the tiny model: θ_0 5.27, −5·θ_0 12.3; honest peers below 4 after a few rounds
 THETA_0_LOSS, HONEST_LOSS = 5.27, 4.0
-# the DiLoCo liar tests judge the liar: with γ 0.9 a clean pair of 5-step rounds can itself spike above θ_0's loss
-# for a round (a known fault of that default, its own issue), so they train with γ 0
-NO_SPIKE_OUTER = {"momentum": 0.0}
 
 
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_diloco_peers_ignore_a_far_ahead_liar_and_a_late_joiner_takes_the_honest_state():
-    config = tiny_config(f"liar-far-{uuid.uuid4().hex[:6]}", run={"rounds": 0}, outer=NO_SPIKE_OUTER)
+    config = tiny_config(f"liar-far-{uuid.uuid4().hex[:6]}", run={"rounds": 0})
     metrics, first, joiner_params, honest_params, liar_id, _ = run_with_liar(config, far_ahead)
     assert_honest_training(metrics)
     assert first.joined and first.round < 100 and first.val_loss < HONEST_LOSS
@@ -1131,7 +1128,7 @@ def test_diloco_peers_ignore_a_far_ahead_liar_and_a_late_joiner_takes_the_honest
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_diloco_peers_refuse_and_ban_a_liar_ahead_within_the_lead():
-    config = tiny_config(f"liar-near-{uuid.uuid4().hex[:6]}", run={"rounds": 0}, outer=NO_SPIKE_OUTER)
+    config = tiny_config(f"liar-near-{uuid.uuid4().hex[:6]}", run={"rounds": 0})
     metrics, first, joiner_params, honest_params, liar_id, banned = run_with_liar(config, ahead_within_the_lead)
     assert_honest_training(metrics)
     assert all(liar_id in peers for peers in banned), banned  # both honest peers and the joiner

@@ -124,8 +124,10 @@ def test_what_fits_needs_no_change_and_the_outer_state_leaves_the_gpu() -> None:
     plan = plan_memory(shape_of("base"), Settings(batch_size=8, seq_len=128), "cuda")
     verdict = fit(plan, 8 * GIB)
     assert verdict.fits and verdict.advice is None
-    outer = plan.line("outer state")
-    assert outer.device_bytes == 0 and outer.host_bytes == 2 * model_state_bytes(plan.shape)["parameters"]
+    outer, parameters = plan.line("outer state"), model_state_bytes(plan.shape)["parameters"]
+    assert outer.device_bytes == 0 and outer.host_bytes == parameters  # the anchor: no outer momentum by default
+    with_momentum = plan_memory(plan.shape, plan.settings, "cuda", build_config({"outer": {"momentum": 0.9}}))
+    assert with_momentum.line("outer state").host_bytes == 2 * parameters
     on_device = plan_memory(plan.shape, dataclasses.replace(plan.settings, state_device="device"), "cuda")
     assert on_device.device_bytes > plan.device_bytes
 

@@ -354,6 +354,15 @@ def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explici
     assert config.sync.outer_momentum(config.outer.momentum) == expected
 
 
+@pytest.mark.parametrize("overlap", ["delayed", "eager", "local"])
+def test_overlap_adds_no_momentum_to_a_run_without_it(overlap: str) -> None:
+    """The overlap's γ is a cap on the run's: eager's 0.5 does not apply when the run's outer step has none (the
+    default, measured best at short rounds: benchmarks/outer_step.py)."""
+    config = build_config({"sync": {"overlap": overlap}})
+    assert config.outer.momentum == 0.0 and config.sync.outer_momentum(config.outer.momentum) == 0.0
+    assert build_config({"sync": {"overlap": "eager"}, "outer": {"momentum": 0.3}}).sync.outer_momentum(0.3) == 0.3
+
+
 @pytest.mark.parametrize("sync", [{"overlap_momentum": 0.5}, {"overlap": "delayed", "overlap_momentum": 1.0},
                                   {"overlap": "local", "overlap_momentum": 0.5}])
 def test_overlap_momentum_without_overlap_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:

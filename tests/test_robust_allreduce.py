@@ -376,11 +376,11 @@ def run_attacked_swarm(factor: float | None, **sync: object
 def assert_honest_peers_train_in_step(histories: list[list[RoundMetrics]], params: list[list[torch.Tensor]]) -> None:
     for history in histories:
         losses = [m.val_loss for m in history]
-        # one round may spike: outer Nesterov (γ 0.9) on 5-step rounds overshoots now and then for a round, with no
-        # attacker in the group too (3.07 -> 6.46 -> 3.09 on the code before stop 19); a poisoned state stays poisoned
         # every honest peer ends with the others at the last round (a round lost to a catch-up is not run again)
         assert history[-1].round == SWARM_ROUNDS - 1, [m.round for m in history]
-        assert min(losses[1:]) < losses[0] and sorted(losses)[-2] < UNIFORM_GUESS_LOSS
+        # no round's loss above the untrained model's: γ 0.9 / η 0.7, the default until the outer step was measured
+        # (benchmarks/outer_step.py), spiked one round now and then (3.07 -> 6.46 -> 3.09)
+        assert min(losses[1:]) < losses[0] and max(losses) < UNIFORM_GUESS_LOSS, losses
     for other in params[1:]:  # the same inputs, sorted alike: the same robust mean, the same parameters
         assert distance(other, params[0]) <= 1e-5 * norm(params[0])
 

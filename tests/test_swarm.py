@@ -26,8 +26,8 @@ AGREEMENT_TOLERANCE = 1e-5
 
 
 def test_three_peers_train_agree_and_are_listed(capsys):
-    # min_peers: the three begin round 0 together. In a CI run a peer's loss rose by round 3 (5.00 > 4.85) in 0.7 s
-    # rounds, the pace of a peer averaging alone; alone, outer momentum can spike the tiny model's loss (3.13 -> 4.09).
+    # min_peers: the three begin round 0 together (in a CI run a peer's loss rose by round 3, 5.00 > 4.85, in 0.7 s
+    # rounds, the pace of a peer averaging alone, when the default outer step was γ 0.9 / η 0.7).
     config = tiny_config(f"swarm-{uuid.uuid4().hex[:6]}", run={"rounds": 4, "min_peers": 3})
     first = start_peer(config)
     peers = [first] + [start_peer(config, first.maddrs) for _ in range(2)]

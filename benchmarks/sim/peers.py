@@ -25,6 +25,7 @@ from p2ptrain.maths.outer_rules import DelayedOuterGradient, GaslocState
 from p2ptrain.models import build_model
 
 Tensors = list[torch.Tensor]
+PAPER_OUTER = {"lr": 0.7, "momentum": 0.9}
 
 
 @dataclasses.dataclass
@@ -62,6 +63,9 @@ def build_bench(s: Settings) -> Bench:
         "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, "val_batches": s.val_batches,
                  "max_corpus_bytes": s.max_corpus_bytes, "num_shards": s.peers},
         "inner": {"steps": s.inner_steps, "total_steps": total_steps, "warmup_steps": min(20, total_steps // 10)},
+        # DiLoCo's paper recipe, with which every published table of this workbench ran (rows set their own γ and
+        # η); production's defaults are γ 0 and η 1 (benchmarks/outer_step.py)
+        "outer": dict(PAPER_OUTER),
     }
     tokenizer = build_tokenizer(build_config(values).data)
     max_seq_len = max(512, s.seq_len)

@@ -70,8 +70,8 @@ class Algorithm:
     bits: int = 2  # sparse only
     ef_decay: float = 1.0  # β of error feedback (topk, sparse): e ← β·e + Δ
     graph: str = "complete"  # gasloc: complete | matching (1-peer) | cycle (2-peer); choco: ring (fixed)
-    momentum: float = 0.9  # γ (factored uses outer.momentum, 0.9)
-    outer_lr: float = 0.0  # η; 0 = outer.lr (0.7)
+    momentum: float = 0.9  # γ (blocking factored uses the workbench's, 0.9)
+    outer_lr: float = 0.0  # η; 0 = the workbench's (0.7, benchmarks/sim/peers.py: PAPER_OUTER)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
     mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager | local), momentum as set

@@ -22,8 +22,10 @@ from p2ptrain.tensor_layout import check_alike
 class OuterConfig:
     """The outer optimizer: SGD with Nesterov momentum on the averaged outer gradient (DiLoCo)."""
 
-    lr: float = 0.7  # η
-    momentum: float = 0.9  # γ; 0 = plain averaging of the inner trajectories
+    # γ 0 and η 1, plain averaging of the inner trajectories: DiLoCo's γ 0.9 / η 0.7 moved θ 4-6× as far as the
+    # inner phases did and trained 5-15 % worse at H 5 to 50 (benchmarks/outer_step.py, docs/algorithms.md §1)
+    lr: float = 1.0  # η
+    momentum: float = 0.0  # γ, Nesterov's
     nesterov: bool = True
     # where the anchor and the outer momentum live: auto (host memory when training on an accelerator, beside the
     # model on CPU) | host | device (beside the model: 2 fp32 copies of the model more on the accelerator)

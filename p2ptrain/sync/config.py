@@ -17,7 +17,7 @@ SPARSE_GRAD_CODECS = ("topk", "sparse")  # kept entries only: sent with error fe
 MIX2_TRANSPORTS = ("allreduce", "gossip")
 ALLREDUCE_TRANSPORTS = ("exchange", "scatter", "hivemind")
 SCATTER_GRAD_CODECS = ("none", "fp16")  # a scatter owner's mean of sparse chunks is dense: it would not shrink
-# γ with a one-round-late outer gradient: 0.9 diverges, delayed trains best with none and eager with 0.5
+# the most γ a one-round-late outer gradient takes: 0.9 diverges, delayed trains best with none and eager with 0.5
 # (benchmarks/algorithms.py; figures in docs/algorithms.md §4)
 OVERLAP_MOMENTUM = {"delayed": 0.0, "eager": 0.5, "local": 0.0}
 # GASLoC's γ (momentum on the mixed iterates). 0.9 re-injects 0.9 × the last round's disagreement after every pair
@@ -156,13 +156,15 @@ class SyncConfig:
 
     def outer_momentum(self, configured: float) -> float:
         """The γ the outer optimizer runs with: `outer.momentum`, except with overlap, where momentum on a stale
-        gradient overshoots (OVERLAP_MOMENTUM, or `sync.overlap_momentum` when set), and in gasloc, where it
+        gradient overshoots (at most OVERLAP_MOMENTUM, or `sync.overlap_momentum` when set), and in gasloc, where it
         amplifies disagreement (GASLOC_MOMENTUM, or `sync.gasloc_momentum` when set)."""
         if self.mode == "gasloc":
             return self.gasloc_momentum if self.gasloc_momentum is not None else GASLOC_MOMENTUM
         if self.overlap == "none":
             return configured
-        return self.overlap_momentum if self.overlap_momentum is not None else OVERLAP_MOMENTUM[self.overlap]
+        if self.overlap_momentum is not None:
+            return self.overlap_momentum
+        return min(configured, OVERLAP_MOMENTUM[self.overlap])  # a cap: overlap adds no momentum the run has not
 
     @property
     def own_delta_first(self) -> bool:
