@@ -20,7 +20,7 @@ from p2ptrain.tensor_layout import check_alike
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
-    """The outer optimizer: SGD with Nesterov momentum on the averaged outer gradient (DiLoCo)."""
+    """The outer optimizer: SGD on the averaged outer gradient, with Nesterov momentum when γ > 0 (DiLoCo)."""
 
     # γ 0 and η 1, plain averaging of the inner trajectories: DiLoCo's γ 0.9 / η 0.7 moved θ 4-6× as far as the
     # inner phases did and trained 5-15 % worse at H 5 to 50 (benchmarks/outer_step.py, docs/algorithms.md §1)
