@@ -38,7 +38,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sim.peers import build_bench, inner_phase_, make_peers, outer_step_, validation_loss  # noqa: E402
+from benchmarks.sim.peers import (  # noqa: E402
+    Bench,
+    build_bench,
+    inner_phase_,
+    make_peers,
+    outer_step_,
+    validation_loss,
+)
 from benchmarks.sim.rows import Algorithm, Settings  # noqa: E402
 from benchmarks.sim.simulation import train_row  # noqa: E402
 from p2ptrain.maths.mixing import exact_average  # noqa: E402
@@ -84,8 +91,9 @@ def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return dot / scale if scale else math.nan
 
 
-def train(run: Run, peers: int, inner_steps: int, momentum: float, lr: float, seed: int) -> dict[str, Any]:
-    """DiLoCo with exact averaging; per round: the loss after the outer step, cos and gain."""
+def run_bench(run: Run, peers: int, inner_steps: int, seed: int) -> Bench:
+    """The workbench of one seed at `inner_steps` (R = total_steps / H rounds), with the run's inner phase; at least
+    two peers' shards (the workbench's floor: a row of one uses the first)."""
     settings = Settings(peers=max(2, peers), rounds=run.total_steps // inner_steps, inner_steps=inner_steps,
                         model=run.model, seq_len=run.seq_len, batch_size=run.batch_size, seed=seed,
                         val_batches=run.val_batches, max_corpus_bytes=2_000_000)
@@ -93,10 +101,15 @@ def train(run: Run, peers: int, inner_steps: int, momentum: float, lr: float, se
     inner = bench.config.inner
     inner = dataclasses.replace(inner, lr=run.inner_lr or inner.lr, warmup_steps=run.warmup_steps or inner.warmup_steps,
                                 total_steps=100 * run.total_steps if run.constant_lr else inner.total_steps)
-    bench = dataclasses.replace(bench, config=dataclasses.replace(bench.config, inner=inner))
+    return dataclasses.replace(bench, config=dataclasses.replace(bench.config, inner=inner))
+
+
+def train(run: Run, peers: int, inner_steps: int, momentum: float, lr: float, seed: int) -> dict[str, Any]:
+    """DiLoCo with exact averaging; per round: the loss after the outer step, cos and gain."""
+    bench = run_bench(run, peers, inner_steps, seed)
     sim_peers = make_peers(Algorithm("diloco", "diloco", momentum=momentum, outer_lr=lr), bench)[:peers]
     losses, cosines, gains, previous = [validation_loss(bench, sim_peers[0].theta)], [], [], None
-    for _ in range(settings.rounds):
+    for _ in range(bench.settings.rounds):
         mean = exact_average([inner_phase_(p, inner_steps) for p in sim_peers])
         before = [t.clone() for t in sim_peers[0].theta]
         for peer in sim_peers:
@@ -148,15 +161,12 @@ def run_mode_row(run: Run, mode: str, inner_steps: int, lr: float) -> dict[str, 
     torch.set_num_threads(1)
     started, finals = time.process_time(), []
     for seed in range(run.seeds):
-        settings = Settings(peers=run.peers[0], rounds=run.total_steps // inner_steps, inner_steps=inner_steps,
-                            model=run.model, seq_len=run.seq_len, batch_size=run.batch_size, seed=seed,
-                            val_batches=run.val_batches, max_corpus_bytes=2_000_000)
-        bench = build_bench(settings)
-        outer = dataclasses.replace(bench.config.outer, lr=lr, momentum=0.0)
+        bench = run_bench(run, run.peers[0], inner_steps, seed)
+        outer = dataclasses.replace(bench.config.outer, lr=lr, momentum=0.0)  # GASLoC's proposal reads the config's η
         bench = dataclasses.replace(bench, config=dataclasses.replace(bench.config, outer=outer))
-        row = MODE_ROWS[mode]
-        sim_peers = train_row(dataclasses.replace(row, outer_lr=lr), bench, [inner_steps] * settings.peers,
-                              [settings.rounds] * settings.peers)
+        peers, rounds = bench.settings.peers, bench.settings.rounds
+        sim_peers = train_row(dataclasses.replace(MODE_ROWS[mode], outer_lr=lr), bench, [inner_steps] * peers,
+                              [rounds] * peers)
         finals.append(validation_loss(bench, exact_average([p.theta for p in sim_peers])))
     print(f"{mode} H {inner_steps} η {lr}: {statistics.fmean(finals):.3f}", flush=True)
     return {"mode": mode, "H": inner_steps, "lr": lr, "final": statistics.fmean(finals), "finals": finals,
