@@ -99,6 +99,17 @@ def split_by_quorum(others: Sequence[PeerRecord], max_lead: int, is_banned: Call
             [r for r in live if r.round > quorum + max_lead])
 
 
+def peers_to_outnumber(others: Sequence[PeerRecord], own_round: int, max_lead: int,
+                       is_banned: Callable[[str], bool], vouched: Callable[[str], bool] = nobody) -> int:
+    """The other peers an all-reduce group must hold a majority of for us to be in step: trusted ones
+    (`split_by_quorum`: live, not joining, not banned, not a liar ahead) in our round or beyond. A banned member
+    still announcing our round once counted, so with 3 honest peers and one banned, the two that averaged together
+    while the third came late held 2 of 4 and took themselves for out of step: both downloaded the latecomer's
+    state and the three fell out of step by turns for the rest of the run (a CI run under load)."""
+    _, trusted, _ = split_by_quorum(others, max_lead, is_banned, vouched)
+    return sum(r.round >= own_round for r in trusted)
+
+
 def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, fresh: bool, aligned: bool,
                   max_lead: int, is_banned: Callable[[str], bool], last_round_syncing_s: float = 0.0,
                   now: float = 0.0, own_id: str = "", vouched: Callable[[str], bool] = nobody) -> DonorChoice:

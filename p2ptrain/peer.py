@@ -29,7 +29,7 @@ from p2ptrain.corpus import corpus_digest
 from p2ptrain.data import build_tokenizer, corpus_source, shard_for_peer
 from p2ptrain.device import resolve_device
 from p2ptrain.errors import CheckpointError, UserError, one_line
-from p2ptrain.join_rules import split_by_quorum
+from p2ptrain.join_rules import peers_to_outnumber
 from p2ptrain.joining import Joiner
 from p2ptrain.manifest import RunManifest
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
@@ -366,11 +366,9 @@ class TrainingPeer:
         (`_evaluates_this_round`); whether it was."""
         # In step with the swarm when our group held a majority of the peers of our round or beyond (a joiner that
         # arrived too late for its round's all-reduce averaged alone while the others moved on: not in step). A
-        # liar's round must not unsettle us, nor identities that never did any work
-        _, trusted, _ = split_by_quorum(synced.view.others, self.config.sync.join_max_round_lead,
-                                        self.reputation.is_banned, self.contributions.vouches_for)
-        here_or_ahead = [r for r in trusted if r.round >= round_]
-        others_here = max(synced.context.same_round_peers, len(here_or_ahead))
+        # liar's round must not unsettle us, nor a banned peer's, nor identities that never did any work
+        others_here = peers_to_outnumber(synced.view.others, round_, self.config.sync.join_max_round_lead,
+                                         self.reputation.is_banned, self.contributions.vouches_for)
         if not synced.result.nothing_due:
             self.state.record_step_(synced.result.group_size, others_here, synced.result.in_step)
         self.state.round += 1

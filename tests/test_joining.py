@@ -36,6 +36,7 @@ from p2ptrain.join_rules import (
     median_claim,
     nobody,
     own_loss_bound,
+    peers_to_outnumber,
     quorum_round,
     snapshot_rounds,
     split_by_quorum,
@@ -338,6 +339,20 @@ def test_banned_and_joining_peers_are_neither_donors_nor_counted_in_the_quorum()
     choice = choose_donors(others, 6, True, False, True, 2, lambda p: p == "liar")
     assert choice.quorum == 7 and [r.peer_id for r in choice.donors] == ["a"]
     assert [r.peer_id for r in choice.trusted] == ["a"]
+
+
+def test_a_pair_of_three_honest_peers_outnumbers_the_others_whatever_a_banned_peer_announces() -> None:
+    """Two honest peers that averaged together while the third came late hold a majority of the round's peers; a
+    banned member still announcing the round once made it 2 of 4, and both took the latecomer's state (a CI run)."""
+    others = [record("partner", 2), record("late", 2), record("banned", 2), record("new", 2, phase="joining"),
+              record("behind", 1), record("ahead", 3), record("liar", LIAR_ROUND)]
+    assert peers_to_outnumber(others, 2, 2, lambda p: p == "banned") == 3  # partner, late, ahead
+    in_step = PeerState([], None, None)  # type: ignore[arg-type]
+    in_step.record_step_(group_size=2, others_here=peers_to_outnumber(others[:3], 2, 2, lambda p: p == "banned"),
+                         shown=None)
+    assert in_step.synced
+    in_step.record_step_(group_size=2, others_here=peers_to_outnumber(others[:3], 2, 2, lambda p: False), shown=None)
+    assert not in_step.synced  # the same pair among three others is not a majority
 
 
 def test_a_split_with_no_synced_peer_heals_all_take_the_state_of_the_first_by_rank() -> None:

@@ -364,7 +364,8 @@ def run_attacked_swarm(factor: float | None, **sync: object
     for history in histories[:HONEST]:  # rounds and joins too: CI once saw two honest peers lose a round and the
         print(f"{sync} ×{factor}: val loss {[round(m.val_loss, 3) for m in history]}, "  # third average alone
               f"group {[m.peers_averaged for m in history]}, banned {history[-1].banned_peers}, "
-              f"rounds {[m.round for m in history]}, joined {[m.joined for m in history]}")
+              f"rounds {[m.round for m in history]}, joined {[m.joined for m in history]}, "
+              f"steps {[m.inner_steps for m in history]}")
     # the attacker's side, for a failure's output: its rounds, groups and joins (a CI run once saw it missing from
     # the last two groups, neither banned nor refused, and left nothing else to read)
     print(f"attacker: rounds {[m.round for m in histories[HONEST]]}, group "
