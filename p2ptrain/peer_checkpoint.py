@@ -15,11 +15,15 @@ from p2ptrain.checkpoint import TrainingCheckpoint, load_checkpoint, save_checkp
 from p2ptrain.config import PeerConfig
 from p2ptrain.errors import CheckpointError, StateMismatchError, UserError
 from p2ptrain.maths.inner import InnerTrainer
-from p2ptrain.maths.outer_optimizer import OuterOptimizer
+from p2ptrain.maths.outer_optimizer import MOMENTUM_PREFIX, OuterOptimizer
+from p2ptrain.maths.outer_rules import X_PREV_PREFIX
 from p2ptrain.peer_state import PeerState
 from p2ptrain.tensor_layout import check_tensors, layout_of
 
 logger = logging.getLogger(__name__)
+
+# the outer step's momentum (DiLoCo's buffers, GASLoC's previous iterate): in a state only when outer.momentum > 0
+MOMENTUM_PREFIXES = (MOMENTUM_PREFIX, X_PREV_PREFIX)
 
 
 def save_peer_checkpoint(state: PeerState, inner: InnerTrainer, config: PeerConfig, fingerprint: str,
@@ -27,8 +31,9 @@ def save_peer_checkpoint(state: PeerState, inner: InnerTrainer, config: PeerConf
     """Write the round's anchor, the inner optimiser's state and the outer sync's state to `directory` (default
     run.checkpoint_dir); returns the checkpoint's directory."""
     model = dict(zip(state.names, state.outer.anchor, strict=True))
-    sync_state = {"mode": config.sync.mode,
-                  "tensors": [t.detach().cpu().clone() for _, t in state.sync.state_tensors()]}
+    named = state.sync.state_tensors()
+    sync_state = {"mode": config.sync.mode, "names": [n for n, _ in named],
+                  "tensors": [t.detach().cpu().clone() for _, t in named]}
     path = save_checkpoint(directory or config.run.checkpoint_dir, TrainingCheckpoint(
         state.round, model, inner.state_dict(), sync_state, config.to_dict(), fingerprint))
     logger.info(f"checkpoint written to {path}")
@@ -74,12 +79,41 @@ def load_peer_checkpoint(config: PeerConfig, fingerprint: str, named_params: Seq
 
 def load_sync_state_(state: PeerState, checkpoint: TrainingCheckpoint, checkpoint_dir: str) -> None:
     """The outer sync's state from `checkpoint`, once the sync exists (after the network starts); a misfit is a
-    CheckpointError, and nothing is loaded."""
-    expected = layout_of([n for n, _ in state.sync.state_tensors()],
-                         [t.detach().cpu() for _, t in state.sync.state_tensors()])
-    tensors = checkpoint.sync_state.get("tensors")
+    CheckpointError, and nothing is loaded. The outer step's momentum is kept only when γ > 0: a checkpoint
+    written with another γ has it or lacks it, and resumes (without it, the momentum starts again from zero)."""
+    named = state.sync.state_tensors()
+    stored = checkpoint.sync_state.get("tensors")
+    stored = stored if isinstance(stored, list) else []
+    names = checkpoint.sync_state.get("names")
     try:
-        check_tensors(expected, tensors if isinstance(tensors, list) else [], what="checkpoint outer state")
+        if not isinstance(names, list):  # written before the names were kept: ours, or after one momentum buffer
+            names = ([f"{MOMENTUM_PREFIX}{i}" for i in range(len(state.names))]  # per parameter (zeros with γ 0)
+                     if len(stored) == len(named) + len(state.names) else []) + [n for n, _ in named]
+        tensors = _fit_sync_tensors(named, names, stored)
+        check_tensors(layout_of([n for n, _ in named], [t.detach().cpu() for _, t in named]), tensors,
+                      what="checkpoint outer state")
     except StateMismatchError as e:
         raise CheckpointError(f"checkpoint in {checkpoint_dir} does not fit: {e}") from None
-    state.sync.load_state_tensors_(tensors)  # type: ignore[arg-type]
+    state.sync.load_state_tensors_(tensors)
+
+
+def _fit_sync_tensors(named: Sequence[tuple[str, torch.Tensor]], names: Sequence[object],
+                      stored: Sequence[object]) -> list[torch.Tensor]:
+    """The stored tensors (`names`) in the order of `named`. The outer momentum may be missing from the checkpoint
+    (ours, fresh, is kept) or left over (dropped); every other tensor must be there, and nothing else."""
+    if not all(isinstance(n, str) for n in names) or not all(isinstance(t, torch.Tensor) for t in stored) or \
+            len(names) != len(stored) or len(set(names)) != len(names):
+        raise StateMismatchError(f"its outer state holds {len(stored)} tensors and {len(names)} names")
+    by_name: dict[str, torch.Tensor] = dict(zip(names, stored, strict=True))  # type: ignore[arg-type]
+    ours = [n for n, _ in named]
+    missing = [n for n in ours if n not in by_name]
+    left = [n for n in by_name if n not in ours]
+    if any(not n.startswith(MOMENTUM_PREFIXES) for n in missing + left):
+        raise StateMismatchError(f"its outer state holds {', '.join(sorted(by_name)[:4]) or 'nothing'}; this run's: "
+                                 f"{', '.join(ours[:4]) or 'nothing'}")
+    if any(bool(by_name[n].count_nonzero()) for n in left):
+        logger.info("the checkpoint's outer momentum is dropped: this run's outer.momentum is 0")
+    if missing:
+        logger.info("the checkpoint holds no outer momentum (written with outer.momentum 0): it starts from zero")
+    current = dict(named)
+    return [by_name.get(n, current[n]) for n in ours]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from p2ptrain.errors import CheckpointError
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
 from p2ptrain.models import build_model, model_fingerprint
+from p2ptrain.peer_checkpoint import load_sync_state_
+from p2ptrain.peer_state import PeerState
 
 VOCAB = 257
 CONFIG = build_config({
@@ -250,3 +253,78 @@ def test_resuming_without_the_outer_momentum_would_differ(tmp_path: Path) -> Non
     run_b.run_round(round_batches(2))
     pairs = zip(run_a.named_params, run_b.named_params, strict=True)
     assert not all(torch.equal(pa, pb) for (_, pa), (_, pb) in pairs)
+
+
+class OuterOnlySync:
+    """The outer-state side of a sync (`OuterSync.state_tensors` and its loader): the outer momentum, and `extra`
+    named tensors after it as Factored's gossip Mix2 keeps its error feedback."""
+
+    def __init__(self, outer: OuterOptimizer, extra: int = 0):
+        self.outer = outer
+        self.extra = [(f"residual:{i}", torch.zeros_like(a)) for i, a in enumerate(outer.anchor[:extra])]
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.outer.state_tensors() + self.extra
+
+    def load_state_tensors_(self, tensors: list[torch.Tensor]) -> None:
+        count = len(self.outer.state_tensors())
+        self.outer.load_state_tensors_(tensors[:count])
+        self.extra = [(n, t) for (n, _), t in zip(self.extra, tensors[count:], strict=True)]
+
+
+def peer_state_with(momentum: float, extra: int = 0) -> PeerState:
+    config = dataclasses.replace(CONFIG, outer=dataclasses.replace(CONFIG.outer, momentum=momentum))
+    setup = Setup.build(config, seed=0)
+    return PeerState([n for n, _ in setup.named_params], setup.outer, OuterOnlySync(setup.outer, extra))  # type: ignore[arg-type]
+
+
+def written_by(state: PeerState, legacy: bool = False) -> TrainingCheckpoint:
+    """A checkpoint of `state` after a round (names kept, or not: `legacy`, as before they were)."""
+    state.outer.step_([torch.full_like(a, 0.01) for a in state.outer.anchor])
+    named = state.sync.state_tensors()
+    sync_state: dict[str, Any] = {"mode": "diloco", "tensors": [t.clone() for _, t in named]}
+    if not legacy:
+        sync_state["names"] = [n for n, _ in named]
+    return TrainingCheckpoint(1, {}, {}, sync_state, {}, "")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_checkpoint_with_outer_momentum_resumes_a_run_without_it_and_back(legacy: bool, caplog) -> None:
+    """γ 0 keeps no momentum: a checkpoint written with γ 0.9 resumes at γ 0 (the momentum is dropped, said once),
+    and one written at γ 0 resumes at γ 0.9 (the momentum starts from zero); other outer state still must fit."""
+    caplog.set_level(logging.INFO, logger="p2ptrain")
+    with_momentum, without = peer_state_with(0.9, extra=2), peer_state_with(0.0, extra=2)
+    assert len(with_momentum.named_tensors()) == len(without.named_tensors()) + len(without.names)
+    # what a joiner downloads: a model's worth less (DiLoCo's snapshot of the `base` preset: 97 MiB, was 194)
+    assert with_momentum.nbytes() - without.nbytes() == sum(4 * a.numel() for a in without.outer.anchor)
+    written = written_by(with_momentum, legacy)
+    written.sync_state["tensors"][-1].fill_(3.0)  # the error feedback is carried either way
+    load_sync_state_(without, written, "ckpt")
+    assert without.outer.state_tensors() == []
+    assert float(without.sync.extra[-1][1].max()) == 3.0  # type: ignore[attr-defined]
+    assert "outer momentum is dropped" in caplog.text
+
+    if not legacy:  # (before the names were kept, every checkpoint held a momentum, zeros with γ 0)
+        back = peer_state_with(0.9, extra=2)
+        load_sync_state_(back, written_by(peer_state_with(0.0, extra=2)), "ckpt")
+        assert all(not b.any() for b in back.outer.momentum_buffers()) and "it starts from zero" in caplog.text
+
+    same = peer_state_with(0.9, extra=2)
+    load_sync_state_(same, written, "ckpt")  # the momentum itself, where both keep it
+    for mine, saved in zip(same.outer.momentum_buffers(), written.sync_state["tensors"], strict=False):
+        assert torch.equal(mine, saved) and saved.any()
+
+
+@pytest.mark.parametrize("sync_state", [
+    {"mode": "diloco", "names": ["residual:0"], "tensors": [torch.zeros(3)]},  # a tensor this run lacks
+    {"mode": "diloco", "names": [["x"]], "tensors": [torch.zeros(3)]},  # a name that is no string
+    {"mode": "diloco", "names": ["a", "a"], "tensors": [torch.zeros(3), torch.zeros(3)]},
+    {"mode": "diloco", "names": ["momentum:0"], "tensors": ["not a tensor"]},
+    {"mode": "diloco", "tensors": [torch.zeros(3)] * 3},  # old, and of no count that fits
+])
+def test_an_outer_state_that_does_not_fit_is_refused_and_nothing_loaded(sync_state: dict[str, Any]) -> None:
+    state = peer_state_with(0.0, extra=1)
+    before = [t.clone() for _, t in state.named_tensors()]
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_sync_state_(state, TrainingCheckpoint(1, {}, {}, sync_state, {}, ""), "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for _, t in state.named_tensors()], strict=True))

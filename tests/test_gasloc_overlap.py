@@ -116,7 +116,7 @@ def test_a_state_adopted_drops_the_mix_in_flight_and_shutdown_cancels_it():
     sync, params, _mixer, loop = gasloc("delayed")
     play_round(sync, params, 0, 1.0)
     future = sync.pending[1] if sync.pending is not None else None
-    sync.load_state_tensors_([torch.zeros(3)])
+    sync.load_state_tensors_([])  # γ 0: a state's outer part is empty
     assert sync.pending is None and future is not None and future.cancelled()
     loop.release()
     play_round(sync, params, 1, 1.0)

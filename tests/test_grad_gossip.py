@@ -296,17 +296,19 @@ def test_a_round_gap_is_for_gossip_mix2_only() -> None:
 
 
 def test_error_feedback_buffers_are_outer_state_after_the_momentum() -> None:
-    """What checkpoints keep and joiners download: FactoredSync's momentum, then the gossip Mix2's EF buffers."""
-    params = [torch.nn.Parameter(d.clone()) for d in deltas(0)]
-    config = gossip_config()
-    g = GradGossip(FakeP2P("peer-0"), RUN, FINGERPRINT, params, config, seed=0)  # type: ignore[arg-type]
-    sync = FactoredSync(OuterOptimizer(params, OuterConfig()), None, GossipMix2(g, None), None,  # type: ignore[arg-type]
-                        config)
-    names = [n for n, _ in sync.state_tensors()]
-    assert names == [f"momentum:{i}" for i in range(3)] + [f"error_feedback:{i}" for i in range(3)]
-    sync.load_state_tensors_(deltas(4) + deltas(5))
-    assert same([t for _, t in sync.state_tensors()], deltas(4) + deltas(5))
-    assert same(g.feedback.residual, deltas(5))
+    """What checkpoints keep and joiners download: FactoredSync's momentum (none with γ 0), then the gossip Mix2's
+    EF buffers."""
+    for momentum, outer_state in ((0.9, deltas(4)), (0.0, [])):
+        params = [torch.nn.Parameter(d.clone()) for d in deltas(0)]
+        config = gossip_config()
+        g = GradGossip(FakeP2P("peer-0"), RUN, FINGERPRINT, params, config, seed=0)  # type: ignore[arg-type]
+        sync = FactoredSync(OuterOptimizer(params, OuterConfig(momentum=momentum)), None,  # type: ignore[arg-type]
+                            GossipMix2(g, None), None, config)  # type: ignore[arg-type]
+        names = [n for n, _ in sync.state_tensors()]
+        assert names == [f"momentum:{i}" for i in range(len(outer_state))] + [f"error_feedback:{i}" for i in range(3)]
+        sync.load_state_tensors_(outer_state + deltas(5))
+        assert same([t for _, t in sync.state_tensors()], outer_state + deltas(5))
+        assert same(g.feedback.residual, deltas(5))
 
 
 # ---- 2. real P2P on loopback ---------------------------------------------------------------------------------------

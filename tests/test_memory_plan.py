@@ -143,14 +143,24 @@ def test_micro_batches_and_checkpointing_shrink_the_activations() -> None:
 
 def test_an_all_reduce_holds_about_three_copies_per_member() -> None:
     config = SyncConfig()
-    assert sync_buffers(config, 4).round == allreduce_round(4, 1.0) == 5 + 1 + 3 * 2 + 8
-    assert sync_buffers(config, 10).round - sync_buffers(config, 9).round == 4  # 1 + c received, 2 in the reduce
-    assert sync_buffers(config, 1000).round == allreduce_round(MAX_MEMBERS, 1.0)
-    gossip = sync_buffers(SyncConfig(mode="gasloc"), 8)
+    assert sync_buffers(config, 4, False).round == allreduce_round(4, 1.0) == 5 + 1 + 3 * 2 + 8
+    assert sync_buffers(config, 10, False).round - sync_buffers(config, 9, False).round == 4  # 1 + c received, 2 in
+    assert sync_buffers(config, 1000, False).round == allreduce_round(MAX_MEMBERS, 1.0)  # the reduce
+    gossip = sync_buffers(SyncConfig(mode="gasloc"), 8, True)
     assert gossip.kept == 5 and gossip.snapshot == 2
     # overlapped, the proposal's mix lives through the next inner phase, beside the training state
-    overlapped = sync_buffers(SyncConfig(mode="gasloc", overlap="delayed"), 8)
+    overlapped = sync_buffers(SyncConfig(mode="gasloc", overlap="delayed"), 8, True)
     assert overlapped.kept == gossip.kept + gossip.round == 5 + 7 and overlapped.round < gossip.round
+
+
+def test_without_outer_momentum_no_momentum_or_previous_iterate_is_kept_or_served() -> None:
+    """γ 0 keeps no momentum buffers (DiLoCo, Factored) and no previous iterate x (GASLoC): a model's worth less
+    on the host, and in the snapshot joiners download."""
+    for mode in ("diloco", "gasloc", "factored"):
+        with_momentum, without = (sync_buffers(SyncConfig(mode=mode), 8, m) for m in (True, False))
+        assert with_momentum.snapshot - without.snapshot == 1, mode
+    gasloc = [sync_buffers(SyncConfig(mode="gasloc"), 8, m) for m in (True, False)]
+    assert gasloc[0].kept - gasloc[1].kept == 1 and ", x" not in gasloc[1].kept_note
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------------------

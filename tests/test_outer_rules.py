@@ -162,13 +162,39 @@ def test_gasloc_on_complete_graph_reproduces_diloco(momentum: float, n_peers: in
 def test_gasloc_state_dict_round_trip() -> None:
     state = GaslocState(_initial(0), momentum=0.9)
     state.momentum_step(_initial(1))
-    restored = GaslocState(_initial(2), momentum=0.0)
+    restored = GaslocState(_initial(2), momentum=0.9)
     restored.load_state_dict(state.state_dict())
     x_new = _initial(3)
     for a, b in zip(state.momentum_step(x_new), restored.momentum_step(x_new), strict=True):
         assert torch.equal(a, b)
     with pytest.raises(StateMismatchError):
         restored.load_state_dict({"momentum": 0.9, "x_prev": [torch.zeros(2)]})
+
+
+def test_gasloc_without_momentum_holds_no_previous_iterate() -> None:
+    """With γ 0, θ_next = x_new: the previous iterate is never read, and not kept (nor downloaded, nor saved)."""
+    state = GaslocState(_initial(0), momentum=0.0)
+    x_new = _initial(1)
+    theta_next = state.momentum_step(x_new)
+    assert state.x_prev == [] and state.state_dict()["x_prev"] == []
+    for theta, x in zip(theta_next, x_new, strict=True):
+        assert torch.equal(theta, x) and theta is not x
+    state.load_state_dict({"momentum": 0.0, "x_prev": []})
+    with pytest.raises(StateMismatchError):  # another run's previous iterate does not fit
+        state.load_state_dict({"momentum": 0.0, "x_prev": _initial(2)})
+
+
+def test_outer_optimizer_without_momentum_has_no_outer_state() -> None:
+    """γ 0 keeps no momentum buffers: a state download and a checkpoint carry the anchor alone."""
+    outer = _outer(_initial(0), 0.0)
+    outer.step_(_fake_inner_phase(_params(outer), 0, 0))
+    assert outer.state_tensors() == []
+    assert all(s.get("momentum_buffer") is None for s in outer.optimizer.state.values())
+    outer.load_state_tensors_([])
+    with pytest.raises(StateMismatchError):
+        outer.load_state_tensors_([torch.zeros_like(t) for t in outer.anchor])
+    with_momentum = _outer(_initial(0), 0.9)
+    assert [n for n, _ in with_momentum.state_tensors()] == [f"momentum:{i}" for i in range(len(_initial(0)))]
 
 
 # ---- Factored Gossip DiLoCo (§3) -----------------------------------------------------------------------------------

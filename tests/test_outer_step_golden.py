@@ -375,7 +375,8 @@ def check_gasloc(rule: str, swarm: Swarm) -> None:
     for round_, exchange in enumerate(swarm.gossip.exchanges):
         records = [swarm.history[peer][round_] for peer in range(PEERS)]
         proposals = [[a - OUTER_LR * d for a, d in zip(r.anchor, r.delta, strict=True)] for r in records]
-        x = [r.state for r in records]
+        x = [r.state if swarm.momentum else r.params for r in records]  # γ 0: θ⁺ = x, and no state is kept
+        assert all(len(r.state) == (len(r.params) if swarm.momentum else 0) for r in records)
         assert_all_close(swarm_mean(x), swarm_mean(proposals), f"round {round_}: swarm mean of the proposals")
         for a, b in exchange.pairs:
             assert_all_close(x[a], x[b], f"round {round_}: pair ({a}, {b}) after averaging")

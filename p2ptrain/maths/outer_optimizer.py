@@ -17,6 +17,9 @@ from p2ptrain.choices import STATE_DEVICES
 from p2ptrain.errors import ConfigError
 from p2ptrain.tensor_layout import check_alike
 
+# the names of the outer momentum's tensors in a state or checkpoint (`momentum:0`, ...), kept only when γ > 0
+MOMENTUM_PREFIX = "momentum:"
+
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
@@ -129,13 +132,19 @@ class OuterOptimizer:
         return buffers
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The outer momentum by name: what a joiner downloads and a checkpoint keeps."""
-        return [(f"momentum:{i}", b) for i, b in enumerate(self.momentum_buffers())]
+        """The outer momentum by name: what a joiner downloads and a checkpoint keeps. None with γ 0: the buffers
+        would be zeros, a model's worth of bytes in every state download and checkpoint."""
+        if not self.config.momentum:
+            return []
+        return [(f"{MOMENTUM_PREFIX}{i}", b) for i, b in enumerate(self.momentum_buffers())]
 
     @torch.no_grad()
     def load_state_tensors_(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Load one momentum buffer per parameter, in the order of `state_tensors()`; a count or shape that does
-        not fit changes nothing (StateMismatchError)."""
+        """Load one momentum buffer per parameter, in the order of `state_tensors()` (none with γ 0); a count or
+        shape that does not fit changes nothing (StateMismatchError)."""
+        if not self.config.momentum:
+            check_alike([], buffers, "outer momentum (none with outer.momentum 0)")
+            return
         check_alike(self.params, buffers, "outer momentum")
         for a, b in zip(self.anchor, buffers, strict=True):
             self.optimizer.state[a]["momentum_buffer"] = b.to(device=a.device, dtype=a.dtype).clone()

@@ -32,19 +32,27 @@ def propose(theta: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], lr: fl
     return [t.detach().sub(d.to(t.dtype), alpha=lr) for t, d in zip(theta, delta, strict=True)]
 
 
+# the names of GASLoC's previous iterate in a state or checkpoint (`x_prev:0`, ...), kept only when γ > 0
+X_PREV_PREFIX = "x_prev:"
+
+
 class GaslocState:
-    """Per-peer GASLoC state: the previous mixed iterate x (x_0 = θ_0).
+    """Per-peer GASLoC state: the previous mixed iterate x (x_0 = θ_0), kept only when γ > 0.
 
     After the proposals y are mixed into ``x_new``: ``θ_next = x_new + γ (x_new − x_prev)``, then x_prev ← x_new.
     On the complete graph with exact averaging this is DiLoCo's Nesterov step (see tests/test_outer_rules.py).
+    With γ 0, θ_next = x_new and x_prev is never read: it is not held (a model's worth of memory, and of every
+    state download and checkpoint).
     """
 
     def __init__(self, theta_initial: Sequence[torch.Tensor], momentum: float) -> None:
         self.momentum = momentum
-        self.x_prev: Tensors = _clone(theta_initial)
+        self.x_prev: Tensors = _clone(theta_initial) if momentum else []
 
     def momentum_step(self, x_new: Sequence[torch.Tensor]) -> Tensors:
-        """Return θ_next = x_new + γ (x_new − x_prev) and remember x_new as x_prev."""
+        """Return θ_next = x_new + γ (x_new − x_prev) and remember x_new as x_prev (with γ 0: x_new)."""
+        if not self.momentum:
+            return _clone(x_new)
         check_alike(self.x_prev, x_new, "mixed iterate")
         theta_next = [
             x.detach().add(x.detach() - prev, alpha=self.momentum) for x, prev in zip(x_new, self.x_prev, strict=True)

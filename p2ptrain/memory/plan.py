@@ -192,7 +192,7 @@ def plan_memory(shape: ModelShape, settings: Settings, device: str, config: Peer
     momentum = config.sync.outer_momentum(config.outer.momentum) > 0 and config.sync.mode != "gasloc"
     outer_kept = model_bytes * (2 if momentum else 1)
     on_device = settings.state_on_device(device)
-    buffers: Buffers = sync_buffers(config.sync, peers)
+    buffers: Buffers = sync_buffers(config.sync, peers, config.sync.outer_momentum(config.outer.momentum) > 0)
     data = _data_bytes(config)
     lines = (
         Line("model parameters (fp32)", model_bytes, 0),

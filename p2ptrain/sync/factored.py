@@ -192,7 +192,7 @@ class FactoredSync:
         if self.delayed is not None:
             self._collect_pending()
             self.delayed = DelayedOuterGradient(eager=self.delayed.eager)
-        count = len(self.outer.params)
+        count = len(self.outer.state_tensors())  # the outer momentum's: none with γ 0
         self.outer.load_state_tensors_(tensors[:count])
         self.mix2.load_state_tensors_(tensors[count:])
 

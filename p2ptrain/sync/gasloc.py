@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
-from p2ptrain.maths.outer_rules import GaslocState, propose
+from p2ptrain.maths.outer_rules import X_PREV_PREFIX, GaslocState, propose
 from p2ptrain.maths.robust import all_finite
 from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.sync.config import SyncConfig
@@ -84,11 +84,14 @@ class GaslocSync:
         return [m - v for m, v in zip(mixed, value, strict=True)], stats
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"x_prev:{i}", x) for i, x in enumerate(self.state.x_prev)]
+        return [(f"{X_PREV_PREFIX}{i}", x) for i, x in enumerate(self.state.x_prev)]
 
     def outer_state_problem(self, params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> str | None:
         """The previous iterate lies one outer step behind the parameters: farther than
-        `sync.join_gossip_max_distance` (relative), the next outer step would throw them γ × as far."""
+        `sync.join_gossip_max_distance` (relative), the next outer step would throw them γ × as far. With γ 0 there
+        is none (the layout check refused any)."""
+        if not tensors:
+            return None
         gap, scale = distance(tensors, params), norm(params)
         if not gap <= self.config.join_gossip_max_distance * scale:  # NaN fails too
             return f"its previous iterate is {gap / scale if scale else math.inf:.3g} (relative) from its parameters"
