@@ -31,6 +31,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # what DDP uses
 
 from p2ptrain.maths.robust import FAR_CLIP_FACTOR, HARD_CLIP_FACTOR, SPREAD
+from p2ptrain.tensor_layout import norm
 
 ITERATIONS = 8  # fixed (not "until converged"): every member runs the same arithmetic and lands on the same bits
 GRAM_ERROR = 4 * 2.0**-24  # × √d: how far off a squared distance from an fp32 Gram matrix can be (4× the typical)
@@ -141,7 +142,9 @@ def _gram_(stacked: torch.Tensor) -> tuple[list[list[float]], list[float], torch
     taken again: no input is farther from the shortest than twice an honest one's length, so no distance is lost to
     cancellation, wherever a far input sorts (members sort by peer id, which a member chooses)."""
     gram = (stacked @ stacked.T).tolist()
-    lengths = [_root(gram[j][j]) for j in range(len(gram))]
+    # the lengths members compare with their own inputs' (a reduce-scatter's owner reports them): accumulated in
+    # fp64, where the Gram's diagonal was 3e-4 off at 6.4M values (the `base` preset's chunk of 4)
+    lengths = [norm([row]) for row in stacked]
     if _precise(gram, lengths, stacked.shape[1]):
         return gram, lengths, None
     origin = stacked[lengths.index(min(lengths))].clone()

@@ -283,7 +283,7 @@ class ScatterAllReduce:
             if entry is None and (owner in rnd.done or owner == self.own_id):
                 return f"{owner} left this peer's input out"
             if entry is not None and (entry[1] != value_hash([chunk]) or not math.isclose(
-                    entry[0], float(chunk.norm()), rel_tol=1e-4, abs_tol=1e-30)):
+                    entry[0], norm([chunk]), rel_tol=1e-4, abs_tol=1e-30)):  # both in fp64
                 return f"{owner} misreports this peer's input"
         return None
 
@@ -359,7 +359,7 @@ class ScatterAllReduce:
         if not self.config.robust:
             mean = rows.sum(dim=0).div_(len(rows))
             distances = (rows - mean).norm(dim=1).tolist()
-            return RobustMean([mean], max(distances), distances, rows.norm(dim=1).tolist())
+            return RobustMean([mean], max(distances), distances, [norm([row]) for row in rows])
         return centered_clip_rows_(rows.clone(), [rows[0]], self.config.clip_multiplier, chunk_check.MAX_ITERATIONS,
                                    chunk_check.CONVERGED)
 
