@@ -53,6 +53,7 @@ the DHT processes, P2P daemons and hivemind's averager processes (their CPU is i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -181,6 +182,42 @@ def daemons_cpu_s() -> float:
     return total
 
 
+def process_tree_bytes() -> int:
+    """Memory of this process and its live children (DHT processes, p2pd daemons, averagers), each page once: the
+    proportional set size (a forked DHT process shares its parent's pages, which RSS counts in both)."""
+    total = 0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            total += process.memory_full_info().pss
+    return total
+
+
+class PeakMemory:
+    """The peak of `process_tree_bytes()` from `start()` to `stop()`, sampled every `every_s` in a thread, above what it
+    was at the start."""
+
+    def __init__(self, every_s: float = 0.2):
+        self.every_s, self.base, self.peak = every_s, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, process_tree_bytes())
+
+    def start(self) -> PeakMemory:
+        self.base = self.peak = process_tree_bytes()
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        """Stop sampling; the peak above the start, in bytes."""
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, process_tree_bytes())
+        return self.peak - self.base
+
+
 def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
     """Start n peers (the first founds the swarm), run them to `s.rounds` in threads, shut them down. `sync`: the
     setup's sync section (default SETUPS[setup])."""
@@ -188,6 +225,7 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
     sync = SETUPS[setup] if sync is None else sync
     started, cpu_started = time.perf_counter(), time.process_time()
     peers: list[TrainingPeer] = []
+    memory = PeakMemory().start()
     try:
         peers.append(TrainingPeer(peer_config(s, sync, run_id, shard=0, seed=seed)))
         peers += [TrainingPeer(peer_config(s, sync, run_id, shard=i, seed=seed), peers[0].maddrs)
@@ -207,9 +245,11 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
             r.thread.join(ROUND_TIMEOUT_S)
         training_s, daemons_s, wire_after = time.perf_counter() - training, daemons_cpu_s(), tcp_bytes(daemons)
     finally:
+        peak_bytes = memory.stop()
         for p in peers:
             p.shutdown()
     return {"setup": setup, "peers": n, "parameters": sum(p.numel() for p in peers[0].params),
+            "peak_bytes_per_peer": peak_bytes / n,
             "histories": [[dataclasses.asdict(m) for m in r.history] for r in runs],
             "errors": [r.error for r in runs if r.error], "timed_out": timed_out, "training_wall_s": training_s,
             "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
@@ -312,7 +352,8 @@ def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str
     row = {"setup": setup, "peers": n, "rounds_measured": len(rounds),
            "val_loss": _mean([h[-1]["val_loss"] for h in histories if h]),
            "errors": [e for run in runs for e in run["errors"]], "timed_out": any(r["timed_out"] for r in runs),
-           "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs)}
+           "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs),
+           "peak_bytes_per_peer": max((r.get("peak_bytes_per_peer", 0.0) for r in runs), default=0.0)}
     if rounds:
         row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup], reference_s))
     # the daemons' TCP counters over the whole run (first rounds included), per peer and round
@@ -375,7 +416,11 @@ NOTES = ("Notes: figures over every peer's rounds after its first. utilisation =
          "member's Δ to every other), 1× ideal for 2 peers, n/2× beyond; gasloc, the exchanges a peer opened and "
          "those it answered ('answered': the offers it answered per round, each S sent back). group: median "
          "group size (gasloc: itself and the partners it mixed with, opened or answered); full groups: rounds "
-         "averaged by all n peers. daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
+         "averaged by all n peers. peak MiB a peer: the peak memory (proportional set size) of this process and "
+         "its children (DHT processes, p2pd daemons, averagers) while the swarm ran, above what it was before its "
+         "peers started, over n (the imports and the corpus are in the base; torch's allocator may keep what a "
+         "round freed). "
+         "daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
          "before shutdown. On a shared machine (load average above the cores) compute seconds, the reference's "
          "most, swing up to 3× between runs; utilisation, groups and bytes hardly move.")
 
@@ -401,13 +446,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
              "| setup | peers | utilisation | less eval | compute s | ref s, 1 alone | compute ÷ ref, n at once "
              "| blocked s | eval s | round s | group | full groups | bytes ÷ ideal | wire ÷ ideal | codec | val loss "
-             "| daemons CPU s | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak MiB a peer | daemons CPU s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if r["setup"] == "reference":
             who = "1 alone" if r["peers"] == 1 else f"{r['peers']} at once"
             lines.append(f"| reference, {who} | {r['peers']} | 1 | 1 | {_fmt(r['compute_s'], '.3f')} "
-                         f"| | | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | {r['wall_s']:.0f} |")
+                         f"| | | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | | {r['wall_s']:.0f} |")
             continue
         trouble = " (timed out)" if r["timed_out"] else f" ({len(r['errors'])} errors)" if r["errors"] else ""
         full = _fmt(r.get("full_groups"), ".0%")
@@ -418,7 +463,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {_fmt(r.get('eval_s'), '.3f')} | {_fmt(r.get('round_s'), '.3f')} "
                      f"| {_fmt(r.get('group_size'), 'g')} | {full} "
                      f"| {_bytes_cell(r)} | {_fmt(r.get('wire_ratio'), '.3f')} | {r.get('codec', '–')} "
-                     f"| {_fmt(r['val_loss'], '.4f')} "
+                     f"| {_fmt(r['val_loss'], '.4f')} | {r['peak_bytes_per_peer'] / 2**20:.0f} "
                      f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
     return "\n".join(lines + ["", report["notes"]]) + "\n"
 

@@ -37,6 +37,9 @@ def test_quick_run(tmp_path: Path) -> None:
                          if run["setup"] == key[0] for history in run.get("histories", [])]
             # every peer, every round but the first
             assert row["rounds_measured"] == 2 * (settings.rounds - 1), (key, histories)
+            # a peer's memory: its model, optimiser and buffers, and its own DHT process and p2pd besides
+            parameters = next(run["parameters"] for run in written["runs"] if run["setup"] == key[0])
+            assert 4 * 4 * parameters < row["peak_bytes_per_peer"] < 2 * 2**30, (key, row["peak_bytes_per_peer"])
 
     exchange, hivemind = rows[("diloco-exchange", 2)], rows[("diloco-hivemind", 2)]
     assert exchange["group_size"] == 2 and exchange["full_groups"] == 1.0
