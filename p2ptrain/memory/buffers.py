@@ -23,7 +23,7 @@ During one round's exchange (at most; freed when the round ends):
 
 The snapshot joiners download (net/state_sharing.py: StateSnapshot.capture copies to the host): the anchor and
 the strategy's state tensors (with γ > 0 the outer momentum, zeros before the first step, or GASLoC's x; Factored's
-gossip Mix2 residual)).
+gossip Mix2 residual).
 """
 
 from __future__ import annotations

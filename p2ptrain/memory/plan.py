@@ -189,10 +189,11 @@ def plan_memory(shape: ModelShape, settings: Settings, device: str, config: Peer
     runtime = RUNTIME_BYTES[device] + (AUTOCAST_RUNTIME_BYTES if half and device == "cpu" else 0)
     step_temporaries = 4 * (shape.parameters if device == "cuda" else 2 * shape.largest_tensor)  # foreach on CUDA
     model_bytes = states["parameters"]
-    momentum = config.sync.outer_momentum(config.outer.momentum) > 0 and config.sync.mode != "gasloc"
+    with_momentum = config.sync.outer_momentum(config.outer.momentum) > 0
+    momentum = with_momentum and config.sync.mode != "gasloc"  # GASLoC's is its previous iterate, a sync buffer
     outer_kept = model_bytes * (2 if momentum else 1)
     on_device = settings.state_on_device(device)
-    buffers: Buffers = sync_buffers(config.sync, peers, config.sync.outer_momentum(config.outer.momentum) > 0)
+    buffers: Buffers = sync_buffers(config.sync, peers, with_momentum)
     data = _data_bytes(config)
     lines = (
         Line("model parameters (fp32)", model_bytes, 0),
