@@ -30,7 +30,9 @@ class TrainingCheckpoint:
     round: int
     model: dict[str, torch.Tensor]  # parameter name -> tensor (the anchor of `round`)
     inner: dict[str, Any]  # InnerTrainer.state_dict()
-    sync_state: dict[str, Any]  # the outer sync's state: {"mode": sync.mode, "tensors": [its state tensors]}
+    # the outer sync's state: {"mode": sync.mode, "names": [its state tensors' names], "tensors": [those tensors]}
+    # (written before the names were kept: no "names"; peer_checkpoint.load_sync_state_ reads both)
+    sync_state: dict[str, Any]
     config: dict[str, Any]  # the resolved PeerConfig
     fingerprint: str  # model fingerprint (names, shapes, dtypes)
 
