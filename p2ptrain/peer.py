@@ -460,12 +460,14 @@ class TrainingPeer:
 
         Peers of this round already syncing count too (their ETA has passed: end after the fewest steps and join
         them). Otherwise a group that starts its rounds a matchmaking window after another averages on its own,
-        round after round, and the swarm stays split in two.
+        round after round, and the swarm stays split in two. A banned peer's ETA does not count: a CI run saw two
+        honest peers end round 1 after one step at a banned member's ETA while the third, which had not seen it,
+        ran all five, came too late and fell out of step for the rest of the run.
         """
         if not self.sync.aligned_rounds:
             return math.inf
         etas = [r.round_eta for r in view.at_round(self.state.round)
-                if r.phase in ("inner", "sync") and r.round_eta > 0]
+                if r.phase in ("inner", "sync") and r.round_eta > 0 and not self.reputation.is_banned(r.peer_id)]
         if not etas:
             return math.inf
         return time.monotonic() + max(0.0, max(etas) - get_dht_time())

@@ -206,8 +206,12 @@ def peer_at(round_: int, phase: str, eta: float) -> PeerRecord:
 
 
 def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_already_syncing() -> None:
-    """Else a group a matchmaking window behind averages alone, round after round (the swarm splits in two)."""
-    me = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=True))
+    """Else a group a matchmaking window behind averages alone, round after round (the swarm splits in two). A
+    banned peer's record does not count (a CI run: two honest peers cut round 1 to one step at a banned member's
+    ETA; the third, which had not seen it, ran all five and came too late)."""
+    reputation = SimpleNamespace(is_banned=lambda peer: False)
+    me = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=True),
+                         reputation=reputation)
     now_dht, now = get_dht_time(), time.monotonic()
     syncing = SwarmView("me", [peer_at(7, "sync", now_dht - 1.0)])
     assert TrainingPeer._inner_deadline(me, syncing) <= now + 0.1  # type: ignore[arg-type]  # at once (min steps)
@@ -217,6 +221,9 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
     assert TrainingPeer._inner_deadline(me, other_round) == math.inf
     gossip = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=False))
     assert TrainingPeer._inner_deadline(gossip, syncing) == math.inf  # type: ignore[arg-type]
+    reputation.is_banned = lambda peer: peer == syncing.others[0].peer_id
+    assert TrainingPeer._inner_deadline(me, syncing) == math.inf  # type: ignore[arg-type]
+    assert TrainingPeer._inner_deadline(me, still_training) == pytest.approx(now + 3.0, abs=0.5)  # type: ignore
 
 
 def test_a_newcomer_downloads_state_from_the_most_advanced_peer_with_the_fastest_link() -> None:
