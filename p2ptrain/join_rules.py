@@ -174,9 +174,10 @@ def _syncing_since(record: PeerRecord, now: float, at_most_s: float) -> bool:
 
 
 def snapshot_rounds(donor_round: int, quorum: int, max_lead: int) -> tuple[int, int]:
-    """The rounds a donor's snapshot may be of: the one it announced, or the next (it moved on meanwhile), never
-    past the lead."""
-    return donor_round, min(donor_round + 1, quorum + max_lead)
+    """The rounds a donor's snapshot may be of: the one it announced or any later one within the lead. A donor moves
+    on while we read, download and check others first (fast gossip rounds: two or more); the lead is what bounds a
+    liar, and the witnesses judge the state whatever round it claims."""
+    return donor_round, max(donor_round, quorum + max_lead)
 
 
 def choose_witnesses(trusted: Sequence[PeerRecord], donor: str, round_: int, count: int,

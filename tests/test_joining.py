@@ -380,8 +380,11 @@ def test_the_most_advanced_donor_comes_first_then_synced_then_the_fastest_link()
     assert donors_of(others, 6) == ["later", "fast", "slow", "unsynced"]
 
 
-def test_a_snapshot_may_be_of_the_donors_round_or_the_next_within_the_lead():
-    assert snapshot_rounds(7, 7, 2) == (7, 8)
+def test_a_snapshot_may_be_of_the_donors_round_or_any_later_one_within_the_lead():
+    # seen in CI: two honest GASLoC donors were two rounds past their records by the time a joiner that first
+    # checked a liar's state reached them, and a window of one round refused both
+    assert snapshot_rounds(7, 7, 2) == (7, 9)
+    assert snapshot_rounds(8, 7, 6) == (8, 13)
     assert snapshot_rounds(9, 7, 2) == (9, 9)
 
 

@@ -170,7 +170,7 @@ def _signs(bits: np.random.PCG64, count: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class SnapshotExpectation:
     """What a snapshot's metadata must say before its tensors are looked at: our run, our model, a round in
-    [min_round, max_round] (the donor's announced round or the next, and never past what the swarm supports)."""
+    [min_round, max_round] (the donor's announced round or later, never past what the swarm supports)."""
 
     run_id: str
     fingerprint: str
