@@ -463,11 +463,19 @@ class TrainingPeer:
         round after round, and the swarm stays split in two. A banned peer's ETA does not count: a CI run saw two
         honest peers end round 1 after one step at a banned member's ETA while the third, which had not seen it,
         ran all five, came too late and fell out of step for the rest of the run.
+
+        Once we verified any live peer's work, only such peers' ETAs count: an ETA is a free claim, and an identity
+        first in a round with one in the past would otherwise cut every honest peer's phase to the fewest steps,
+        round after round. A peer with no verified partner yet (fresh, resumed) counts every one.
         """
         if not self.sync.aligned_rounds:
             return math.inf
-        etas = [r.round_eta for r in view.at_round(self.state.round)
-                if r.phase in ("inner", "sync") and r.round_eta > 0 and not self.reputation.is_banned(r.peer_id)]
+        records = [r for r in view.at_round(self.state.round)
+                   if r.phase in ("inner", "sync") and r.round_eta > 0 and not self.reputation.is_banned(r.peer_id)]
+        vouched = self.contributions.vouches_for
+        if any(vouched(r.peer_id) for r in view.others):
+            records = [r for r in records if vouched(r.peer_id)]
+        etas = [r.round_eta for r in records]
         if not etas:
             return math.inf
         return time.monotonic() + max(0.0, max(etas) - get_dht_time())

@@ -210,8 +210,9 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
     banned peer's record does not count (a CI run: two honest peers cut round 1 to one step at a banned member's
     ETA; the third, which had not seen it, ran all five and came too late)."""
     reputation = SimpleNamespace(is_banned=lambda peer: False)
+    contributions = SimpleNamespace(vouches_for=lambda peer: False)
     me = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=True),
-                         reputation=reputation)
+                         reputation=reputation, contributions=contributions)
     now_dht, now = get_dht_time(), time.monotonic()
     syncing = SwarmView("me", [peer_at(7, "sync", now_dht - 1.0)])
     assert TrainingPeer._inner_deadline(me, syncing) <= now + 0.1  # type: ignore[arg-type]  # at once (min steps)
@@ -224,6 +225,26 @@ def test_a_late_diloco_peer_ends_its_inner_phase_to_join_a_group_of_its_round_al
     reputation.is_banned = lambda peer: peer == syncing.others[0].peer_id
     assert TrainingPeer._inner_deadline(me, syncing) == math.inf  # type: ignore[arg-type]
     assert TrainingPeer._inner_deadline(me, still_training) == pytest.approx(now + 3.0, abs=0.5)  # type: ignore
+
+
+def test_once_a_diloco_peer_verified_partners_only_their_etas_end_its_inner_phase() -> None:
+    """An ETA is a free claim: an identity alone in our round with one in the past would cut each honest peer's
+    phase to the fewest steps, round after round, while the honest records still show the last round."""
+    now_dht, now = get_dht_time(), time.monotonic()
+    partner = PeerRecord(peer_id="partner", round=6, inner_step=0, phase="sync", round_eta=now_dht - 5.0, updated=NOW)
+    stranger = peer_at(7, "sync", now_dht - 1.0)
+    verified = {"partner"}
+    me = SimpleNamespace(state=SimpleNamespace(round=7), sync=SimpleNamespace(aligned_rounds=True),
+                         reputation=SimpleNamespace(is_banned=lambda peer: False),
+                         contributions=SimpleNamespace(vouches_for=lambda peer: peer in verified))
+    view = SwarmView("me", [partner, stranger])
+    assert TrainingPeer._inner_deadline(me, view) == math.inf  # type: ignore[arg-type]  # all our steps
+    partner_in_round = PeerRecord(peer_id="partner", round=7, inner_step=0, phase="inner", round_eta=now_dht + 3.0,
+                                  updated=NOW)
+    view = SwarmView("me", [partner_in_round, stranger])
+    assert TrainingPeer._inner_deadline(me, view) == pytest.approx(now + 3.0, abs=0.5)  # type: ignore[arg-type]
+    verified.clear()  # no verified partner yet (a fresh peer): every ETA counts, the stranger's too
+    assert TrainingPeer._inner_deadline(me, SwarmView("me", [stranger])) <= now + 0.1  # type: ignore[arg-type]
 
 
 def test_a_newcomer_downloads_state_from_the_most_advanced_peer_with_the_fastest_link() -> None:
