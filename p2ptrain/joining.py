@@ -240,7 +240,8 @@ class Joiner:
             snapshot = self._download(donor, drawn_from)
             if snapshot is None:
                 continue
-            if not fresh and snapshot.round < state.round:  # a donor that did not move on (done, or stuck)
+            # a donor that did not move on (done, or stuck); when we ran ahead, the swarm's round is behind ours
+            if not fresh and not drawn_from.ran_ahead and snapshot.round < state.round:
                 logger.info(f"the state of {donor.peer_id} is of round {snapshot.round}, before ours: not taken")
                 continue
             verdict = self._corroborate(snapshot, donor, drawn_from, own_loss)

@@ -285,6 +285,24 @@ def test_a_lead_taken_in_a_round_or_two_does_not_send_a_peer_back():
     assert joiner._unless_too_soon(joiner.choose(SwarmView("me", [record("p1", 27)]))).donors  # catching up: at once
 
 
+def test_a_diloco_peer_that_ran_ahead_takes_the_swarms_state_of_an_earlier_round():
+    """Seen on the netns testnet: a peer that averaged alone from round 0 ran 9 rounds ahead, found it had, and
+    refused each donor's state as 'of round 0, before ours', round after round: it averaged alone all run."""
+    joiner, _ = joiner_seeing([])
+    state = PeerState([], types.SimpleNamespace(set_params_=lambda _tensors: None),  # type: ignore[arg-type]
+                      types.SimpleNamespace(rounds_count_own_steps=False, load_state_tensors_=lambda _tensors: None))
+    state.round, state.joined_ever = 26, True
+    joiner.peer.state = state
+    joiner.peer.announcer = types.SimpleNamespace(record=types.SimpleNamespace(val_loss=3.0))
+    joiner.ran_ahead_rounds = RAN_AHEAD_ROUNDS - 1  # this read is the RAN_AHEAD_ROUNDS-th in a row
+    joiner._download = lambda donor, choice: StateSnapshot({"round": 23}, (), ())  # type: ignore[method-assign]
+    joiner._corroborate = lambda *_args: Verdict(True, "by hand")  # type: ignore[method-assign]
+    decision = joiner.catch_up_(SwarmView("me", [record("p1", 23), record("p2", 23)]))
+    assert decision.snapshot is not None and decision.donor in {"p1", "p2"}
+    state.take_(decision)
+    assert state.round == 23 and state.synced
+
+
 def gossip_joiner_refusing(refusals: int) -> tuple[Joiner, types.SimpleNamespace, list[int]]:
     """A fresh GASLoC peer's Joiner whose every candidate state is refused `refusals` times, then accepted (to
     round 40); also the rounds at which it tried."""
