@@ -18,6 +18,10 @@ LOSS_SLACK = 0.05  # absolute slack on the validation-loss check: a few held-out
 # a peer that ran ahead alone took more steps than the swarm it rejoins: the swarm's state may be this much worse
 # than its own (by about a fifth; 1.5 leaves a margin). A liar majority can cost it no more than this
 RAN_AHEAD_LOSS_FACTOR = 1.5
+# a state refused for its loss alone costs its donor a ban at once only beyond this many times our loss (−5·θ_0 of
+# the tiny model scores 2.0 to 2.3×); short of it, it is what an honest peer that averaged alone a few rounds serves
+# (3.32 against 2.79 on the netns testnet: both fast peers banned an honest donor), and pays "worse_state"
+FAR_WORSE_LOSS_FACTOR = 1.5
 # an honest outer momentum grows by at most one round's Δ a round, and peers' differ by their own Δs in gossip modes
 OUTER_NORM_FACTOR = 4.0
 
@@ -268,10 +272,13 @@ def own_loss_bound(own: float, ours_is_the_odd_one: bool) -> float:
 def judge_loss(loss: float, own: float, claimed: float | None, tolerance: float) -> Verdict:
     """Refuse a state whose validation loss is worse than our own state's, or than the median other peers claim,
     by more than `tolerance` (relative) + LOSS_SLACK. Only the first is blamed on the donor: it is our own
-    measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned."""
-    for reference, whose, offence in ((own, "ours", "wrong_state"), (claimed, "the swarm's", None)):
+    measurement, while in a small swarm one liar's low claim could otherwise get an honest donor banned. Blamed
+    as a lie ("wrong_state") beyond FAR_WORSE_LOSS_FACTOR × ours, as a lone state ("worse_state") short of it."""
+    for reference, whose, blamed in ((own, "ours", True), (claimed, "the swarm's", False)):
         limit = math.inf if reference is None else reference * (1 + tolerance) + LOSS_SLACK
         if not loss <= limit:  # NaN fails too
+            far = not loss <= FAR_WORSE_LOSS_FACTOR * own
+            offence = None if not blamed else "wrong_state" if far else "worse_state"
             return Verdict(False, f"its validation loss {loss:.3f} is above {limit:.3f} ({whose} {reference:.3f})",
                            offence=offence)
     swarm = "" if claimed is None else f", the swarm's {claimed:.3f}"

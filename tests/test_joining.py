@@ -599,7 +599,13 @@ def test_the_loss_check_refuses_the_poison_and_keeps_honest_noise():
     assert judge_loss(2.9, own=2.8, claimed=claimed, tolerance=0.1).accepted  # below 2.70 × 1.1 + 0.05 = 3.02
     assert not judge_loss(math.nan, own=2.8, claimed=None, tolerance=0.1).accepted
     assert judge_loss(2.7, own=5.27, claimed=None, tolerance=0.1).accepted  # a fresh peer: θ_0's loss is the bar
-    assert not judge_loss(12.3, own=5.27, claimed=None, tolerance=0.1).accepted  # the tiny model's −5·θ_0
+    assert judge_loss(12.3, own=5.27, claimed=None, tolerance=0.1).offence == "wrong_state"  # the tiny model's −5·θ_0
+    # a lone honest state scored worse than ours (the netns testnet, 4 peers, one on 64 kbit/s: both fast peers
+    # banned an honest donor for this at once): refused, and it costs its donor a third of a ban
+    lone = judge_loss(3.322, own=2.785, claimed=None, tolerance=0.1)
+    assert not lone.accepted and lone.offence == "worse_state"
+    assert judge_loss(3.322, own=2.785, claimed=2.0, tolerance=0.1).offence == "worse_state"  # ours is the bar
+    assert judge_loss(2.9, own=2.8, claimed=2.0, tolerance=0.1).offence is None  # the swarm's claim blames no one
     assert median_claim([None]) is None
 
 
@@ -648,7 +654,7 @@ def test_a_state_the_synced_peers_of_its_round_hold_is_the_swarms_even_when_our_
         verdict.detail
     _, judge_even_vote = corroborating_joiner(THETA, swarm, 1, {"own": 3.976, "swarm": 4.476})
     verdict = judge_even_vote(snapshot)  # 1 of 3 holds it (with the donor, 2 against 2): the usual bar
-    assert not verdict.accepted and verdict.offence == "wrong_state" and verdict.detail.endswith("(ours 3.976)")
+    assert not verdict.accepted and verdict.offence == "worse_state" and verdict.detail.endswith("(ours 3.976)")
     _, judge_poison = corroborating_joiner(THETA, swarm, 3, {"own": 3.976, "swarm": 12.3})
     verdict = judge_poison(snapshot)
     assert not verdict.accepted and verdict.offence is None

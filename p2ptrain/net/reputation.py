@@ -56,6 +56,9 @@ OFFENCES: dict[str, float] = {
     # a state its round's synced peers do not hold, yet no worse than ours on our batches: what an honest donor serves
     # whose all-reduce split from its round's majority, until its next round shows it (sync/state_evidence.py)
     "unsynced_state": 2.5,  # a second within 88 s bans
+    # a state neither held nor outvoted by witnesses, worse than ours on our batches but short of a lie's loss: what
+    # an honest peer that averaged alone a few rounds serves; the third within a half-life bans
+    "worse_state": 1.5,
     "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
     "equivocated": 4.0,  # sent members of one all-reduce different values (their reports disagree, no majority)
     # a reduce-scatter's chunk mean that is not the CenteredClip of the inputs its owner reduced, or a sketch of a
