@@ -97,3 +97,45 @@ def test_a_slow_link_peer_takes_fewer_steps_sends_8_bit_and_fast_peers_do_not_wa
     assert sum(1 for a, _, _ in slow_links if a == SLOW) >= 3, "the slow peer should reach the fast ones itself"
     for peer_rows in rows.values():
         assert min(r["val_loss"] for r in peer_rows[1:]) < peer_rows[0]["val_loss"]
+
+
+DILOCO_FAST, DILOCO_SLOW = ("peer0", "peer1", "peer2"), "peer3"
+SLOW_MEMBER = {
+    "peers": 4, "duration_s": 45, "bandwidth": ["20mbit", "20mbit", "20mbit", "64kbit"],
+    "peer_config": {
+        "model": {"name": "tiny", "max_seq_len": 64},
+        "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2},
+        "inner": {"steps": 20},
+        "sync": {"mode": "diloco"},
+    },
+    # the slow member may spend the run downloading the state at 8 kB/s: its loss is not checked
+    "checks": {"loss_fell": False},
+}
+
+
+def test_a_diloco_member_on_64_kbit_leaves_the_fast_members_averaging_all_together(
+        netns_ok: None, tmp_path: Path) -> None:
+    """Issue 31: with one of 4 DiLoCo peers on 64 kbit/s, the fast three averaged as three only in round 0, then
+    alone or in pairs. Each of their DHT reads waited for the slow member's node until the read's patience ran out
+    (hivemind's 3 s request timeout equalled it): stale views, rounds averaged alone, peers running ahead and
+    catching up by download: 2 of 13 to 2 of 17 of each fast peer's rounds as three, 2 to 5 read time-outs each
+    (netns testnet, 100 s). With the request timeout at half the patience: 23 of 36 to 23 of 28, none."""
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump(SLOW_MEMBER))
+    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(scenario), workdir=str(tmp_path),
+                                               timeout_s=300, name_prefix="slowm"))
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert ok and report["passed"], [c for c in report["checks"] if not c["passed"]]
+    rows = {peer: read_metrics(tmp_path / f"{peer}.jsonl") for peer in DILOCO_FAST}
+    together = {peer: [r["peers_averaged"] for r in peer_rows[1:]] for peer, peer_rows in rows.items()}
+    for peer, sizes in together.items():
+        assert len(sizes) >= 5, together
+        # all three in many rounds (seen: 5 of 10 to 6 of 8 here; a round the slow member surfaces in still costs an
+        # exchange deadline); never a group with the slow member (it cannot send its Δ within a round)
+        assert sum(size == 3 for size in sizes) >= 0.4 * len(sizes), together
+        assert max(sizes) <= 3, together
+        losses = [r["val_loss"] for r in rows[peer]]
+        assert losses[-1] < losses[0], (peer, losses)
+    timeouts = [line for peer in DILOCO_FAST for line in (tmp_path / f"{peer}.log").read_text().splitlines()
+                if "the DHT did not answer" in line]
+    assert len(timeouts) <= 2, timeouts

@@ -21,6 +21,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2ptrain.errors import ConfigError
 from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.bootstrap import BootstrapNode
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
@@ -330,6 +331,24 @@ def test_a_flood_under_foreign_keys_or_of_large_values_is_not_stored() -> None:
         for i in range(MAX_GROUP_RECORDS + 20):
             store(group_key, size=1, subkey=f"sybil-{i}".encode())
         assert len(reader.run_coroutine(functools.partial(_stored_subkeys, key=group_key))) == MAX_GROUP_RECORDS
+
+
+async def _request_timeout(_dht: object, node: Any) -> float:
+    return float(node.protocol.wait_timeout)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_node_gives_up_on_a_late_dht_node_within_the_configured_request_timeout() -> None:
+    """hivemind's 3 s default equalled a DiLoCo read's patience: one member on 64 kbit/s made every read of the
+    fast peers time out (netns testnet; `network.dht_request_timeout_s`)."""
+    node = start_dht(NetworkConfig.loopback(dht_request_timeout_s=0.7))
+    try:
+        assert node.run_coroutine(_request_timeout) == pytest.approx(0.7)
+    finally:
+        node.shutdown()
+    with pytest.raises(ConfigError, match="network.dht_request_timeout_s must be > 0"):
+        NetworkConfig(dht_request_timeout_s=0.0)
 
 
 @pytest.mark.network

@@ -54,6 +54,11 @@ class NetworkConfig:
     heartbeat_s: float = TICK_S  # how often the peer record is refreshed
     record_ttl_s: float = 8 * TICK_S  # a peer whose record is older than this (8 default heartbeats) is gone
     startup_timeout_s: float = PATIENCE_S  # time to start the daemon (seconds), and for its processes to answer
+    # a DHT node that has not answered one of our requests within this long is skipped for it (hivemind's
+    # `wait_timeout`). Its default, 3 s, equals a DiLoCo read's patience (`sync.matchmaking_s`): one member on a
+    # 64 kbit/s link, whose node answers late, made the fast peers' reads time out and split them into pairs.
+    # Half the patience lets a read skip a late node and still finish
+    dht_request_timeout_s: float = 1.5
     # seconds to reach the initial peers (at most startup_timeout_s). p2pd dials them one after another and gives each
     # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers take
     # 20 s to fail. 12 leaves room for two of them ahead of a live one (and hivemind's 3 s ping); a healthy join takes
@@ -69,6 +74,8 @@ class NetworkConfig:
             parse_maddr(maddr)
         if not self.host_maddrs:
             raise ConfigError("network.host_maddrs must list at least one address, e.g. /ip4/0.0.0.0/tcp/31337")
+        if not self.dht_request_timeout_s > 0:
+            raise ConfigError(f"network.dht_request_timeout_s must be > 0 (seconds), got {self.dht_request_timeout_s}")
         if self.admission not in ADMISSION_MODES:
             raise ConfigError(f"network.admission must be one of {', '.join(ADMISSION_MODES)}, got {self.admission!r}")
         if self.admission == "signed" and not self.organiser_key:
@@ -172,6 +179,7 @@ def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
             use_auto_relay=False,
             client_mode=config.client_mode,
             startup_timeout=config.startup_timeout_s,
+            wait_timeout=config.dht_request_timeout_s,
             start=True,
             await_ready=False,
             **dht_kwargs,
