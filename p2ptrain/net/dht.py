@@ -55,10 +55,11 @@ class NetworkConfig:
     record_ttl_s: float = 8 * TICK_S  # a peer whose record is older than this (8 default heartbeats) is gone
     startup_timeout_s: float = PATIENCE_S  # time to start the daemon (seconds), and for its processes to answer
     # a DHT node that has not answered one of our requests within this long is skipped for it (hivemind's
-    # `wait_timeout`). Its default, 3 s, equals a DiLoCo read's patience (`sync.matchmaking_s`): one member on a
-    # 64 kbit/s link, whose node answers late, made the fast peers' reads time out and split them into pairs.
-    # Half the patience lets a read skip a late node and still finish
-    dht_request_timeout_s: float = 1.5
+    # `wait_timeout`; 3 s is its default). That equals a DiLoCo read's patience (`sync.matchmaking_s`): one member on
+    # 64 kbit/s, whose node answers late, times the fast peers' reads out and splits them; 1.5 s (half the patience)
+    # lets a read skip it (docs/design.md, Discovery). Not the default: on 2 loaded cores, answers of nodes that were
+    # merely busy came later than 1.5 s and a loopback GASLoC swarm fell apart (1 of 4 runs, and one CI run)
+    dht_request_timeout_s: float = 3.0
     # seconds to reach the initial peers (at most startup_timeout_s). p2pd dials them one after another and gives each
     # that accepts a connection but never answers (a frozen peer, a firewall that drops) 5 s: four such peers take
     # 20 s to fail. 12 leaves room for two of them ahead of a live one (and hivemind's 3 s ping); a healthy join takes
