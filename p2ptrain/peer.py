@@ -29,7 +29,7 @@ from p2ptrain.corpus import corpus_digest
 from p2ptrain.data import build_tokenizer, corpus_source, shard_for_peer
 from p2ptrain.device import resolve_device
 from p2ptrain.errors import CheckpointError, UserError, one_line
-from p2ptrain.join_rules import peers_to_outnumber
+from p2ptrain.join_rules import peers_to_outnumber, voters
 from p2ptrain.joining import Joiner
 from p2ptrain.manifest import RunManifest
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
@@ -472,10 +472,9 @@ class TrainingPeer:
             return math.inf
         records = [r for r in view.at_round(self.state.round)
                    if r.phase in ("inner", "sync") and r.round_eta > 0 and not self.reputation.is_banned(r.peer_id)]
-        vouched = self.contributions.vouches_for
-        if any(vouched(r.peer_id) for r in view.others):
-            records = [r for r in records if vouched(r.peer_id)]
-        etas = [r.round_eta for r in records]
+        # who counts among all live peers, not among this round's: there the identity may be alone
+        counted = {r.peer_id for r in voters(view.others, self.contributions.vouches_for)}
+        etas = [r.round_eta for r in records if r.peer_id in counted]
         if not etas:
             return math.inf
         return time.monotonic() + max(0.0, max(etas) - get_dht_time())
