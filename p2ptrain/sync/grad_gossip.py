@@ -202,13 +202,15 @@ class GradGossip:
 
     def clip_partner(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor],
                      header: dict[str, Any]) -> list[torch.Tensor]:
-        """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised."""
+        """What we mix in place of the partner's s: s_i + clip(s_j − s_i, τ); a partner clipped hard is penalised,
+        and its value not mixed at all (s_i stands in for it)."""
         if self.clip is None:
             return theirs
         clipped, gap, hard = self.clip.clip(partner, theirs, rnd.sent, rnd.own_scale)
         if hard and rnd.own_scale > 0:
             self.reputation.penalise(partner, "clipped", f"outer gradient {gap:.3g} from ours, ‖ours‖ "
                                                          f"{rnd.own_scale:.3g}")
+            return [s.clone() for s in rnd.sent]
         return clipped
 
     # ---- outer state ----------------------------------------------------------------------------------------------

@@ -304,7 +304,8 @@ class ParamGossip:
     def clip_value(self, partner_id: str, theirs: list[torch.Tensor], own: list[torch.Tensor],
                    their_round: object = None) -> list[torch.Tensor]:
         """own + clip(theirs − own, τ); a hard clip is penalised once τ has a yardstick (before our first step honest
-        partners may well be far) unless drift explains it (`their_round`: its header's claim; maths/drift_excuse)."""
+        partners may well be far) unless drift explains it (`their_round`: its header's claim; maths/drift_excuse),
+        and a penalised value is not mixed at all: `own` stands in for it."""
         if self.clip is None:
             return theirs
         known = self.yardstick()
@@ -313,6 +314,7 @@ class ParamGossip:
         if hard and known is not None and self._round >= self._quiet_until:
             self.reputation.penalise(partner_id, "clipped",
                                      f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
+            return [o.clone() for o in own]
         return clipped
 
     # ---- initiator and links ---------------------------------------------------------------------------------------
