@@ -12,14 +12,14 @@ their round 2 on:
   slow        not a lie: the k peers' links at 64 kbit/s (both ways), the others' at the fast rate
 Defences on = the defaults; off = `sync.robust: false` (plain means, no adaptive clip, no distance judgement) and a
 ban score no offence reaches. GASLoC keeps its fixed 10× partner bound either way, which refuses sign_flip and scale
-outright. A slow member has no defence switch: its row runs once, with the defaults.
+outright. A slow member has no defence switch: it has one row, with the defaults.
 
 Each row: the honest peers' mean final validation loss (8 held-out batches), its gap to the clean defended run (the
 N − k honest peers alone: an attacker's lost work is not the defences' cost), the rounds after the attack's start by
 which every honest peer had banned every attacker, and the share of the honest peers' rounds averaged alone. Target
 (issue 31): every "on" row within 5 % of clean with 1 of 4 attackers (10 % with 2 of 8), every "off" row of a lie
-beyond it. One run a row: the noise of the clean rows on and off is the scale against which a gap of a few per cent
-reads.
+beyond it. `--repeats` runs each row that many times and averages them; the clean rows' spread over their runs is
+the noise against which a gap of a few per cent reads.
 
     sudo python benchmarks/robustness_netns.py                            # 4 peers, 1 attacker, 30 rounds
     sudo python benchmarks/robustness_netns.py --peers 8 --attackers 2
@@ -139,21 +139,32 @@ def judge(rows: list[dict[str, Any]], target: float) -> None:
 
 
 def table(rows: list[dict[str, Any]], target: float) -> str:
-    lines = [f"| mode | class | defences | honest val loss | gap to clean | target ({target:.0%}) | "
-             "rounds to ban | averaged alone | honest rounds |", "|---" * 9 + "|"]
+    lines = [f"| mode | class | defences | honest val loss (± half the peers' range; runs) | gap to clean | "
+             f"target ({target:.0%}) | rounds to ban | averaged alone | honest rounds |", "|---" * 9 + "|"]
     for r in rows:
         ban = "never" if r["rounds_to_ban"] is None else str(r["rounds_to_ban"])
         if r["class"] in ("clean", "slow"):
             ban = "—"
         verdict = ("within" if r["gap"] <= target else "beyond") + ("" if r["meets_target"] else " ✗")
+        runs = "; " + ", ".join(f"{loss:.3f}" for loss in r["run_losses"]) if len(r.get("run_losses", ())) > 1 else ""
         lines.append(f"| {r['mode']} | {r['class']} | {r['defences']} | {r['honest_val_loss']:.4f} "
-                     f"(±{r['honest_val_loss_spread'] / 2:.3f}) | {r['gap']:+.1%} | {verdict} | {ban} | "
+                     f"(±{r['honest_val_loss_spread'] / 2:.3f}{runs}) | {r['gap']:+.1%} | {verdict} | {ban} | "
                      f"{r['alone']:.0%} | {r['honest_rounds']:.0f} |")
     return "\n".join(lines)
 
 
-def run_row(mode: str, kind: str | None, defended: bool, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    name = f"{mode}-{kind or 'clean'}-{'on' if defended else 'off'}"
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its repeated runs: the means, the slowest ban (never if any run never banned), each run's loss."""
+    bans = [r["rounds_to_ban"] for r in runs]
+    means = {key: statistics.fmean(r[key] for r in runs)
+             for key in ("honest_val_loss", "honest_val_loss_spread", "alone", "honest_rounds", "wall_s")}
+    return runs[0] | means | {"rounds_to_ban": None if None in bans else max(bans),
+                              "run_losses": [r["honest_val_loss"] for r in runs]}
+
+
+def run_row(mode: str, kind: str | None, defended: bool, args: argparse.Namespace, workdir: Path,
+            repeat: int = 0) -> dict[str, Any]:
+    name = f"{mode}-{kind or 'clean'}-{'on' if defended else 'off'}" + (f"-{repeat}" if repeat else "")
     scenario_path = workdir / f"{name}.yaml"
     scenario_path.write_text(yaml.safe_dump(scenario(mode, kind, defended, args.peers, args.attackers, args.rounds,
                                                      args.fast_mbit)))
@@ -180,17 +191,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--fast-mbit", type=float, default=50.0, help="every link's rate but the slow members'")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
-    parser.add_argument("--classes", default=",".join(CLASSES), help=f"of {', '.join(CLASSES)}")
+    parser.add_argument("--classes", default=",".join(CLASSES), help=f"of {', '.join(CLASSES)} (none: the clean "
+                                                                     "rows alone)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each row, averaged (the clean rows' spread "
+                                                               "over them is the noise)")
     parser.add_argument("--row-timeout-s", type=int, default=600)
     parser.add_argument("--keep", default=None, help="write the scenarios, logs and reports here, and keep them")
     parser.add_argument("--output", default=None, help="JSON path (default: benchmarks/results/robustness_netns"
                                                        "[_PEERSpATTACKERS].json, and .md beside it)")
     args = parser.parse_args(argv)
-    unknown = (set(args.modes.split(",")) - set(MODES)) | (set(args.classes.split(",")) - set(CLASSES))
+    unknown = (set(args.modes.split(",")) - set(MODES)) | (set(args.classes.split(",")) - {*CLASSES, "none"})
     if unknown:
         parser.error(f"unknown mode or class: {', '.join(sorted(unknown))}")
-    if not 1 <= args.attackers < args.peers / 2 or args.rounds <= ATTACK_FROM_ROUND:
-        parser.error(f"--attackers must be at least 1 and under half of --peers, --rounds above {ATTACK_FROM_ROUND}")
+    if not 1 <= args.attackers < args.peers / 2 or args.rounds <= ATTACK_FROM_ROUND or args.repeats < 1:
+        parser.error(f"--attackers must be at least 1 and under half of --peers, --rounds above {ATTACK_FROM_ROUND}, "
+                     "--repeats at least 1")
     return args
 
 
@@ -201,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="p2ptrain-robust-") as tmp:
         workdir = Path(args.keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        rows = [run_row(mode, kind, defended, args, workdir)
-                for mode, kind, defended in rows_to_run(args.modes.split(","), args.classes.split(","))]
+        classes = [] if args.classes == "none" else args.classes.split(",")
+        rows = [merged([run_row(mode, kind, defended, args, workdir, repeat) for repeat in range(args.repeats)])
+                for mode, kind, defended in rows_to_run(args.modes.split(","), classes)]
     judge(rows, target)
     text = table(rows, target)
     print(text)

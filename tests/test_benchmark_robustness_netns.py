@@ -80,7 +80,20 @@ def test_on_rows_meet_the_target_within_it_and_off_rows_of_a_lie_beyond_it() -> 
     assert text.count("\n") == len(rows) + 1
 
 
-@pytest.mark.parametrize("argv", [["--modes", "gasloc,bogus"], ["--classes", "nan"], ["--attackers", "2"],
+def test_repeated_runs_of_a_row_average_and_the_slowest_ban_counts() -> None:
+    run = {"mode": "diloco", "class": "aimed", "defences": "on", "honest_val_loss_spread": 0.1, "alone": 0.0,
+           "honest_rounds": 30, "wall_s": 30.0}
+    row = bench.merged([run | {"honest_val_loss": 2.0, "rounds_to_ban": 1},
+                        run | {"honest_val_loss": 2.3, "rounds_to_ban": 2}])
+    assert row["honest_val_loss"] == pytest.approx(2.15) and row["rounds_to_ban"] == 2
+    assert row["run_losses"] == [2.0, 2.3]
+    assert bench.merged([run | {"honest_val_loss": 2.0, "rounds_to_ban": 1},
+                         run | {"honest_val_loss": 2.0, "rounds_to_ban": None}])["rounds_to_ban"] is None
+    bench.judge([row], 0.05)
+    assert "2.1500 (±0.050; 2.000, 2.300)" in bench.table([row], 0.05)
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--modes", "gasloc,bogus"], ["--classes", "nan"], ["--attackers", "2"],
                                   ["--attackers", "0"], ["--rounds", "2"]])
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
