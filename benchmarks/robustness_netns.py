@@ -227,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output) if args.output else RESULTS / f"{default_name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {"command": " ".join(["python", *sys.argv]), "peers": args.peers, "attackers": args.attackers,
-                "rounds": args.rounds, "fast_mbit": args.fast_mbit, "target": target,
+                "rounds": args.rounds, "repeats": args.repeats, "fast_mbit": args.fast_mbit, "target": target,
                 "wall_s": time.time() - started}
     output.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     output.with_suffix(".md").write_text(
         f"# Robustness on the real path (netns testnet)\n\n`{settings['command']}`: {args.peers} peers of the tiny "
         f"model, {args.attackers} attacking from round {ATTACK_FROM_ROUND}, {args.rounds} rounds of 10 inner steps, "
-        f"{args.fast_mbit:g} Mbit/s links, one run a row on 2 shared cores ({settings['wall_s'] / 60:.0f} min).\n\n"
+        f"{args.fast_mbit:g} Mbit/s links, {args.repeats} run(s) a row averaged, on 2 shared cores "
+        f"({settings['wall_s'] / 60:.0f} min).\n\n"
         f"{text}\n")
     return 0
 

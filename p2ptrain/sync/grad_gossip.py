@@ -22,9 +22,9 @@ Everything here runs on the peer's event loop; `Mix2Round`'s methods never await
 Partners are untrusted (docs/threat-model.md): a partner's s must decode, be finite and lie within
 `max_partner_distance` × ‖s_i‖ of ours (else the exchange fails and, on our side as initiator, the partner is
 penalised); with `sync.robust` it is then clipped to τ from s_i (maths/robust.py, τ's yardstick ‖s_i‖), so an exchange
-moves m_i by at most w·τ, and a partner clipped hard is penalised. A partner opens at most one exchange with us per
-round, committed or not. The s we send is formed by `outgoing`. Clipping gives up the exact Σ_i m_i = Σ_i s_i for
-pairs farther apart than τ.
+moves m_i by at most w·τ, and a partner clipped hard is penalised and not mixed. A partner opens at most one exchange
+with us per round, committed or not. The s we send is formed by `outgoing`. Clipping gives up the exact Σ_i m_i = Σ_i
+s_i for pairs farther apart than τ.
 """
 
 from __future__ import annotations

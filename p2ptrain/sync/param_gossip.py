@@ -8,10 +8,11 @@ smaller of the two ends' own weights (the responder answers the one it uses). Va
 a reference every peer holds (the run's seeded initial parameters), as 16-bit differences by default.
 
 Partners are untrusted (docs/threat-model.md). What a partner sends must decode, be finite and lie within
-`max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is
-then clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ; τ's
-yardstick is how far our own step moved our base, mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1.
-A partner opens a bounded number of exchanges with us per round (`OfferLimit`).
+`max_partner_distance` × our norm, else the exchange fails and the partner is penalised. With `sync.robust` it is then
+clipped to τ from our value (maths/robust.py, ClippedGossip), so one exchange moves us by at most w·τ (and not at all
+when the partner is clipped hard, an offence: `clip_value`); τ's yardstick is how far our own step moved our base,
+mixing excluded: η‖Δ‖ in GASLoC, the last outer step in Mix1. A partner opens a bounded number of exchanges with us per
+round (`OfferLimit`).
 
 The exchanges run on sync/exchange_driver.py: each mix we start is a `ParamOffer` (our value, sent to up to
 `gossip_peers` partners), and what we answer in a round is a `ParamAnswers` (one exchange at a time, from our public
