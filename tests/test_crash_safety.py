@@ -19,6 +19,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from p2ptrain.errors import ConfigError, UserError
+from p2ptrain.net import dht as dht_module
 from p2ptrain.net.dht import NetworkConfig, start_dht
 
 pytestmark = [pytest.mark.network]
@@ -140,6 +141,48 @@ def test_only_dead_initial_peers_fail_in_one_line_within_15_s(dead: str, tmp_pat
     assert "\n" not in str(error.value) and str(error.value).startswith("cannot join the swarm through")
     _gone, alive = psutil.wait_procs(daemons_of(psutil.Process()), timeout=GONE_WITHIN_S)
     assert alive == [], "a p2pd daemon outlived the failed start"
+
+
+class FlakyNode:
+    """A DHT node whose start fails as hivemind's does when reached initial peers answer no ping, `fails` times."""
+
+    started: list[FlakyNode] = []
+    fails = 1
+    error = f"DHTNode bootstrap failed: {dht_module.UNANSWERED_PINGS}. (set ensure_bootstrap_success=False to ignore)"
+
+    def __init__(self, **_kwargs: object):
+        self.killed = False
+        FlakyNode.started.append(self)
+
+    def wait_until_ready(self, timeout: float) -> None:
+        assert timeout > 0
+        if len(FlakyNode.started) <= FlakyNode.fails:
+            raise RuntimeError(FlakyNode.error)
+
+
+@pytest.mark.parametrize("fails, error, joins", [
+    (1, FlakyNode.error, True),  # a busy bootstrap: the join starts again
+    (1000, FlakyNode.error, False),  # never answers: one line once the join's time is spent
+    (1, "p2pd exited", False),  # anything else fails at once
+])
+def test_a_join_whose_pings_went_unanswered_starts_again_within_the_join_timeout(
+        fails: int, error: str, joins: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    FlakyNode.started, FlakyNode.fails = [], fails
+    monkeypatch.setattr(FlakyNode, "error", error)
+    monkeypatch.setattr(dht_module, "SwarmDHT", FlakyNode)
+    monkeypatch.setattr(dht_module, "_kill", lambda node: setattr(node, "killed", True))
+    config = NetworkConfig.loopback(join_timeout_s=1.0, dht_request_timeout_s=0.05)
+    if joins:
+        node = dht_module._launch(config, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], "unused", {})
+        assert node is FlakyNode.started[-1] and len(FlakyNode.started) == 2 and FlakyNode.started[0].killed
+        return
+    with pytest.raises(UserError, match="^cannot join the swarm through /ip4/127.0.0.1/tcp/1/p2p/QmPeer: ") as failed:
+        dht_module._launch(config, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], "unused", {})
+    assert "\n" not in str(failed.value) and all(node.killed for node in FlakyNode.started)
+    if dht_module.UNANSWERED_PINGS in error:  # tried a ping's time apart until under two were left
+        assert 2 < len(FlakyNode.started) <= 1.0 / 0.05
+    else:
+        assert len(FlakyNode.started) == 1
 
 
 @pytest.mark.slow

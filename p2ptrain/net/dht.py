@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from collections.abc import Sequence
 
 import hivemind
@@ -25,6 +26,8 @@ from p2ptrain.net.record_shards import SHARD_TARGET
 from p2ptrain.timing import PATIENCE_S, TICK_S
 
 logger = logging.getLogger(__name__)
+# what hivemind's DHTNode.create raises when initial peers were reached but none answered its one ping
+UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -164,36 +167,45 @@ def _share_memory_by_descriptor() -> None:
 def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
             dht_kwargs: dict[str, object]) -> SwarmDHT:
     """Start the node and wait until it is ready, within `join_timeout_s` when it joins through initial peers; any
-    failure is a one-line UserError, and leaves neither the node's process nor its p2pd behind."""
+    failure is a one-line UserError, and leaves neither the node's process nor its p2pd behind. A join whose initial
+    peers were reached but answered no ping in time (hivemind pings once, for `dht_request_timeout_s`: a busy
+    bootstrap) starts again while the join's time lasts."""
     ready_s = config.join_timeout_s if initial_peers else config.startup_timeout_s
+    deadline = time.monotonic() + ready_s
     failure = f"cannot join the swarm through {', '.join(initial_peers)}" if initial_peers else \
         f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}"
-    try:
-        dht = SwarmDHT(
-            initial_peers=initial_peers,
-            host_maddrs=list(config.host_maddrs),
-            announce_maddrs=list(config.announce_maddrs) or None,
-            identity_path=identity_path,
-            nat_port_map=config.nat_port_map,
-            auto_nat=config.auto_nat,
-            use_relay=config.use_relay,
-            use_auto_relay=False,
-            client_mode=config.client_mode,
-            startup_timeout=config.startup_timeout_s,
-            wait_timeout=config.dht_request_timeout_s,
-            start=True,
-            await_ready=False,
-            **dht_kwargs,
-        )
-    except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
-        raise UserError(f"{failure}: {one_line(e)}") from None
-    try:
-        dht.wait_until_ready(ready_s)
-    except Exception as e:  # whatever the node's process reports is a failure to start; a bare TimeoutError is ours
-        _kill(dht)
-        late = "no initial peer answered" if initial_peers else "the daemon did not start"
-        raise UserError(f"{failure}: {one_line(e) if str(e) else f'{late} within {ready_s:.0f} s'}") from None
-    return dht
+    while True:
+        try:
+            dht = SwarmDHT(
+                initial_peers=initial_peers,
+                host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) or None,
+                identity_path=identity_path,
+                nat_port_map=config.nat_port_map,
+                auto_nat=config.auto_nat,
+                use_relay=config.use_relay,
+                use_auto_relay=False,
+                client_mode=config.client_mode,
+                startup_timeout=config.startup_timeout_s,
+                wait_timeout=config.dht_request_timeout_s,
+                start=True,
+                await_ready=False,
+                **dht_kwargs,
+            )
+        except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
+            raise UserError(f"{failure}: {one_line(e)}") from None
+        try:
+            dht.wait_until_ready(max(deadline - time.monotonic(), 0.1))
+            return dht
+        except Exception as e:  # whatever the node's process reports is a failure to start; a bare TimeoutError is ours
+            _kill(dht)
+            if UNANSWERED_PINGS in str(e) and time.monotonic() + 2 * config.dht_request_timeout_s < deadline:
+                logger.info("no initial peer answered a ping within %.1f s; joining again",
+                            config.dht_request_timeout_s)
+                time.sleep(config.dht_request_timeout_s)  # a ping refused at once must not spin up daemons
+                continue
+            late = "no initial peer answered" if initial_peers else "the daemon did not start"
+            raise UserError(f"{failure}: {one_line(e) if str(e) else f'{late} within {ready_s:.0f} s'}") from None
 
 
 def _kill(dht: SwarmDHT) -> None:
