@@ -93,8 +93,8 @@ def test_repeated_runs_of_a_row_average_and_the_slowest_ban_counts() -> None:
     assert "2.1500 (±0.050; 2.000, 2.300)" in bench.table([row], 0.05)
 
 
-@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--modes", "gasloc,bogus"], ["--classes", "nan"], ["--attackers", "2"],
-                                  ["--attackers", "0"], ["--rounds", "2"]])
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--modes", "gasloc,bogus"], ["--classes", "nan"],
+                                  ["--attackers", "2"], ["--attackers", "0"], ["--rounds", "2"]])
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         bench.parse_args(argv)
