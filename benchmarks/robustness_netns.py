@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from p2ptrain.metrics import read_metrics  # noqa: E402
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet  # noqa: E402
+from p2ptrain.testnet.report import alone_fraction, averaged_alone  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("gasloc", "diloco")
@@ -118,13 +119,13 @@ def summarise(mode: str, kind: str | None, defended: bool, report: dict[str, Any
     honest = {name: info["rounds"] for name, info in report["peers"].items()
               if name not in judged_out and info["rounds"]}
     final = [rows[-1]["val_loss"] for rows in honest.values()]
-    averaged = [r["peers_averaged"] for rows in honest.values() for r in rows]
+    alone = [averaged_alone(r) for rows in honest.values() for r in rows]
     return {"mode": mode, "class": kind or "clean", "defences": "on" if defended else "off",
             "honest_peers": len(honest), "honest_rounds": statistics.fmean(len(rows) for rows in honest.values()),
             "honest_val_loss": statistics.fmean(final) if final else float("nan"),
             "honest_val_loss_spread": max(final) - min(final) if final else float("nan"),
             "rounds_to_ban": rounds_to_ban(honest, attacker_ids),
-            "alone": sum(size <= 1 for size in averaged) / len(averaged) if averaged else float("nan")}
+            "alone": alone_fraction(alone)}
 
 
 def judge(rows: list[dict[str, Any]], target: float) -> None:

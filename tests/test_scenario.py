@@ -301,6 +301,24 @@ def test_unplanned_exits_unfired_events_and_timeouts_fail(tmp_path: Path) -> Non
     assert not results["finished"].passed
 
 
+def test_averaging_counts_rounds_alone_after_each_lifes_first_and_the_longest_streak(tmp_path: Path) -> None:
+    record = kill_restart_record(tmp_path)
+    checks = ChecksSpec(max_alone_fraction=0.1, max_rounds_alone=3)
+    assert {r.name: r for r in run_checks(record, checks)}["averaging"].passed
+    for r in (0, 2, 3, 4, 5):  # round 0 is a life's first: not counted; rounds 2-5 alone, 4 in a row
+        record.rows["peer0"][r]["peers_averaged"] = 1
+    record.rows["peer0"][5]["mix2_averaged"] = 3  # a Mix2 with partners: round 5 averaged
+    record.rows["peer1"][2]["peers_averaged"] = 1  # the restarted life's first round: not counted
+    result = {r.name: r for r in run_checks(record, checks)}["averaging"]
+    # 3 of 13 counted rounds alone (peer0: 9 after its first; peer1: 1 and 3 in its two lives)
+    assert not result.passed and result.detail == "23% of rounds alone (limit 10%)", result
+    record.rows["peer0"][5]["mix2_averaged"] = 1
+    result = {r.name: r for r in run_checks(record, ChecksSpec(max_rounds_alone=3))}["averaging"]
+    assert not result.passed and result.detail == "peer0 alone 4 rounds in a row (limit 3)", result
+    with pytest.raises(ConfigError, match="max_alone_fraction"):
+        ChecksSpec(max_alone_fraction=1.5)
+
+
 def test_stall_counts_the_tail_unless_the_peer_exited_after_its_last_round(tmp_path: Path) -> None:
     record = kill_restart_record(tmp_path)
     record.lives[0].ended = 150.0  # peer0 logged its last round at t=118 and took 32 s to shut down

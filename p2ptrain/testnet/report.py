@@ -109,6 +109,8 @@ def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
         results.append(check_reachability(record))
     if checks.min_nat_exchanges is not None:
         results.append(check_nat_exchanges(record, checks.min_nat_exchanges))
+    if checks.max_alone_fraction is not None or checks.max_rounds_alone is not None:
+        results.append(check_averaging(record, checks.max_alone_fraction, checks.max_rounds_alone))
     return results
 
 
@@ -233,6 +235,48 @@ def check_loss_fell(record: RunRecord) -> CheckResult:
             shown.append(f"{peer} {first:.3f}->{last:.3f}")
     return CheckResult("loss_fell", not bad, ("" if not bad else f"did not fall for {', '.join(bad)}: ") +
                        ", ".join(shown))
+
+
+def averaged_alone(row: dict[str, Any]) -> bool:
+    """Whether a round averaged with nobody: neither its averaging (all-reduce group, gossip partners) nor a Mix2
+    applied a group of more than the peer itself."""
+    return max(int(row.get("peers_averaged", 1)), int(row.get("mix2_averaged", 0))) <= 1
+
+
+def alone_rounds(record: RunRecord, peer: str) -> list[bool]:
+    """Per round of `peer` after the first of each of its lives, whether it averaged alone."""
+    return [averaged_alone(row) for life in record.lives_of(peer) for row in record.rows_of(life)[1:]]
+
+
+def alone_fraction(rounds: Sequence[bool]) -> float:
+    return sum(rounds) / len(rounds) if rounds else math.nan
+
+
+def longest_alone(rounds: Sequence[bool]) -> int:
+    """The most rounds in a row that averaged alone."""
+    longest = current = 0
+    for alone in rounds:
+        current = current + 1 if alone else 0
+        longest = max(longest, current)
+    return longest
+
+
+def check_averaging(record: RunRecord, max_fraction: float | None, max_in_a_row: int | None) -> CheckResult:
+    """Survivors averaged with someone: in all but `max_fraction` of their rounds (the swarm's, all survivors'
+    rounds together) and never alone more than `max_in_a_row` rounds running."""
+    rounds = {peer: alone_rounds(record, peer) for peer in record.survivors()}
+    every = [alone for peer_rounds in rounds.values() for alone in peer_rounds]
+    if not every:
+        return CheckResult("averaging", False, "no survivor logged a round after its first")
+    fraction = alone_fraction(every)
+    streaks = {peer: longest_alone(peer_rounds) for peer, peer_rounds in rounds.items()}
+    bad = [] if max_fraction is None or fraction <= max_fraction else \
+        [f"{fraction:.0%} of rounds alone (limit {max_fraction:.0%})"]
+    if max_in_a_row is not None:
+        bad += [f"{peer} alone {n} rounds in a row (limit {max_in_a_row})" for peer, n in sorted(streaks.items())
+                if n > max_in_a_row]
+    return CheckResult("averaging", not bad, "; ".join(bad) or f"{fraction:.0%} of {len(every)} rounds alone, at "
+                       f"most {max(streaks.values())} in a row")
 
 
 def check_resumed(record: RunRecord) -> CheckResult:

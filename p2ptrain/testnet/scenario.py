@@ -227,11 +227,17 @@ class ChecksSpec:
     attackers_banned: bool | None = None  # every honest survivor banned every adversary at some point
     reachability: bool | None = None  # every peer's reachability line says what its network makes it
     min_nat_exchanges: int | None = None  # every peer behind NAT completed this many exchanges (group members)
+    # of each survivor's rounds after its first (an overlapped round 0 has nothing to collect), at most this
+    # fraction averaged with nobody (neither the round's averaging nor a Mix2 found a partner)
+    max_alone_fraction: float | None = None
+    max_rounds_alone: int | None = None  # no survivor averaged with nobody in more rounds than this in a row
 
     def __post_init__(self) -> None:
-        for name in ("max_stall_s", "max_consensus_distance", "min_nat_exchanges"):
+        for name in ("max_stall_s", "max_consensus_distance", "min_nat_exchanges", "max_rounds_alone"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"checks.{name} must be > 0 (or null to turn it off), got {getattr(self, name)}")
+        if self.max_alone_fraction is not None and not 0 <= self.max_alone_fraction <= 1:
+            raise ConfigError(f"checks.max_alone_fraction must be in [0, 1] (or null), got {self.max_alone_fraction}")
 
 
 def parse_homes(value: object, where: str = "nat") -> tuple[tuple[str, ...], ...]:
