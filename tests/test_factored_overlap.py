@@ -53,6 +53,9 @@ class HalvingMix2:
         time.sleep(MIX2_S)
         return [d / 2 for d in delta], RoundSync(group_size=2)
 
+    def own_share(self, delta: list[torch.Tensor], context: RoundContext) -> list[torch.Tensor]:
+        return delta
+
     def state_tensors(self) -> list:
         return []
 
@@ -124,8 +127,8 @@ class ExactMeanMix2:
             mean = [(a + b) / 2 for a, b in zip(self.deltas[0], self.deltas[1], strict=True)]
             self.barrier.wait()  # both have read before the next round's deltas land
             return mean, RoundSync(group_size=2)
-        return types.SimpleNamespace(mix=mix, state_tensors=list, load_state_tensors_=lambda tensors: None,
-                                     stop_=lambda: None)
+        return types.SimpleNamespace(mix=mix, own_share=lambda delta, context: delta, state_tensors=list,
+                                     load_state_tensors_=lambda tensors: None, stop_=lambda: None)
 
 
 def test_local_overlap_mix1_gossips_the_point_its_mix2_group_shares():
@@ -173,3 +176,43 @@ def test_a_factored_swarm_with_overlapped_mix2_trains_and_mixes(overlap):
         assert min(m.val_loss for m in history[1:]) < history[0].val_loss
         # round r reports the Mix2 of round r − 1, collected at its end: the group of a mixed round holds others
         assert sum(m.peers_averaged > 1 for m in history[1:]) >= 3
+
+
+class CountingMixer(LoneMixer):
+    """Mix1 that records the rounds it was started in, and hands over a partner's answered pull every round."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    async def mix(self, value: list[torch.Tensor], _live: object, round_: int, **_kwargs: object):
+        self.started.append(round_)
+        return [v + 1.0 for v in value], RoundSync()
+
+    def take_correction_(self) -> list[torch.Tensor]:
+        return [torch.full_like(b, 0.5) for b in self.base]
+
+
+class OwnMix2:
+    """Mix2 with nobody: Δ as it is."""
+
+    def mix(self, delta: list[torch.Tensor], context: RoundContext) -> tuple[list[torch.Tensor], RoundSync]:
+        return delta, RoundSync()
+
+    state_tensors, load_state_tensors_, stop_ = list, (lambda self, tensors: None), (lambda self: None)
+
+
+def test_mix1_starts_every_mix1_every_rounds_and_answered_pulls_land_in_every_round():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    mixer = CountingMixer()
+    sync = FactoredSync(OuterOptimizer(params, OuterConfig(momentum=0.0)), mixer, OwnMix2(),  # type: ignore[arg-type]
+                        types.SimpleNamespace(submit=done), SyncConfig(mode="factored", mix1_every=3))  # type: ignore[arg-type]
+    moved = []
+    for r in range(6):
+        before = params[0].detach().clone()
+        sync.start_round(context(r))
+        sync.finish_round(context(r))  # no inner step: Δ = 0, so θ moves by Mix1's correction alone
+        moved.append(float((params[0].detach() - before)[0]))
+    assert mixer.started == [0, 3]
+    assert moved == [1.5, 0.5, 0.5, 1.5, 0.5, 0.5]  # its own mix (+1) in rounds 0 and 3, answered pulls (+0.5) in all
+    with pytest.raises(Exception, match="mix1_every"):
+        SyncConfig(mode="factored", mix1_every=0)

@@ -28,6 +28,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.net import exchange
+from p2ptrain.net.event_loop import BackgroundLoop
 from p2ptrain.net.exchange import ExchangeOutcome, ExchangeRefused, push_pull, read_payload, serve_exchanges
 from p2ptrain.net.wire import decode_metadata, encode_metadata, payload_bytes, stream_parts
 from p2ptrain.sync import exchange_driver
@@ -35,7 +36,7 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_driver import RoundClosed
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round
-from p2ptrain.sync.interface import ExchangeRecord, RoundSync
+from p2ptrain.sync.interface import ExchangeRecord, RoundContext, RoundSync
 from p2ptrain.sync.refusals import Refusal
 from p2ptrain.timing import POLL_S
 
@@ -309,6 +310,85 @@ def test_error_feedback_buffers_are_outer_state_after_the_momentum() -> None:
         sync.load_state_tensors_(outer_state + deltas(5))
         assert same([t for _, t in sync.state_tensors()], outer_state + deltas(5))
         assert same(g.feedback.residual, deltas(5))
+
+
+class NoMix1:
+    """Factored's Mix1 with no partner (its correction zero), so that θ moves by the outer step alone."""
+
+    round, budget_s, give_up_at = 0, 0.0, 0.0
+
+    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
+        self.base = [b.clone() for b in base]
+
+    async def mix(self, value: list[torch.Tensor], *_args: object, **_kwargs: object) -> tuple[list, RoundSync]:
+        return value, RoundSync()
+
+    def take_correction_(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(b) for b in self.base]
+
+    def take_incoming_stats(self) -> RoundSync:
+        return RoundSync()
+
+
+def test_an_overlapped_compressed_mix2_applies_its_s_at_once_and_the_pulls_a_round_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`overlap: local` with a top-k gossip Mix2: a peer applies its own s (what partners mix) at once, not Δ, whose
+    rest waits in error feedback: applying Δ and taking it back for s a round later moved θ back and forth by the
+    unsent rest (benchmarks/algorithms.py: loss +6 % and +1 % in two seeds). The pulls w(s_j − s_i) follow a round
+    late, and the pair's sum moves by exactly its s values."""
+    lr, names = 0.7, ("a", "b")
+    ids = {n: PeerID(n.encode()).to_base58() for n in names}
+    config = gossip_config(overlap="local")
+    params = {n: [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES] for n in names}
+    loop = BackgroundLoop(name="p2ptrain-test-mix2")
+    gossips = {n: GradGossip(FakeP2P(n), RUN, FINGERPRINT, params[n], config, seed=i)  # type: ignore[arg-type]
+               for i, n in enumerate(names)}
+    fake_network(monkeypatch, {ids[n]: g for n, g in gossips.items()})
+    syncs = {n: FactoredSync(OuterOptimizer(params[n], OuterConfig(lr=lr, momentum=0.0)), NoMix1(),  # type: ignore[arg-type]
+                             GossipMix2(gossips[n], loop, overlapped=True), loop, config) for n in names}
+
+    def theta(n: str) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in params[n]]
+
+    def sent_of(n: str, round_: int) -> list[torch.Tensor]:  # what the round's Mix2 sends: its s
+        for _ in range(500):
+            rnd = gossips[n].current
+            if rnd is not None and rnd.round == round_:
+                return [s.clone() for s in rnd.sent]
+            threading.Event().wait(0.01)
+        raise AssertionError(f"{n}'s Mix2 of round {round_} never started")
+
+    try:
+        start, sent = {n: theta(n) for n in names}, {}
+        for r in range(2):
+            before = {n: theta(n) for n in names}
+            for i, n in enumerate(names):
+                syncs[n].start_round(RoundContext(r, 5, [], 0, 2.0))
+                with torch.no_grad():
+                    for p, d in zip(params[n], deltas(10 * r + i), strict=True):
+                        p.sub_(d)  # the inner phase: Δ = this step
+            results = {n: syncs[n].finish_round(RoundContext(r, 5, [ids[m] for m in names if m != n], 1, 2.0))
+                       for n in names}
+            sent |= {(n, r): sent_of(n, r) for n in names}
+            for i, n in enumerate(names):
+                moved = [b - t for b, t in zip(before[n], theta(n), strict=True)]  # = lr × what was applied
+                own = sent[(n, r)]
+                pull = [torch.zeros(s) for s in SHAPES] if r == 0 else \
+                    [(t - s) / 3 for t, s in zip(sent[(names[1 - i], 0)], sent[(n, 0)], strict=True)]
+                assert all(torch.allclose(m, lr * (o + p), atol=1e-7) for m, o, p in zip(moved, own, pull,
+                                                                                          strict=True)), (n, r)
+                kept = sum(int((o != 0).sum()) for o in own)
+                assert kept < sum(int((d != 0).sum()) for d in deltas(10 * r + i)) / 4  # s, not Δ: top-k 1/8
+            if r == 1:
+                assert all(results[n].mix2_group_size == 2 for n in names), results
+        pair_moved = [sa + sb - ta - tb for sa, sb, ta, tb in zip(start["a"], start["b"], theta("a"), theta("b"),
+                                                                  strict=True)]
+        all_sent = total([sent[(n, r)] for n in names for r in range(2)])
+        assert all(torch.allclose(m.double(), lr * s, atol=1e-7) for m, s in zip(pair_moved, all_sent, strict=True))
+    finally:
+        for sync in syncs.values():
+            sync.shutdown()
+        loop.stop()
 
 
 # ---- 2. real P2P on loopback ---------------------------------------------------------------------------------------

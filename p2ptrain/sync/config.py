@@ -68,6 +68,9 @@ class SyncConfig:
     param_clip_multiplier: float = 1.0
     # factored
     mix2_every: int = 1  # K: blocking Mix2 of outer gradients every K rounds
+    # Mix1 (parameter gossip, a whole model in sync.param_codec) starts every this many rounds; in the others a peer
+    # only answers partners' offers. With a compressed gossip Mix2, Mix1 carries most of the bytes
+    mix1_every: int = 1
     # peers per Mix2 group (2 partners + self = the "2-peer" graph; gossip: weights 1/3); an all-reduce draws about
     # n / this many groups by hash, so a group holds 1 to twice this many
     mix2_group_size: int = 3
@@ -116,8 +119,9 @@ class SyncConfig:
                               f"{self.clip_multiplier}, {self.param_clip_multiplier}")
         if self.exchange_safety_factor < 1 or self.max_partner_distance <= 0:
             raise ConfigError("sync.exchange_safety_factor must be >= 1 and sync.max_partner_distance > 0")
-        if self.mix2_every < 1 or self.mix2_group_size < 2:
-            raise ConfigError("sync.mix2_every must be >= 1 round and sync.mix2_group_size >= 2 peers")
+        if self.mix2_every < 1 or self.mix1_every < 1 or self.mix2_group_size < 2:
+            raise ConfigError("sync.mix2_every and sync.mix1_every must be >= 1 round and sync.mix2_group_size >= 2 "
+                              "peers")
         self._check_gossip_mix2()
         self._check_join()
 

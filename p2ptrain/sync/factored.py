@@ -1,9 +1,10 @@
 """Factored Gossip DiLoCo (docs/algorithms.md §3): Mix1 gossips the round's parameters during the inner phase; Mix2
 mixes outer gradients every K rounds, by all-reduce in small groups or by compressed gossip with 1–2 peers.
 
-With `sync.overlap` (delayed or eager) Mix2 no longer blocks: DiLoCoX's one-step delay applied to it. Round r's Δ
+With `sync.overlap` (delayed, eager or local) Mix2 no longer blocks: DiLoCoX's one-step delay applied to it. Round r's Δ
 is mixed in the background during round r + 1 and its result applied at the end of r + 1 (maths/outer_rules.
-DelayedOuterGradient; a round without Mix2 counts as mixing with nobody)."""
+DelayedOuterGradient; a round without Mix2 counts as mixing with nobody). What eager and local apply of their own at
+once is what the Mix2 gives partners (`Mix2.own_share`): Δ, or with a compressed gossip Mix2 its s."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class AllReduceMix2:
         result, refused = judged(self.averager, result, delta, self.check, context.round, context.steps_cut_stretch())
         return (delta if result.discarded else result.delta), round_sync_of(result, self.codec, refused)
 
+    def own_share(self, delta: list[torch.Tensor], context: RoundContext) -> list[torch.Tensor]:
+        return delta  # every member's Δ enters the mean as it is
+
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return []
 
@@ -74,6 +78,10 @@ class GossipMix2:
         return self.loop.run(self.gossip.mix(delta, context.live_peers, context.round, patience_s, stop,
                                              context.tokens))
 
+    def own_share(self, delta: list[torch.Tensor], context: RoundContext) -> list[torch.Tensor]:
+        """s: with a compressed codec, the rest of Δ waits in error feedback for a later round."""
+        return self.gossip.own_share(delta, context.round)
+
     def stop_(self) -> None:
         self.stopped.set()
 
@@ -86,7 +94,8 @@ class GossipMix2:
 
 class FactoredSync:
     """Factored Gossip DiLoCo: Mix1 gossips θ_r in the background during the inner phase (its correction is added
-    at the round's end); Mix2 mixes Δ every K rounds (`sync.mix2_every`); the outer step is Nesterov.
+    at the round's end; started every `sync.mix1_every` rounds, answered in all); Mix2 mixes Δ every K rounds
+    (`sync.mix2_every`); the outer step is Nesterov.
 
     `closers` shut down the transports this strategy was built with (the all-reduce averager of Mix2)."""
 
@@ -114,10 +123,12 @@ class FactoredSync:
         self.mixer.round = context.round
         self.mixer.budget_s = context.inner_phase_s
         self.frozen = self._public_point()
-        self.mixer.set_base_(self.frozen)
-        self.mix1 = self.loop.submit(self.mixer.mix(self.frozen, context.live_peers, context.round,
-                                                    patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S),
-                                                    links=context.link_bytes_per_s))
+        self.mixer.set_base_(self.frozen)  # answers partners' offers in every round, started ones or not
+        self.mix1 = None
+        if context.round % self.config.mix1_every == 0:
+            self.mix1 = self.loop.submit(self.mixer.mix(self.frozen, context.live_peers, context.round,
+                                                        patience_s=min(context.inner_phase_s, MIX1_PATIENCE_S),
+                                                        links=context.link_bytes_per_s))
 
     def _public_point(self) -> list[torch.Tensor]:
         """What Mix1 gossips: the anchor θ_r with the step of Δ_{r−1}'s own share undone where it was applied ahead of
@@ -159,11 +170,13 @@ class FactoredSync:
         eager) outer gradient; returns what the collected Mix2 did (nothing in a round that follows none)."""
         assert self.delayed is not None
         previous, mix2 = self._collect_pending()
+        own = delta
         if self._mixes(context):
             assert self._mix2_thread is not None
+            own = self.mix2.own_share(delta, context)  # after the collect: its error feedback is committed
             self.pending = self._mix2_thread.submit(self.mix2.mix, [d.clone() for d in delta], context)
         own_weight = self.config.own_weight(mix2.group_size) if previous is not None else 1.0
-        applied = self.delayed.outer_gradient_(delta, previous, own_weight)
+        applied = self.delayed.outer_gradient_(own, previous, own_weight)
         if applied is None:
             self.outer.restore_anchor_()
         else:

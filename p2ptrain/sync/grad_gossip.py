@@ -136,6 +136,14 @@ class GradGossip:
                                      sum(t.numel() * 4 for t in like) + 2**20, links, self.reputation, routes,
                                      contributions=contributions)
         self.clip = AdaptiveClip(config.clip_multiplier) if config.robust else None
+        self._prepared: tuple[int, tuple[Payload, list[torch.Tensor], float]] | None = None  # `own_share`'s
+
+    def own_share(self, delta: Sequence[torch.Tensor], round_: int) -> list[torch.Tensor]:
+        """s for `delta`, prepared now for round `round_`'s `mix` (which sends it): the part of Δ partners will
+        mix, which an overlapped peer applies at once (factored.py). Raises ValueError for a non-finite Δ."""
+        prepared = prepare_payload(self.feedback, delta, self.outgoing)
+        self._prepared = (round_, prepared)
+        return prepared[1]
 
     @property
     def current(self) -> Mix2Round | None:  # the latest round's Mix2 (closed once `mix` returned)
@@ -151,9 +159,11 @@ class GradGossip:
         Peers not yet in our round are asked again (`retry_delay_s`) for up to `patience_s` seconds. With `stop`
         (an overlapped Mix2) the round also keeps answering partners' offers until then, or until `stop` is set
         (its result is being collected), or its slots are taken."""
+        prepared, self._prepared = self._prepared, None
         try:  # the codec's top-k over the whole model runs off the event loop, which keeps answering others
-            payload, sent, scale = await asyncio.get_running_loop().run_in_executor(
-                None, prepare_payload, self.feedback, delta, self.outgoing)
+            payload, sent, scale = prepared[1] if prepared is not None and prepared[0] == round_ else \
+                await asyncio.get_running_loop().run_in_executor(None, prepare_payload, self.feedback, delta,
+                                                                 self.outgoing)
         except ValueError as e:  # non-finite Δ: nothing can be sent
             logger.warning(f"round {round_}: not mixing this outer gradient ({e})")
             return list(delta), RoundSync(codec=self.feedback.codec.name)
@@ -218,4 +228,5 @@ class GradGossip:
         return [(f"error_feedback:{i}", e) for i, e in enumerate(self.feedback.residual)]
 
     def load_state_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._prepared = None  # of our old Δ
         self.feedback.load_state_dict({"decay": self.feedback.decay, "residual": list(tensors)})

@@ -161,6 +161,11 @@ class Mix2(Protocol):
         """The outer gradient to apply (Δ itself when nobody mixed with us) and what mixing cost."""
         ...
 
+    def own_share(self, delta: list[torch.Tensor], context: RoundContext) -> list[torch.Tensor]:
+        """What of `delta` the round's `mix` will give partners (Δ, or its compressed s), called just before that
+        mix is launched: an overlapped peer applies it at once and the partners' pulls a round later."""
+        ...
+
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Outer state of the transport (error-feedback buffers); empty for the all-reduce."""
         ...
