@@ -23,6 +23,7 @@ report.py (summaries, aggregate, targets, JSON), markdown.py (the tables), table
 
     nice -n 15 python benchmarks/algorithms.py                     # the full run (~82 min of CPU)
     python benchmarks/algorithms.py --sections codecs --seeds 1    # one section (DiLoCo, the reference, always runs)
+    python benchmarks/algorithms.py --rows factored-local-sparse2-2% --seed 2 --seeds 1   # one row, one seed
     python benchmarks/algorithms.py --quick                        # CI size: tiny model, 2 seeds, under a minute
 """
 
@@ -62,11 +63,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
     parser.add_argument("--quick", action="store_true", help=f"CI size: {QUICK_RUN}")
     parser.add_argument("--wallclock", action="store_true", help="add table 6 (equal simulated wall clock)")
     parser.add_argument("--sections", default="", help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    parser.add_argument("--rows", default="", help="comma-separated row names (benchmarks/sim/rows.py), with or "
+                                                    "instead of --sections")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     values: dict[str, Any] = dict(QUICK_RUN) if args.quick else dict(FULL)
     values["wallclock"] = values.get("wallclock", False) or args.wallclock
     values["sections"] = tuple(name for name in args.sections.split(",") if name)
+    values["rows"] = tuple(name for name in args.rows.split(",") if name)
     for name in FLAGS:
         if getattr(args, name) is not None:
             values[_field(name)] = getattr(args, name)

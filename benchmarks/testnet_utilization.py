@@ -48,6 +48,13 @@ VARIANTS = {"gasloc-paced": {"mode": "gasloc", "adapt_inner_steps": True, "param
                                 "grad_codec": "sparse"},
             "factored-gossip-gap2": {"mode": "factored", "overlap": "delayed", "mix2_transport": "gossip",
                                      "grad_codec": "sparse", "mix2_round_gap": 2},
+            # the mission's shape: compressed outer-gradient gossip with partners up to 2 rounds away, overlapped
+            # (local: its own s at once, the partners' pulls a round late), a parameter mix (Mix1) every 4 rounds;
+            # -mix1: Mix1 every round
+            "swarm": {"mode": "factored", "overlap": "local", "mix2_transport": "gossip", "grad_codec": "sparse",
+                      "mix2_round_gap": 2, "mix1_every": 4},
+            "swarm-mix1": {"mode": "factored", "overlap": "local", "mix2_transport": "gossip", "grad_codec": "sparse",
+                           "mix2_round_gap": 2},
             "diloco-overlap": {"mode": "diloco", "overlap": "delayed"},
             "gasloc-overlap": {"mode": "gasloc", "overlap": "delayed"},  # its exchanges during the next inner phase
             # DiLoCo's paper recipe, the default until benchmarks/outer_step.py measured it (runs before: diloco-g0

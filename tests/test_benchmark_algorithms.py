@@ -182,3 +182,9 @@ def test_sections_keep_the_reference_and_bad_flags_are_one_line_errors(capsys: p
     with pytest.raises(SystemExit):
         algorithms.parse_args(["--sections", "everything"])
     assert "unknown section 'everything'" in capsys.readouterr().err
+    settings, _ = algorithms.parse_args(["--rows", "factored-local-sparse2-2%,gasloc-1peer", "--sections", "mix2"])
+    assert [r.name for r in selected_rows(settings)] == ["diloco", "gasloc-1peer", "diloco-g0", "factored-K2",
+                                                         "factored-K4", "factored-local-sparse2-2%"]
+    with pytest.raises(SystemExit):
+        algorithms.parse_args(["--rows", "diloco-g7"])
+    assert "unknown row 'diloco-g7'" in capsys.readouterr().err

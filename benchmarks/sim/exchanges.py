@@ -102,15 +102,24 @@ def exchange_factored(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Te
     present, matching, cycle = {p.index: p for p in peers}, graphs[0][r], graphs[1][r]
     public = {i: public_point(p) for i, p in present.items()}
     frozen = {i: send_parameters(row.param_codec, public[i], bench.theta0) for i in present}
-    mix2 = (r + 1) % row.mix2_every == 0
+    mix2, mix1 = (r + 1) % row.mix2_every == 0, r % row.mix1_every == 0
     pending: dict[int, tuple[Tensors, float] | None] = carry.setdefault("pending", {})
+    sent = {i: send_with_feedback(p, deltas[i]) for i, p in present.items()} \
+        if mix2 and row.codec in SPARSE_CODECS else {}
     nbytes = {}
     for i, peer in present.items():
-        partners, weights = partners_of(matching, i, present)
+        partners, weights = partners_of(matching, i, present) if mix1 else ([], [])
         correction = mix1_pull(public[i], [frozen[j][0] for j in partners], weights)
         mixed, own_weight = clone(deltas[i]), 1.0
-        nbytes[i] = float(len(matching[i]) * frozen[i][1])
-        if mix2:  # Mix2 of the (fp32) outer gradients on the round's 2-peer cycle
+        nbytes[i] = float(len(matching[i]) * frozen[i][1]) if mix1 else 0.0
+        if mix2 and sent:  # Mix2 as compressed gossip on the round's 2-peer cycle
+            neighbours, mix_w = partners_of(cycle, i, present)
+            mixed = clone(sent[i][0])
+            for j, weight in zip(neighbours, mix_w, strict=True):
+                pull_toward_(mixed, sent[j][0], sent[i][0], weight)
+            own_weight -= sum(mix_w)
+            nbytes[i] += len(cycle[i]) * sent[i][1]
+        elif mix2:  # Mix2 of the (fp32) outer gradients on the round's 2-peer cycle
             neighbours, mix_w = partners_of(cycle, i, present)
             mix_(mixed, [deltas[j] for j in neighbours], mix_w)
             own_weight -= sum(mix_w)
@@ -119,7 +128,9 @@ def exchange_factored(row: Algorithm, peers: list[SimPeer], deltas: dict[int, Te
             outer_step_(peer, mixed)
         else:
             previous = pending.get(i)
-            applied = peer.delayed.outer_gradient_(deltas[i], previous[0] if previous else None,
+            # a compressed Mix2's own share is s_i (what its partners mix), not Δ_i: as FactoredSync
+            own = sent[i][0] if i in sent else deltas[i]
+            applied = peer.delayed.outer_gradient_(own, previous[0] if previous else None,
                                                    previous[1] if previous else 1.0)
             pending[i] = (mixed, 1.0 if row.mix2_overlap == "local" else own_weight) if mix2 else None
             if applied is not None:

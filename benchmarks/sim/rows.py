@@ -36,6 +36,7 @@ class Settings:
     budget_rounds: int = 0  # table 2's budget = DiLoCo's time for this many rounds with the straggler; 0 = rounds
     max_rounds_factor: float = 4.0  # table 2 stops a row at this factor x budget_rounds (marked "capped")
     sections: tuple[str, ...] = ()  # run only the rows of these sections (SECTIONS); () = all
+    rows: tuple[str, ...] = ()  # run only the rows of these names (besides the fp32 DiLoCo references); () = all
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.rounds < 1 or self.inner_steps < 1 or self.budget_rounds < 0 or self.seeds < 1:
@@ -48,6 +49,9 @@ class Settings:
         unknown = set(self.sections) - set(SECTIONS)
         if unknown:
             raise ConfigError(f"unknown section {sorted(unknown)[0]!r}: use {', '.join(SECTIONS)}")
+        unknown = set(self.rows) - {row.name for row in ROWS}
+        if unknown:
+            raise ConfigError(f"unknown row {sorted(unknown)[0]!r}: the rows are in benchmarks/sim/rows.py")
 
 
 QUICK = dict(rounds=4, inner_steps=2, seq_len=16, batch_size=2, val_batches=2, max_corpus_bytes=400_000,
@@ -74,6 +78,7 @@ class Algorithm:
     outer_lr: float = 0.0  # η; 0 = the workbench's (0.7, benchmarks/sim/peers.py: PAPER_OUTER)
     param_codec: str = "fp16"  # parameters (GASLoC's y, Mix1's θ) travel as codec(θ − θ_0); none = exact fp32
     mix2_every: int = 1  # factored: K
+    mix1_every: int = 1  # factored: Mix1 every this many rounds (sync.mix1_every)
     mix2_overlap: str = "none"  # factored: Mix2 one round late (sync.overlap: delayed | eager | local), momentum as set
     eager: bool = False  # delayed: the eager variant
     local: bool = False  # delayed: the local variant (sync.overlap local: all of own Δ now, the mean a round late)
@@ -119,6 +124,12 @@ ROWS = (
               graph="matching", **CODEC_RECIPE),
     Algorithm("gradgossip-sparse2-2%-delay1", "gradgossip", section="gossip-codecs", codec="sparse", density=0.02,
               graph="matching", overlap=True, **CODEC_RECIPE),
+    Algorithm("gradgossip-sparse2-2%-local", "gradgossip", section="gossip-codecs", codec="sparse", density=0.02,
+              graph="matching", overlap=True, local=True, **CODEC_RECIPE),
+    Algorithm("factored-local-sparse2-2%", "factored", section="gossip-codecs", codec="sparse", density=0.02,
+              mix2_overlap="local", **CODEC_RECIPE),
+    Algorithm("factored-local-sparse2-2%-mix1x4", "factored", section="gossip-codecs", codec="sparse",
+              density=0.02, mix2_overlap="local", mix1_every=4, **CODEC_RECIPE),
     Algorithm("choco-sparse2-2%", "choco", section="gossip-codecs", codec="sparse", density=0.02, graph="ring",
               momentum=0.0, consensus_step=0.25),
 )

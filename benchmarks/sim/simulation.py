@@ -54,7 +54,8 @@ def _needed_partners(row: Algorithm, graphs: Graphs, r: int, i: int, n: int) -> 
     if row.kind in ("gasloc", "gradgossip", "choco"):
         return set(graphs[0][r][i])
     if row.kind == "factored":
-        return set(graphs[0][r][i]) | (set(graphs[1][r][i]) if (r + 1) % row.mix2_every == 0 else set())
+        return (set(graphs[0][r][i]) if r % row.mix1_every == 0 else set()) | \
+            (set(graphs[1][r][i]) if (r + 1) % row.mix2_every == 0 else set())
     return set(range(n)) - {i}
 
 

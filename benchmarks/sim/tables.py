@@ -35,8 +35,13 @@ NOMINAL_STEP_S = 1.0  # the utilisation column's clock: with links sized to the 
 
 
 def selected_rows(settings: Settings) -> list[Algorithm]:
-    """The rows of ``settings.sections`` (all when empty) and the fp32 DiLoCo REFERENCES (DiLoCo first)."""
-    return [row for row in ROWS if row.name in REFERENCES or not settings.sections or row.section in settings.sections]
+    """The rows of ``settings.sections`` and ``settings.rows`` (all when both are empty) and the fp32 DiLoCo
+    REFERENCES (DiLoCo first)."""
+    def chosen(row: Algorithm) -> bool:
+        if not settings.sections and not settings.rows:
+            return True
+        return row.section in settings.sections or row.name in settings.rows
+    return [row for row in ROWS if row.name in REFERENCES or chosen(row)]
 
 
 def run_equal_tokens(bench: Bench, rows: list[Algorithm]) -> tuple[list[RowResult], float]:
