@@ -362,6 +362,22 @@ def test_consensus_distance_from_checkpoints(tmp_path: Path) -> None:
     assert not result.passed and f"{0.5 / (9 + 20.25) ** 0.5:.2e}" in result.detail
 
 
+def test_consensus_without_a_common_round_compares_each_survivors_newest_checkpoint(tmp_path: Path) -> None:
+    """Gossip peers keep rounds of their own: stopped at the run's end, each one's newest checkpoint is of one moment."""
+    record = kill_restart_record(tmp_path)
+    for peer, states in (("peer0", {7: [9.0, 9.0], 9: [3.0, 4.0]}), ("peer1", {8: [0.0, 0.0], 12: [3.0, 4.0]})):
+        for r, weights in states.items():
+            save_dir = tmp_path / peer / f"round-{r:06d}"
+            save_dir.mkdir(parents=True)
+            save_file({"w": torch.tensor(weights)}, str(save_dir / "model.safetensors"))
+        record.checkpoint_dirs[peer] = str(tmp_path / peer)
+    result = {r.name: r for r in run_checks(record, ChecksSpec(max_consensus_distance=1e-6))}["max_consensus_distance"]
+    assert result.passed and "0.00e+00 at each one's newest (rounds 9-12)" in result.detail, result
+    record.checkpoint_dirs["peer1"] = str(tmp_path / "nowhere")
+    result = {r.name: r for r in run_checks(record, ChecksSpec(max_consensus_distance=1e-6))}["max_consensus_distance"]
+    assert not result.passed and "no checkpoints of >= 2 survivors" in result.detail, result
+
+
 def test_report_json_and_plots(tmp_path: Path) -> None:
     record = kill_restart_record(tmp_path)
     record.rows["peer0"][2]["evaluated"] = False  # not in the loss plot (run.eval_every)

@@ -337,8 +337,10 @@ def check_stalls(record: RunRecord, max_stall_s: float) -> CheckResult:
     return CheckResult("max_stall_s", not bad, f"longest stall (limit {max_stall_s:g} s): {shown}")
 
 
-def consensus_at_last_common_checkpoint(checkpoint_dirs: dict[str, str]) -> tuple[int, float] | None:
-    """(round, max_i ‖θ_i − θ̄‖/‖θ̄‖) at the newest checkpoint round every given peer has; None if there is none."""
+def checkpoint_consensus(checkpoint_dirs: dict[str, str]) -> tuple[str, float] | None:
+    """(where, max_i ‖θ_i − θ̄‖/‖θ̄‖) over the given peers' checkpoints: at the newest round they all hold, or, where
+    they hold none in common (gossip modes: each peer's rounds are its own), at each one's newest, which a run that
+    stops its peers at its end writes at one moment. None with fewer than 2 peers or a peer without a checkpoint."""
     from safetensors.torch import load_file
 
     from p2ptrain.maths.mixing import consensus_distance, exact_average
@@ -350,32 +352,35 @@ def consensus_at_last_common_checkpoint(checkpoint_dirs: dict[str, str]) -> tupl
         return found
 
     files = {peer: model_files(d) for peer, d in checkpoint_dirs.items()}
-    common = set.intersection(*(set(f) for f in files.values())) if len(files) >= 2 else set()
-    if not common:
+    if len(files) < 2 or not all(files.values()):
         return None
-    round_ = max(common)
-    models = [load_file(str(f[round_])) for f in files.values()]
+    common = set.intersection(*(set(f) for f in files.values()))
+    if common:
+        where, chosen = f"round {max(common)}", [f[max(common)] for f in files.values()]
+    else:
+        newest = [max(f) for f in files.values()]
+        where, chosen = f"each one's newest (rounds {min(newest)}-{max(newest)})", \
+            [f[r] for f, r in zip(files.values(), newest, strict=True)]
+    models = [load_file(str(path)) for path in chosen]
     names = sorted(models[0])
     states = [[model[name] for name in names] for model in models]
     mean = exact_average(states)
-    return round_, max(consensus_distance(mean, state) for state in states)
+    return where, max(consensus_distance(mean, state) for state in states)
 
 
 def check_consensus(record: RunRecord, bound: float) -> CheckResult:
     survivors = {peer: record.checkpoint_dirs[peer] for peer in record.survivors() if peer in record.checkpoint_dirs}
     try:
-        found = consensus_at_last_common_checkpoint(survivors)
+        found = checkpoint_consensus(survivors)
     except (OSError, ValueError, KeyError) as e:
         return CheckResult("max_consensus_distance", False, f"cannot read the checkpoints: {e}")
     if found is None:
-        return CheckResult("max_consensus_distance", False, f"no checkpoint round common to >= 2 survivors "
+        return CheckResult("max_consensus_distance", False, f"no checkpoints of >= 2 survivors to compare "
                            f"({', '.join(survivors) or 'none'})")
-    round_, distance = found
-    return CheckResult("max_consensus_distance", distance <= bound, f"{distance:.2e} at round {round_} over "
+    where, distance = found
+    return CheckResult("max_consensus_distance", distance <= bound, f"{distance:.2e} at {where} over "
                        f"{len(survivors)} survivors (limit {bound:g})")
 
-
-# ---- output ---------------------------------------------------------------------------------------------------------
 
 def report_dict(record: RunRecord, results: list[CheckResult]) -> dict[str, Any]:
     """The merged report: per-peer lives and rounds, events, checks."""

@@ -223,7 +223,9 @@ class ChecksSpec:
     loss_fell: bool | None = True  # every surviving peer's validation loss ended below its first value
     resumed_from_checkpoint: bool | None = True  # a restarted peer's first round is >= its checkpoint's round
     max_stall_s: float | None = None  # no running peer went longer than this many seconds without a round
-    max_consensus_distance: float | None = None  # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their last common checkpoint
+    # max ‖θ_i − θ̄‖/‖θ̄‖ over survivors at their newest common checkpoint round, or without one (gossip) at each
+    # one's newest checkpoint (written when the run stops them)
+    max_consensus_distance: float | None = None
     attackers_banned: bool | None = None  # every honest survivor banned every adversary at some point
     reachability: bool | None = None  # every peer's reachability line says what its network makes it
     min_nat_exchanges: int | None = None  # every peer behind NAT completed this many exchanges (group members)
