@@ -46,6 +46,9 @@ class RunConfig:
     shard_index: int = -1  # read the data pieces of this shard (data.py); -1: pieces the swarm has not read yet
     device: str = "auto"  # auto | cpu | cuda | mps
     torch_threads: int = 0  # intra-op threads for this peer; 0 = torch's default
+    # normal | idle: the training thread runs only when no other process wants the CPU (Linux SCHED_IDLE), so that
+    # the peer's DHT, p2pd and exchanges answer at once on a machine shared by many peers (the testnets)
+    training_priority: str = "normal"
     checkpoint_dir: str = ""  # empty = no checkpoints
     checkpoint_every: int = 10  # rounds between checkpoints (also written on Ctrl-C)
     # rounds between validations: a round in between reports the latest val_loss (`evaluated` false in its metrics);
@@ -74,6 +77,8 @@ class RunConfig:
             raise ConfigError(f"run.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"run.checkpoint_every must be >= 1 round, got {self.checkpoint_every}")
+        if self.training_priority not in ("normal", "idle"):
+            raise ConfigError(f"run.training_priority must be normal or idle, got {self.training_priority!r}")
         if self.eval_every < 1:
             raise ConfigError(f"run.eval_every must be >= 1 round, got {self.eval_every}")
         if not 10 <= self.node_timeout_s <= 86400:

@@ -27,7 +27,7 @@ from p2ptrain import __version__
 from p2ptrain.config import PeerConfig
 from p2ptrain.corpus import corpus_digest
 from p2ptrain.data import build_tokenizer, corpus_source, shard_for_peer
-from p2ptrain.device import resolve_device
+from p2ptrain.device import resolve_device, train_at_idle_priority
 from p2ptrain.errors import CheckpointError, UserError, one_line
 from p2ptrain.join_rules import peers_to_outnumber, voters
 from p2ptrain.joining import Joiner
@@ -255,6 +255,8 @@ class TrainingPeer:
         history: list[RoundMetrics] = []
         bar = ProgressBar(self.config.run.progress, self.config.run.rounds)
         saved_round, finished = None, False  # the round of the latest checkpoint; whether the rounds ran out
+        if self.config.run.training_priority == "idle" and not train_at_idle_priority():
+            logger.warning("run.training_priority idle needs Linux's SCHED_IDLE: training at normal priority")
         try:
             if self.state.round == 0 and not self.state.joined_ever:  # launched with others: begin with them
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,

@@ -163,6 +163,7 @@ def test_null_section_and_null_optional_take_defaults() -> None:
         ({"run": {"min_peers": 0}}, "run.min_peers"),
         ({"run": {"min_peers_wait_s": -1.0}}, "run.min_peers_wait_s"),
         ({"run": {"checkpoint_every": 0}}, "run.checkpoint_every"),
+        ({"run": {"training_priority": "low"}}, "run.training_priority"),
         ({"run": {"eval_every": 0}}, "run.eval_every"),
         ({"run": {"wandb_project": "team/project"}}, "run.wandb_project"),
         ({"run": {"wandb_project": "x" * 129}}, "run.wandb_project"),
