@@ -363,7 +363,8 @@ def test_consensus_distance_from_checkpoints(tmp_path: Path) -> None:
 
 
 def test_consensus_without_a_common_round_compares_each_survivors_newest_checkpoint(tmp_path: Path) -> None:
-    """Gossip peers keep rounds of their own: stopped at the run's end, each one's newest checkpoint is of one moment."""
+    """Gossip peers keep rounds of their own: stopped at the run's end, each one's newest checkpoint is of one
+    moment."""
     record = kill_restart_record(tmp_path)
     for peer, states in (("peer0", {7: [9.0, 9.0], 9: [3.0, 4.0]}), ("peer1", {8: [0.0, 0.0], 12: [3.0, 4.0]})):
         for r, weights in states.items():
