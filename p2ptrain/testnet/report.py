@@ -382,6 +382,8 @@ def check_consensus(record: RunRecord, bound: float) -> CheckResult:
                        f"{len(survivors)} survivors (limit {bound:g})")
 
 
+# ---- output ---------------------------------------------------------------------------------------------------------
+
 def report_dict(record: RunRecord, results: list[CheckResult]) -> dict[str, Any]:
     """The merged report: per-peer lives and rounds, events, checks."""
     peers = {peer: {"rate_mbit": record.rates_mbit.get(peer), "checkpoint_dir": record.checkpoint_dirs.get(peer),
