@@ -14,6 +14,7 @@ from hivemind.p2p import P2P
 from p2ptrain.config import PeerConfig, build_config
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.peer import TrainingPeer
+from p2ptrain.sync.interface import RoundSync
 
 
 def tiny_config(run_id: str, **sections: dict[str, Any]) -> PeerConfig:
@@ -156,3 +157,22 @@ async def start_p2ps(n: int) -> list[P2P]:
 async def shutdown(p2ps: list[P2P]) -> None:
     for p2p in p2ps:
         await p2p.shutdown()
+
+
+class LoneMixer:
+    """Factored's Mix1 with no partner: the mixed value is the frozen one and the correction zero, so that θ moves
+    by the outer step alone."""
+
+    round, budget_s, give_up_at = 0, 0.0, 0.0
+
+    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
+        self.base = [b.clone() for b in base]
+
+    async def mix(self, value: list[torch.Tensor], *_args: object, **_kwargs: object) -> tuple[list, RoundSync]:
+        return value, RoundSync()
+
+    def take_correction_(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(b) for b in self.base]
+
+    def take_incoming_stats(self) -> RoundSync:
+        return RoundSync()

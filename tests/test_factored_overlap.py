@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from swarm_utils import run_swarm, tiny_config
+from swarm_utils import LoneMixer, run_swarm, tiny_config
 
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.maths.outer_rules import DelayedOuterGradient
@@ -22,24 +22,6 @@ from p2ptrain.sync.factored import FactoredSync
 from p2ptrain.sync.interface import RoundContext, RoundSync
 
 MIX2_S = 0.5  # how long the scripted Mix2 takes: a blocking Mix2 would hold finish_round this long
-
-
-class LoneMixer:
-    """Mix1 with no partner: the mixed value is the frozen one, no correction."""
-
-    round, budget_s, give_up_at = 0, 0.0, 0.0
-
-    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
-        self.base = [b.clone() for b in base]
-
-    async def mix(self, value: list[torch.Tensor], *_args: object, **_kwargs: object):
-        return value, RoundSync()
-
-    def take_correction_(self) -> list[torch.Tensor]:
-        return [torch.zeros_like(b) for b in self.base]
-
-    def take_incoming_stats(self) -> RoundSync:
-        return RoundSync()
 
 
 class HalvingMix2:

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
-from swarm_utils import run_swarm, shutdown, start_p2ps, tiny_config
+from swarm_utils import LoneMixer, run_swarm, shutdown, start_p2ps, tiny_config
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.codecs import ErrorFeedback, compress_all, decode_all, get_codec
@@ -312,24 +312,6 @@ def test_error_feedback_buffers_are_outer_state_after_the_momentum() -> None:
         assert same(g.feedback.residual, deltas(5))
 
 
-class NoMix1:
-    """Factored's Mix1 with no partner (its correction zero), so that θ moves by the outer step alone."""
-
-    round, budget_s, give_up_at = 0, 0.0, 0.0
-
-    def set_base_(self, base: Sequence[torch.Tensor]) -> None:
-        self.base = [b.clone() for b in base]
-
-    async def mix(self, value: list[torch.Tensor], *_args: object, **_kwargs: object) -> tuple[list, RoundSync]:
-        return value, RoundSync()
-
-    def take_correction_(self) -> list[torch.Tensor]:
-        return [torch.zeros_like(b) for b in self.base]
-
-    def take_incoming_stats(self) -> RoundSync:
-        return RoundSync()
-
-
 def test_an_overlapped_compressed_mix2_applies_its_s_at_once_and_the_pulls_a_round_later(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`overlap: local` with a top-k gossip Mix2: a peer applies its own s (what partners mix) at once, not Δ, whose
@@ -344,7 +326,7 @@ def test_an_overlapped_compressed_mix2_applies_its_s_at_once_and_the_pulls_a_rou
     gossips = {n: GradGossip(FakeP2P(n), RUN, FINGERPRINT, params[n], config, seed=i)  # type: ignore[arg-type]
                for i, n in enumerate(names)}
     fake_network(monkeypatch, {ids[n]: g for n, g in gossips.items()})
-    syncs = {n: FactoredSync(OuterOptimizer(params[n], OuterConfig(lr=lr, momentum=0.0)), NoMix1(),  # type: ignore[arg-type]
+    syncs = {n: FactoredSync(OuterOptimizer(params[n], OuterConfig(lr=lr, momentum=0.0)), LoneMixer(),  # type: ignore[arg-type]
                              GossipMix2(gossips[n], loop, overlapped=True), loop, config) for n in names}
 
     def theta(n: str) -> list[torch.Tensor]:
