@@ -19,6 +19,9 @@ Setups (each a swarm of real TrainingPeers: hivemind DHT, P2P daemons, the produ
   gasloc           sync.mode gasloc, push-pull parameter gossip with 1 random peer per round
   gasloc-overlap   gasloc with `sync.overlap: delayed`: the exchanges a peer starts run during its next inner phase,
                    and their pull joins the next round's proposal
+  torchft-diloco   not ours: torchft's DiLoCo (PyPI torchft; benchmarks/torchft_diloco.py) on the same inner phase
+                   and outer step, Gloo's ring all-reduce and a Lighthouse quorum; skipped where torchft is not
+                   installed (pip install torchft==0.2.0)
 and a reference with no network: the same model, batches and inner steps run by `InnerTrainer.run_phase` (the
 peer's own inner phase), one trainer alone and n trainers at once in threads (the CPU share n peers get).
 
@@ -76,6 +79,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.sim.entry import publish  # noqa: E402
 from benchmarks.sim.rows import CODEC_RECIPE  # noqa: E402
+from benchmarks.torchft_diloco import missing as torchft_missing  # noqa: E402
+from benchmarks.torchft_diloco import run_torchft_swarm  # noqa: E402
 from benchmarks.wire_bytes import daemon_pids, tcp_bytes  # noqa: E402
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
@@ -89,6 +94,7 @@ from p2ptrain.peer import TrainingPeer  # noqa: E402
 RESULTS_PATH = REPO / "benchmarks" / "results" / "loopback_sync.json"
 # the outer step the simulation measured for the compressing codecs (sim/rows.py), as a sync.outer section
 CODEC_OUTER = {"lr": CODEC_RECIPE["outer_lr"], "momentum": CODEC_RECIPE["momentum"]}
+TORCHFT = "torchft-diloco"
 SETUPS: dict[str, dict[str, Any]] = {
     "diloco-exchange": {"mode": "diloco", "allreduce_transport": "exchange"},
     "diloco-hivemind": {"mode": "diloco", "allreduce_transport": "hivemind"},
@@ -100,6 +106,9 @@ SETUPS: dict[str, dict[str, Any]] = {
                       "error_feedback_decay": CODEC_RECIPE["ef_decay"], "outer": CODEC_OUTER},
     "gasloc": {"mode": "gasloc", "gossip_peers": 1},
     "gasloc-overlap": {"mode": "gasloc", "gossip_peers": 1, "overlap": "delayed"},
+    # not a peer of ours: torchft's DiLoCo (benchmarks/torchft_diloco.py) on our default DiLoCo's inner and outer
+    # settings, where torchft is installed
+    TORCHFT: {"mode": "diloco"},
 }
 # loopback only, no NAT probing or relays; records refreshed often, so peers see each other's rounds quickly
 NETWORK = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False, "use_relay": False,
@@ -223,6 +232,9 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
     setup's sync section (default SETUPS[setup])."""
     run_id = f"bench-{setup}-{uuid.uuid4().hex[:6]}"
     sync = SETUPS[setup] if sync is None else sync
+    if setup == TORCHFT:
+        return run_torchft_swarm([peer_config(s, sync, run_id, shard=i, seed=seed) for i in range(n)], s.rounds,
+                                 RUN_TIMEOUT_S + ROUND_TIMEOUT_S * s.rounds)
     started, cpu_started = time.perf_counter(), time.process_time()
     peers: list[TrainingPeer] = []
     memory = PeakMemory().start()
@@ -353,6 +365,8 @@ def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str
            "val_loss": _mean([h[-1]["val_loss"] for h in histories if h]),
            "errors": [e for run in runs for e in run["errors"]], "timed_out": any(r["timed_out"] for r in runs),
            "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs),
+           # a peer's rounds, the first included, end to end (the sum of its round_s): median over peers and runs
+           "loop_s": _median([sum(m["round_s"] for m in h) for h in histories if h]),
            "peak_bytes_per_peer": max((r.get("peak_bytes_per_peer", 0.0) for r in runs), default=0.0)}
     if rounds:
         row.update(round_figures(rounds, n, runs[0]["parameters"], SETUPS[setup], reference_s))
@@ -373,12 +387,16 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
     load_before = os.getloadavg()[0]  # the machine may be shared: other work skews every time measured here
     torch.set_num_threads(1)  # every peer and reference trainer: one intra-op thread (they share the process)
     rows, raw = [], []
+    skipped = {TORCHFT: torchft_missing()} if TORCHFT in s.setups and torchft_missing() else {}
+    setups = [setup for setup in s.setups if setup not in skipped]
+    for setup, why in skipped.items():
+        print(f"{setup}: skipped: {why}", flush=True)
     try:
         for n in s.peers:
             alone, together = [run_reference(s, 1)], [run_reference(s, n)]
-            swarms: dict[str, list[dict[str, Any]]] = {setup: [] for setup in s.setups}
+            swarms: dict[str, list[dict[str, Any]]] = {setup: [] for setup in setups}
             for _ in range(s.repeats):
-                for setup in s.setups:
+                for setup in setups:
                     swarms[setup].append(run_swarm(s, setup, n))
                     print(f"{setup:<16} {n} peers: {swarms[setup][-1]['wall_s']:.0f} s", flush=True)
             reference_alone, reference_n = reference_row(alone), reference_row(together)
@@ -389,6 +407,7 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads_before)
     report = {"command": command, "settings": dataclasses.asdict(s), "rows": rows, "runs": raw, "notes": NOTES,
+              "skipped": skipped,
               "matchmaking_s": peer_config(s, {}, "x", 0).sync.matchmaking_s, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine(), "cpu_count": psutil.cpu_count(),
               "load_before": load_before, "load_after": os.getloadavg()[0],
@@ -419,7 +438,11 @@ NOTES = ("Notes: figures over every peer's rounds after its first. utilisation =
          "averaged by all n peers. peak MiB a peer: the peak memory (proportional set size) of this process and "
          "its children (DHT processes, p2pd daemons, averagers) while the swarm ran, above what it was before its "
          "peers started, over n (the imports and the corpus are in the base; torch's allocator may keep what a "
-         "round freed). "
+         "round freed). loop s: a peer's rounds end to end, the first included (the sum of its round s), median "
+         "over peers and runs. torchft-diloco: torchft's DiLoCo (benchmarks/torchft_diloco.py), its replicas "
+         "threads of one child process on our inner phase and outer step; its blocked s is its sync (quorum, "
+         "Gloo all-reduce, outer step), its bytes the child's TCP counters (Gloo, the Lighthouse and Manager "
+         "calls) per replica and round, so bytes and wire are one figure; no memory is measured for it. "
          "daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
          "before shutdown. On a shared machine (load average above the cores) compute seconds, the reference's "
          "most, swing up to 3× between runs; utilisation, groups and bytes hardly move.")
@@ -445,14 +468,14 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['load_after']:.1f} after  \nwall {report['wall_s']:.0f} s, CPU of this process "
              f"{report['cpu_s']:.0f} s (default run: {WALL_BUDGET})\n",
              "| setup | peers | utilisation | less eval | compute s | ref s, 1 alone | compute ÷ ref, n at once "
-             "| blocked s | eval s | round s | group | full groups | bytes ÷ ideal | wire ÷ ideal | codec | val loss "
-             "| peak MiB a peer | daemons CPU s | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| blocked s | eval s | round s | loop s | group | full groups | bytes ÷ ideal | wire ÷ ideal | codec "
+             "| val loss | peak MiB a peer | daemons CPU s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if r["setup"] == "reference":
             who = "1 alone" if r["peers"] == 1 else f"{r['peers']} at once"
             lines.append(f"| reference, {who} | {r['peers']} | 1 | 1 | {_fmt(r['compute_s'], '.3f')} "
-                         f"| | | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | | {r['wall_s']:.0f} |")
+                         f"| | | | | | | | | | | | {_fmt(r['val_loss'], '.4f')} | | | {r['wall_s']:.0f} |")
             continue
         trouble = " (timed out)" if r["timed_out"] else f" ({len(r['errors'])} errors)" if r["errors"] else ""
         full = _fmt(r.get("full_groups"), ".0%")
@@ -461,11 +484,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {_fmt(r.get('compute_s'), '.3f')} | {_fmt(r['reference_compute_s'], '.3f')} "
                      f"| {_fmt(r.get('compute_vs_reference'), '.2f')} | {_fmt(r.get('blocked_s'), '.3f')} "
                      f"| {_fmt(r.get('eval_s'), '.3f')} | {_fmt(r.get('round_s'), '.3f')} "
-                     f"| {_fmt(r.get('group_size'), 'g')} | {full} "
+                     f"| {_fmt(r.get('loop_s'), '.2f')} | {_fmt(r.get('group_size'), 'g')} | {full} "
                      f"| {_bytes_cell(r)} | {_fmt(r.get('wire_ratio'), '.3f')} | {r.get('codec', '–')} "
-                     f"| {_fmt(r['val_loss'], '.4f')} | {r['peak_bytes_per_peer'] / 2**20:.0f} "
+                     f"| {_fmt(r['val_loss'], '.4f')} | {_fmt(r['peak_bytes_per_peer'] / 2**20 or None, '.0f')} "
                      f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
-    return "\n".join(lines + ["", report["notes"]]) + "\n"
+    skipped = [f"{setup}: skipped: {why}" for setup, why in report.get("skipped", {}).items()]
+    return "\n".join(lines + ["", report["notes"]] + ([""] + skipped if skipped else [])) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
