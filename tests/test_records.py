@@ -7,6 +7,7 @@ no older than its TTL, and ask to be kept no longer than the TTL; anything else 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import pickle
 import time
@@ -46,6 +47,7 @@ from p2ptrain.net.discovery import (
     Announcer,
     PeerRecord,
     PeerRecordValidator,
+    RememberingSignatureValidator,
     SwarmWatcher,
     add_record_validators,
     fetch_peers,
@@ -106,6 +108,41 @@ def test_the_record_validator_refuses_forgeries_and_accepts_a_fresh_record_of_it
     assert refused == dict.fromkeys(forgeries, True)
     other_key = DHTID.generate(source="someone-else's-key").to_bytes()
     assert validator.validate(dht_record(validator, b"ghost", {"anything": 1}, key_id=other_key))  # not ours to judge
+
+
+def test_a_record_validated_before_is_judged_again_on_the_clock_and_its_signer(monkeypatch) -> None:
+    """The validator remembers a value's parse (a read gets each record from several nodes): the same bytes are
+    still refused once their heartbeat is older than the TTL, under another signer's subkey, or in another shard,
+    and malformed bytes stay refused."""
+    validator = PeerRecordValidator(RUN, TTL_S, AdmissionPolicy(RUN))
+    me, other = Signer(), Signer()
+    fresh = dht_record(validator, me.subkey, record(me.peer_id))
+    assert validator.validate(fresh) and validator.validate(fresh)
+    assert not validator.validate(DHTRecord(fresh.key, MSGPackSerializer.dumps(other.subkey), fresh.value,
+                                            fresh.expiration_time))
+    elsewhere = key_id(shard_key(RUN, 3, (shard_index(me.peer_id, 3) + 1) % 8))
+    assert not validator.validate(DHTRecord(elsewhere, fresh.subkey, fresh.value, fresh.expiration_time))
+    later = get_dht_time() + TTL_S + MAX_CLOCK_SKEW_S + 5
+    monkeypatch.setattr("p2ptrain.net.discovery.get_dht_time", lambda: later)
+    assert not validator.validate(DHTRecord(fresh.key, fresh.subkey, fresh.value, later))
+    garbled = DHTRecord(PEERS_KEY_ID, MSGPackSerializer.dumps(me.subkey), b"\xc1", later)
+    assert not validator.validate(garbled) and not validator.validate(garbled)
+
+
+def test_a_remembered_signature_verdict_covers_only_the_bytes_it_was_given() -> None:
+    """Valid signatures are remembered by the signed record's digest: the same record passes again, while a value,
+    expiry or subkey changed after signing is checked afresh and refused."""
+    key = RSAPrivateKey()
+    validator = RememberingSignatureValidator(key)
+    unsigned = DHTRecord(PEERS_KEY_ID, MSGPackSerializer.dumps(validator.local_public_key),
+                         MSGPackSerializer.dumps(record("x")), get_dht_time() + TTL_S)
+    signed = dataclasses.replace(unsigned, value=validator.sign_value(unsigned))
+    assert validator.validate(signed) and validator.validate(signed)
+    for tampered in (dataclasses.replace(signed, value=signed.value.replace(b"inner", b"sync!")),
+                     dataclasses.replace(signed, expiration_time=signed.expiration_time + 1),
+                     dataclasses.replace(signed, subkey=MSGPackSerializer.dumps(Signer().subkey))):
+        assert not validator.validate(tampered) and not validator.validate(tampered)
+    assert validator.validate(signed)
 
 
 def test_a_shard_of_the_peer_records_holds_only_its_own_peers_records_in_the_schema_s_types() -> None:

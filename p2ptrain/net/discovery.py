@@ -15,9 +15,13 @@ cannot bring the peer back.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import functools
+import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -32,7 +36,7 @@ from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
 from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, RunKeysValidator, SubkeyBudget, shard_index, shard_key, shard_key_ids
 from p2ptrain.net.identity import peer_id_of_signer
-from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, RecordShards, Shard
+from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, SHARD_TARGET, RecordShards, Shard
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,10 @@ PROTOCOL_VERSION = 3
 MAX_VOUCHES = 8  # partners a record vouches for (sync/contribution.py): the ones judged most recently
 SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer id (status shows them)
 MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
+# stored values whose parse a DHT process remembers (`_parsed_record`): the records of the shards a read covers (up to
+# 3 of twice SHARD_TARGET each), with room; at most this × MAX_VALUE_BYTES (2 MiB), typically a tenth of that
+PARSED_REMEMBERED = 8 * SHARD_TARGET
+SIGNATURES_REMEMBERED = 4096  # records whose valid signature a process remembers (a 16-byte digest each)
 
 
 class PeerRecord(BaseModel):
@@ -168,17 +176,19 @@ class PeerRecordValidator(RecordValidatorBase):
         if shard is None:
             return True  # not a peer record of this run
         try:
-            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
-            parsed = PeerRecord.parse_obj(value)
-        except Exception:  # msgpack and pydantic raise many types; every one means a malformed record
-            logger.debug("refusing a malformed peer record", exc_info=True)
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # msgpack raises many types; every one means a malformed record
+            logger.debug("refusing a peer record with a malformed subkey", exc_info=True)
+            return False
+        parsed, in_schema_types = _parsed_record(record.value) if isinstance(record.value, bytes) else (None, False)
+        if parsed is None:
             return False
         signer = peer_id_of_signer(subkey) if isinstance(subkey, bytes) else None
         if signer is None:
             logger.debug(f"refusing a peer record of {parsed.peer_id}: its subkey names no signer")
             return False
         level, index = shard
-        if level > 0 and (shard_index(signer, level) != index or parsed.dict() != value):
+        if level > 0 and (shard_index(signer, level) != index or not in_schema_types):
             # the schema validator checks level 0's records for conversions; a shard holds only its own peers
             logger.debug(f"refusing a peer record of {parsed.peer_id} in shard {index} of level {level}: not its "
                          f"shard, or not in the schema's types")
@@ -196,13 +206,62 @@ class PeerRecordValidator(RecordValidatorBase):
         return other == self  # the same check twice is one; another (e.g. stricter) one is applied as well
 
 
+@functools.lru_cache(maxsize=PARSED_REMEMBERED)
+def _parsed_record(value: bytes) -> tuple[PeerRecord | None, bool]:
+    """A stored value as a record (None: malformed), and whether it holds the schema's own types (`parsed.dict()`
+    gives it back). Remembered by its bytes: a read gets each record from several nodes, and a peer reads its shards
+    more often than records change; the returned record is shared, read only. Time-dependent checks are not here."""
+    try:
+        value_ = MSGPackSerializer.loads(value)
+        parsed = PeerRecord.parse_obj(value_)
+    except Exception:  # msgpack and pydantic raise many types; every one means a malformed record
+        logger.debug("refusing a malformed peer record", exc_info=True)
+        return None, False
+    return parsed, parsed.dict() == value_
+
+
+class RememberingSignatureValidator(RSASignatureValidator):
+    """hivemind's signature check, its positive verdicts remembered by the record's digest (key, subkey, signed
+    value, expiry: what the signature covers, so the verdict is a function of the digest alone). A read gets each
+    record from several nodes, and RSA verification was an eighth of a DHT process's CPU in an 8-peer swarm.
+    Refusals are not remembered: a flood of bad signatures costs what it did, and cannot evict good verdicts
+    faster than any other new record."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = hashlib.blake2b(MSGPackSerializer.dumps(dataclasses.astuple(record)), digest_size=16).digest()
+        with _SIGNATURES_LOCK:
+            if digest in _VALID_SIGNATURES:
+                _VALID_SIGNATURES.move_to_end(digest)
+                return True
+        if not super().validate(record):
+            return False
+        with _SIGNATURES_LOCK:
+            _VALID_SIGNATURES[digest] = None
+            while len(_VALID_SIGNATURES) > SIGNATURES_REMEMBERED:
+                _VALID_SIGNATURES.popitem(last=False)
+        return True
+
+
+_VALID_SIGNATURES: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # per process, least recent first
+_SIGNATURES_LOCK = threading.Lock()
+
+
+def _new_signatures_lock() -> None:
+    """A forked DHT process starts with a lock of its own: another thread may have held the parent's at the fork."""
+    global _SIGNATURES_LOCK
+    _SIGNATURES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_signatures_lock)
+
+
 def add_record_validators(dht: SwarmDHT, run_id: str, ttl_s: float,
                           admission: Admission | None = None) -> RSASignatureValidator:
     """Install this run's validators (the run's keys only: net/dht_keys.py; signature, schema,
     `PeerRecordValidator`); returns the signature validator, whose public key, that of the node's identity key
     (`dht.signing_key`), is the subkey of our record."""
     policy = admission.policy if admission is not None else AdmissionPolicy(run_id)
-    signature_validator = RSASignatureValidator(dht.signing_key)
+    signature_validator = RememberingSignatureValidator(dht.signing_key)
     dht.add_validators([RunKeysValidator(run_id), SchemaValidator(SwarmSchema, prefix=run_id), signature_validator,
                         PeerRecordValidator(run_id, ttl_s, policy), SubkeyBudget(run_id)])
     return signature_validator

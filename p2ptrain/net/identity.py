@@ -8,6 +8,7 @@ peer's name (and get that peer blamed for its claims).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -21,6 +22,9 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # how hivemind's RSASignatureValidator marks a subkey's signer
+# subkeys whose signer is remembered: every DHT read validates each record it gets (from several nodes), and the SSH
+# key load and hash were a tenth of a DHT process's CPU in an 8-peer swarm; identities are cheap, so a bound
+SIGNERS_REMEMBERED = 2048
 
 
 def fresh_identity_path() -> str:
@@ -46,6 +50,7 @@ def peer_id_of_public_key(public_key: rsa.RSAPublicKey) -> str:
     return PeerID(digest).to_base58()
 
 
+@functools.lru_cache(maxsize=SIGNERS_REMEMBERED)
 def peer_id_of_signer(subkey: bytes) -> str | None:
     """The peer id whose identity key signed a record with this DHT subkey; None if the subkey names no RSA key."""
     match = OWNER_RE.search(subkey)
