@@ -205,7 +205,9 @@ class PeakMemory:
     """The peak of `process_tree_bytes()` from `start()` to `stop()`, sampled every `every_s` in a thread, above what it
     was at the start."""
 
-    def __init__(self, every_s: float = 0.2):
+    # every second: each sample reads smaps_rollup of every process of the swarm (17 at 8 peers), and at 0.2 s that
+    # was 15 % of this process's samples in a profile of an 8-peer swarm, CPU taken from our peers and not torchft's
+    def __init__(self, every_s: float = 1.0):
         self.every_s, self.base, self.peak = every_s, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -232,9 +234,14 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
     setup's sync section (default SETUPS[setup])."""
     run_id = f"bench-{setup}-{uuid.uuid4().hex[:6]}"
     sync = SETUPS[setup] if sync is None else sync
-    if setup == TORCHFT:
-        return run_torchft_swarm([peer_config(s, sync, run_id, shard=i, seed=seed) for i in range(n)], s.rounds,
-                                 RUN_TIMEOUT_S + ROUND_TIMEOUT_S * s.rounds)
+    if setup == TORCHFT:  # its child process, spawned after the sampler's start, is in the peak (its own imports too)
+        sampler = PeakMemory().start()
+        try:
+            result = run_torchft_swarm([peer_config(s, sync, run_id, shard=i, seed=seed) for i in range(n)],
+                                       s.rounds, RUN_TIMEOUT_S + ROUND_TIMEOUT_S * s.rounds)
+        finally:
+            peak = sampler.stop()
+        return {**result, "peak_bytes_per_peer": peak / n}
     started, cpu_started = time.perf_counter(), time.process_time()
     peers: list[TrainingPeer] = []
     memory = PeakMemory().start()
@@ -442,7 +449,8 @@ NOTES = ("Notes: figures over every peer's rounds after its first. utilisation =
          "over peers and runs. torchft-diloco: torchft's DiLoCo (benchmarks/torchft_diloco.py), its replicas "
          "threads of one child process on our inner phase and outer step; its blocked s is its sync (quorum, "
          "Gloo all-reduce, outer step), its bytes the child's TCP counters (Gloo, the Lighthouse and Manager "
-         "calls) per replica and round, so bytes and wire are one figure; no memory is measured for it. "
+         "calls) per replica and round, so bytes and wire are one figure; its peak memory holds its child process's "
+         "own Python, torch and transformers (in the base for our peers). "
          "daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
          "before shutdown. On a shared machine (load average above the cores) compute seconds, the reference's "
          "most, swing up to 3× between runs; utilisation, groups and bytes hardly move.")
