@@ -17,27 +17,36 @@ replicas sent. The child is spawned, not forked, and holds nothing else: torchft
 running in the process, and a later swarm of ours, whose DHT processes are forked from the benchmark's, hung with
 them in it. torchft trusts every replica (no clipping, no checks of what a member sends) and has no DHT: it is a
 datacenter design, the reference for speed only.
+
+Alone, it runs one torchft swarm on the default peer's settings (the tiny model) and prints each replica's figures:
+
+    python benchmarks/torchft_diloco.py --peers 4 --rounds 10 --inner-steps 20
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.wire_bytes import tcp_bytes
-from p2ptrain.config import PeerConfig
-from p2ptrain.data import TextShards, build_tokenizer
-from p2ptrain.maths.inner import InnerTrainer
-from p2ptrain.models import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
+
+from benchmarks.wire_bytes import tcp_bytes  # noqa: E402
+from p2ptrain.config import PeerConfig, build_config  # noqa: E402
+from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
+from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
+from p2ptrain.models import build_model  # noqa: E402
 
 TIMEOUT = timedelta(seconds=60)  # torchft's quorum, connect and operation deadlines
 CHILD_MARGIN_S = 60.0  # the child's start (imports, the corpus) and shutdown, beyond the swarm's own deadline
@@ -185,3 +194,33 @@ def _swarm(configs: list[PeerConfig], rounds: int, timeout_s: float) -> dict[str
     return {"setup": "torchft-diloco", "peers": peers, "parameters": parameters,
             "histories": [r.history for r in replicas], "errors": [r.error for r in replicas if r.error],
             "timed_out": timed_out, "training_wall_s": training_s, "wire_bytes_sent": wire}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="torchft's DiLoCo on loopback, its replicas on our inner phase "
+                                                 "(benchmarks/loopback_sync.py runs it beside our setups)")
+    parser.add_argument("--peers", type=int, default=4, help="replicas (default 4)")
+    parser.add_argument("--rounds", type=int, default=10, help="outer rounds (default 10)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="the swarm's deadline (default 600)")
+    args = parser.parse_args(argv)
+    if args.peers < 2 or args.rounds < 1 or args.inner_steps < 1 or not args.timeout_s > 0:
+        parser.error("--peers must be >= 2, --rounds and --inner-steps >= 1, --timeout-s > 0")
+    why = missing()
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    configs = [build_config({"model": {"name": "tiny"}, "inner": {"steps": args.inner_steps},
+                             "run": {"device": "cpu", "shard_index": i}}) for i in range(args.peers)]
+    result = run_torchft_swarm(configs, args.rounds, args.timeout_s)
+    for i, history in enumerate(result["histories"]):
+        loop_s, sync_s = sum(m["round_s"] for m in history), sum(m["comm_blocked_s"] for m in history)
+        print(f"replica {i}: {len(history)} rounds in {loop_s:.2f} s, {sync_s:.2f} s of them syncing; "
+              f"validation loss {history[-1]['val_loss'] if history else math.nan:.4f}")
+    for error in result["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    return 1 if result["errors"] or result["timed_out"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
