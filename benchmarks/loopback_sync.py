@@ -394,7 +394,8 @@ def run(s: Settings, output: Path, command: str) -> dict[str, Any]:
     load_before = os.getloadavg()[0]  # the machine may be shared: other work skews every time measured here
     torch.set_num_threads(1)  # every peer and reference trainer: one intra-op thread (they share the process)
     rows, raw = [], []
-    skipped = {TORCHFT: torchft_missing()} if TORCHFT in s.setups and torchft_missing() else {}
+    why_not_torchft = torchft_missing() if TORCHFT in s.setups else None
+    skipped = {TORCHFT: why_not_torchft} if why_not_torchft else {}
     setups = [setup for setup in s.setups if setup not in skipped]
     for setup, why in skipped.items():
         print(f"{setup}: skipped: {why}", flush=True)
