@@ -141,9 +141,8 @@ def run_torchft_swarm(configs: Sequence[PeerConfig], rounds: int, timeout_s: flo
     try:
         result = results.get(timeout=timeout_s + CHILD_MARGIN_S)
     except queue.Empty:
-        result = {"setup": "torchft-diloco", "peers": len(configs), "parameters": 0, "histories": [],
-                  "errors": [f"the torchft child gave nothing within {timeout_s + CHILD_MARGIN_S:.0f} s"],
-                  "timed_out": True, "training_wall_s": math.nan, "wire_bytes_sent": None}
+        result = _failed(len(configs), f"the torchft child gave nothing within {timeout_s + CHILD_MARGIN_S:.0f} s",
+                         timed_out=True)
     finally:
         child.join(CHILD_MARGIN_S)
         if child.is_alive():
@@ -158,9 +157,13 @@ def _swarm_in_child(configs: list[PeerConfig], rounds: int, timeout_s: float,
     try:
         results.put(_swarm(configs, rounds, timeout_s))
     except Exception as error:  # reported in the row
-        results.put({"setup": "torchft-diloco", "peers": len(configs), "parameters": 0, "histories": [],
-                     "errors": [repr(error)], "timed_out": False, "training_wall_s": math.nan,
-                     "wire_bytes_sent": None})
+        results.put(_failed(len(configs), repr(error), timed_out=False))
+
+
+def _failed(peers: int, error: str, timed_out: bool) -> dict[str, Any]:
+    """A swarm that gave no rounds: `error` says why."""
+    return {"setup": "torchft-diloco", "peers": peers, "parameters": 0, "histories": [], "errors": [error],
+            "timed_out": timed_out, "training_wall_s": math.nan, "wire_bytes_sent": None}
 
 
 def _swarm(configs: list[PeerConfig], rounds: int, timeout_s: float) -> dict[str, Any]:
