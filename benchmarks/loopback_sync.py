@@ -144,14 +144,18 @@ class Settings:
             raise ValueError(f"--setups must name some of {', '.join(SETUPS)}; unknown: {', '.join(sorted(unknown))}")
 
 
-def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int, seed: int = 0) -> PeerConfig:
+def peer_config(s: Settings, sync: dict[str, Any], run_id: str, shard: int, seed: int = 0,
+                swarm_size: int = 1) -> PeerConfig:
     """A peer of the benchmark: loopback, the settings' model and batch, `sync` on the sync section's defaults
-    (its "outer" entry, if any, on the outer section's), `seed` the run's (θ_0 and batches)."""
+    (its "outer" entry, if any, on the outer section's), `seed` the run's (θ_0 and batches). Its first round waits
+    for the swarm's `swarm_size` peers (run.min_peers): a gossip peer that has not seen its partner yet mixes with
+    no one (once under CI's load, in all the measured rounds of a 4-round swarm)."""
     sync = dict(sync)
     outer = sync.pop("outer", {})
     return build_config({
         "run": {"run_id": run_id, "rounds": s.rounds, "device": "cpu", "progress": False,
-                "shard_index": shard % CORPUS["num_shards"], "seed": seed, "eval_every": s.eval_every or s.rounds},
+                "shard_index": shard % CORPUS["num_shards"], "seed": seed, "eval_every": s.eval_every or s.rounds,
+                "min_peers": swarm_size},
         "model": {"name": s.model, "max_seq_len": s.seq_len},
         "data": {"seq_len": s.seq_len, "batch_size": s.batch_size, **CORPUS},
         "inner": {"steps": s.inner_steps},
@@ -246,8 +250,8 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
     peers: list[TrainingPeer] = []
     memory = PeakMemory().start()
     try:
-        peers.append(TrainingPeer(peer_config(s, sync, run_id, shard=0, seed=seed)))
-        peers += [TrainingPeer(peer_config(s, sync, run_id, shard=i, seed=seed), peers[0].maddrs)
+        peers.append(TrainingPeer(peer_config(s, sync, run_id, shard=0, seed=seed, swarm_size=n)))
+        peers += [TrainingPeer(peer_config(s, sync, run_id, shard=i, seed=seed, swarm_size=n), peers[0].maddrs)
                   for i in range(1, n)]
         runs = [PeerRun(p) for p in peers]
         daemons = daemon_pids()

@@ -72,8 +72,11 @@ def test_quick_run(tmp_path: Path) -> None:
     # 0.836; 10 rounds: 1.059)
     least = (settings.rounds - 2) / (settings.rounds - 1)
     assert 0.9 * least <= overlap["bytes_ratio"] <= 1.5, overlap["bytes_ratio"]
-    for setup in ("gasloc", "gasloc-overlap"):
-        assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0
+    for setup in ("gasloc", "gasloc-overlap"):  # the codec of the exchanges the peers started: GASLoC's fp16
+        exchanges = [[(m["round"], [e["codec"] for e in m["exchanges"]], m["failed_exchanges"], m["refused_exchanges"])
+                      for m in history]
+                     for run in written["runs"] if run["setup"] == setup for history in run["histories"]]
+        assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0, (setup, exchanges)
     for run in written["runs"]:  # peers validate in their first (warm-up) and last rounds only: --eval-every 0
         for history in run.get("histories", []) if run["setup"] != loopback_sync.TORCHFT else []:
             assert [m["evaluated"] for m in history] == [True] + [False] * (settings.rounds - 2) + [True], run
