@@ -7,7 +7,8 @@ the records and bytes its reads returned, the keys it read, the peers its view h
 some other peer's view (a gossip partner can be drawn for it). The one-key column is one peer's read of the single
 key with every record in it, as every read was before the shards (protocol 2). Bytes per record are those of a real
 signed record (a typical one, every field set: value, RSA subkey and signature, `record_wire_bytes`). The DHT's own
-routing (a lookup's hops to the key's nodes) is not modelled: it is the same per key read, about log n messages.
+routing is not modelled: a real read asks the key's KEY_BEAM (5) nearest nodes and each holder answers with its
+copy, up to 5 × the bytes counted here, for every key alike.
 
     python benchmarks/discovery_scale.py [--peers 64,256,1024,4096] [--target 16] [--json out.json]
 """
@@ -61,7 +62,7 @@ class MemoryDHT:
     def store(self, key: str, subkey: str, value: dict[str, Any], expiration_time: float) -> None:
         self.keys.setdefault(key, {})[subkey] = (value, expiration_time)
 
-    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+    def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
         now = self.clock()
         entries = {s: SimpleNamespace(value=v, expiration_time=e) for s, (v, e) in self.keys.get(key, {}).items()
                    if e >= now}

@@ -18,7 +18,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from p2ptrain.data import ByteTokenizer, DataConfig, TextShards
 from p2ptrain.net.data_claims import MAX_TRIES, ClaimedPieces
 from p2ptrain.net.dht import NetworkConfig, start_dht, visible_maddrs
-from p2ptrain.net.dht_keys import PIECES_PER_KEY, RunKeysValidator, claims_key
+from p2ptrain.net.dht_keys import KEY_BEAM, PIECES_PER_KEY, RunKeysValidator, claims_key
 from p2ptrain.net.discovery import add_record_validators
 
 RUN = "claims-run"
@@ -37,12 +37,15 @@ class LastWriterDHT:
         return future
 
     def store(self, key: str, value: object, expiration_time: float, subkey: object = None,
-              return_future: bool = False) -> concurrent.futures.Future:
+              return_future: bool = False, beam_size: int = 0) -> concurrent.futures.Future:
+        assert beam_size == KEY_BEAM
         with self.lock:
             self.values.setdefault(key, {})[subkey] = SimpleNamespace(value=value, expiration_time=expiration_time)
         return self._done(True)
 
-    def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
+    def get(self, key: str, latest: bool = False, return_future: bool = False,
+            beam_size: int = 0) -> concurrent.futures.Future:
+        assert beam_size == KEY_BEAM
         with self.lock:
             entries = dict(self.values.get(key, {}))
         return self._done(SimpleNamespace(value=entries) if entries else None)
@@ -77,14 +80,15 @@ def test_a_claim_that_is_overwritten_is_lost_and_the_claimer_picks_again() -> No
 
     class Thief(LastWriterDHT):
         def store(self, key: str, value: object, expiration_time: float, subkey: object = None,
-                  return_future: bool = False) -> concurrent.futures.Future:
-            done = dht.store(key, value, expiration_time, subkey)
+                  return_future: bool = False, beam_size: int = 0) -> concurrent.futures.Future:
+            done = dht.store(key, value, expiration_time, subkey, beam_size=beam_size)
             if subkey == 0:  # someone else claims piece 0 just after us
-                dht.store(key, "thief", expiration_time + 1, subkey)
+                dht.store(key, "thief", expiration_time + 1, subkey, beam_size=beam_size)
             return done
 
-        def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
-            return dht.get(key)
+        def get(self, key: str, latest: bool = False, return_future: bool = False,
+                beam_size: int = 0) -> concurrent.futures.Future:
+            return dht.get(key, beam_size=beam_size)
 
     claimer = ClaimedPieces(Thief(), RUN, "honest", 2, seed=0, settle_s=0.0)  # type: ignore[arg-type]
     assert claimer.next_piece() == 1  # piece 0's claim is always overwritten: lost, and the claimer takes piece 1
@@ -94,7 +98,8 @@ def test_a_claim_that_is_overwritten_is_lost_and_the_claimer_picks_again() -> No
 
 def test_a_dht_that_does_not_answer_gives_a_random_piece_and_keeps_the_first_pass() -> None:
     class Silent(LastWriterDHT):
-        def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
+        def get(self, key: str, latest: bool = False, return_future: bool = False,
+                beam_size: int = 0) -> concurrent.futures.Future:
             return concurrent.futures.Future()  # never answers
 
     claimer = ClaimedPieces(Silent(), RUN, "alone", 500, seed=1, timeout_s=0.05)  # type: ignore[arg-type]
@@ -169,13 +174,14 @@ def test_a_peer_that_overwrites_every_claim_costs_a_few_tries_not_a_stall() -> N
         stores = 0
 
         def store(self, key: str, value: object, expiration_time: float, subkey: object = None,
-                  return_future: bool = False) -> concurrent.futures.Future:
+                  return_future: bool = False, beam_size: int = 0) -> concurrent.futures.Future:
             Overwriter.stores += 1
-            dht.store(key, value, expiration_time, subkey)
-            return dht.store(key, "attacker", expiration_time + 1, subkey)  # every claim, at once
+            dht.store(key, value, expiration_time, subkey, beam_size=beam_size)
+            return dht.store(key, "attacker", expiration_time + 1, subkey, beam_size=beam_size)  # every claim, at once
 
-        def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
-            return dht.get(key)
+        def get(self, key: str, latest: bool = False, return_future: bool = False,
+                beam_size: int = 0) -> concurrent.futures.Future:
+            return dht.get(key, beam_size=beam_size)
 
     claimer = ClaimedPieces(Overwriter(), RUN, "honest", 10 * PIECES_PER_KEY, seed=2, settle_s=0.0)  # type: ignore[arg-type]
     piece = claimer._pick()

@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
 from p2ptrain.net import discovery
-from p2ptrain.net.dht_keys import peers_key, shard_key
+from p2ptrain.net.dht_keys import KEY_BEAM, peers_key, shard_key
 from p2ptrain.net.discovery import (
     PROTOCOL_VERSION,
     PeerRecord,
@@ -107,7 +107,7 @@ def test_the_status_shows_each_peers_claimed_tokens_and_the_median_its_partners_
 class SilentDHT:
     """A DHT whose reads never come back (a reply lost inside hivemind's DHT process)."""
 
-    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+    def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
         assert return_future, "a blocking get would hang the training loop"
         return concurrent.futures.Future()
 
@@ -125,7 +125,8 @@ class ScriptedDHT:
     def __init__(self, *results: SimpleNamespace | None) -> None:
         self.results, self.reads = list(results), 0
 
-    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+    def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
+        assert beam_size == KEY_BEAM, "a read asks the key's nearest nodes, not hivemind's default 20"
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         if key != peers_key("run"):
             future.set_result(None)
@@ -162,7 +163,7 @@ class SlowDHT:
     def monotonic(self) -> float:
         return self.now
 
-    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future[object]:
+    def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
         self.keys.append(key)
         self.now += self.delay_s
         future: concurrent.futures.Future[object] = concurrent.futures.Future()

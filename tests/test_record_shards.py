@@ -13,7 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm_utils import run_swarm, tiny_config
 
 from benchmarks.discovery_scale import MemoryDHT, VirtualClock, one_key_rows, simulate, virtual_time
-from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, shard_index, shard_key
+from p2ptrain.net.dht_keys import KEY_BEAM, MAX_SHARD_LEVEL, shard_index, shard_key
 from p2ptrain.net.discovery import Announcer, PeerRecord
 from p2ptrain.net.record_shards import ESTIMATES_KEPT, ESTIMATES_TO_MOVE, LINEAGE_EVERY, RecordShards
 
@@ -97,7 +97,8 @@ class StoringDHT:
         pass
 
     def store(self, key: str, subkey: bytes, value: dict[str, Any], expiration_time: float,
-              return_future: bool) -> SimpleNamespace:
+              return_future: bool, beam_size: int = 0) -> SimpleNamespace:
+        assert beam_size == KEY_BEAM, "a store asks the key's nearest nodes, not hivemind's default 20"
         self.stores.append((key, value))
         return SimpleNamespace(result=lambda timeout: True)
 

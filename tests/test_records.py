@@ -27,6 +27,7 @@ from p2ptrain.net.admission import AdmissionPolicy
 from p2ptrain.net.bootstrap import BootstrapNode
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
 from p2ptrain.net.dht_keys import (
+    KEY_BEAM,
     MAX_GROUP_RECORDS,
     MAX_GROUP_SUBKEY_BYTES,
     MAX_GROUP_VALUE_BYTES,
@@ -240,6 +241,28 @@ async def _store_bytes(_dht: object, node: Any, key: str, size: int, subkey: byt
     return bool(await node.store(key, b"x" * size, expiration_time, subkey=subkey))
 
 
+async def _read_counting_nodes(_dht: object, node: Any, key: str, beam: int | None) -> tuple[int, int]:
+    """Read `key`'s latest value from this DHT node (runs in its process), with `beam` or hivemind's default beam;
+    returns the nodes the read asked and the subkeys it found."""
+    asked, call_find = 0, node.protocol.call_find
+
+    async def counted(peer: object, keys: object) -> object:
+        nonlocal asked
+        asked += 1
+        return await call_find(peer, keys)
+
+    node.protocol.call_find = counted
+    try:
+        found = await node.get(key, latest=True, **({} if beam is None else {"beam_size": beam}))
+    finally:
+        del node.protocol.call_find
+    return asked, 0 if found is None else len(found.value)
+
+
+async def _caching(_dht: object, node: Any) -> tuple[bool, int, float]:
+    return node.cache_locally, node.cache_nearest, node.cache_refresh_before_expiry
+
+
 async def _stored_key_count(_dht: object, node: Any) -> int:
     return sum(1 for _ in node.protocol.storage.items())
 
@@ -372,6 +395,27 @@ def test_a_flood_under_foreign_keys_or_of_large_values_is_not_stored() -> None:
 
 async def _request_timeout(_dht: object, node: Any) -> float:
     return float(node.protocol.wait_timeout)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_key_is_stored_and_read_through_its_nearest_nodes_not_every_node_of_the_swarm() -> None:
+    """hivemind's default beam (20) made each heartbeat's store and read ask every node of a swarm under 21 nodes:
+    a key's values live on its 5 nearest nodes, and a beam of KEY_BEAM finds every value there. No node caches."""
+    nodes = [start_node()]
+    try:
+        nodes += [start_node(visible_maddrs(nodes[0])) for _ in range(11)]
+        for i, node in enumerate(nodes):
+            assert node.store("beam", subkey=i, value=i, expiration_time=get_dht_time() + 60, beam_size=KEY_BEAM)
+        asked, found = nodes[-1].run_coroutine(functools.partial(_read_counting_nodes, key="beam", beam=KEY_BEAM))
+        asked_by_default, found_by_default = nodes[-1].run_coroutine(
+            functools.partial(_read_counting_nodes, key="beam", beam=None))
+        assert found == found_by_default == len(nodes), (found, found_by_default)
+        assert asked <= KEY_BEAM + 1 and asked_by_default == len(nodes) - 1, (asked, asked_by_default)
+        assert {node.run_coroutine(_caching) for node in nodes} == {(False, 0, 0)}
+    finally:
+        for node in nodes:
+            node.shutdown()
 
 
 @pytest.mark.network

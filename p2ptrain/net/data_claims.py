@@ -24,7 +24,7 @@ import time
 import hivemind
 from hivemind.utils import get_dht_time
 
-from p2ptrain.net.dht_keys import MAX_BLOCKS, MAX_LIFETIME_S, PIECES_PER_KEY, claims_key
+from p2ptrain.net.dht_keys import KEY_BEAM, MAX_BLOCKS, MAX_LIFETIME_S, PIECES_PER_KEY, claims_key
 from p2ptrain.net.discovery import DHT_CALL_LOCK
 from p2ptrain.timing import BRIEF_S
 
@@ -111,7 +111,8 @@ class ClaimedPieces:
     def _holders(self, block: int) -> dict[int, str] | None:
         """Piece offset → claimant of the block's live claims; None when the DHT does not answer in time."""
         with DHT_CALL_LOCK:
-            future = self.dht.get(claims_key(self.run_id, block), latest=True, return_future=True)
+            future = self.dht.get(claims_key(self.run_id, block), latest=True, beam_size=KEY_BEAM,
+                                  return_future=True)
         try:
             raw = future.result(timeout=self.timeout_s)
         except Exception:  # a time-out, or the DHT shutting down
@@ -130,7 +131,7 @@ class ClaimedPieces:
             with DHT_CALL_LOCK:
                 future = self.dht.store(claims_key(self.run_id, piece // PIECES_PER_KEY), subkey=piece % PIECES_PER_KEY,
                                         value=self.claimant, expiration_time=get_dht_time() + CLAIM_TTL_S,
-                                        return_future=True)
+                                        beam_size=KEY_BEAM, return_future=True)
             return bool(future.result(timeout=self.timeout_s))
         except Exception:  # a late store, or the DHT shutting down
             logger.debug("data claim not stored", exc_info=True)

@@ -36,6 +36,10 @@ from p2ptrain.timing import MAX_CLOCK_SKEW_S
 # rounds are told apart modulo 2**ROUND_BITS in the group key: a group's records live seconds, so rounds 256 apart
 # never meet, and every key of a run can be listed (2 averagers x 256 keys)
 ROUND_BITS = 8
+# how many nodes near a key one of our reads or stores visits (hivemind's `beam_size`; its default, its bucket size
+# 20, made each read and each store of a record ask every node of a swarm of up to 21 and 20 of a larger one). A
+# key's values live on its `num_replicas` (hivemind's default, 5) nearest nodes, which a beam of as many finds
+KEY_BEAM = 5
 AVERAGER_NAMES = ("diloco", "mix2")  # DiLoCo's all-reduce, Factored's Mix2 (sync/build.py)
 # the largest value a run stores: a signed peer record with a ticket is under 3 kB (signature and public key included)
 MAX_VALUE_BYTES = 16 * 1024

@@ -34,7 +34,15 @@ from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, co
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
 from p2ptrain.net.dht import SwarmDHT
-from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, RunKeysValidator, SubkeyBudget, shard_index, shard_key, shard_key_ids
+from p2ptrain.net.dht_keys import (
+    KEY_BEAM,
+    MAX_SHARD_LEVEL,
+    RunKeysValidator,
+    SubkeyBudget,
+    shard_index,
+    shard_key,
+    shard_key_ids,
+)
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, SHARD_TARGET, RecordShards, Shard
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
@@ -316,7 +324,8 @@ def fetch_shards(dht: hivemind.DHT, run_id: str, shards: Iterable[Shard], ttl_s:
     futures = {}
     for shard in dict.fromkeys(shards):
         with DHT_CALL_LOCK:
-            futures[shard] = dht.get(shard_key(run_id, *shard), latest=True, return_future=True)
+            futures[shard] = dht.get(shard_key(run_id, *shard), latest=True, beam_size=KEY_BEAM,
+                                     return_future=True)
     deadline = time.monotonic() + timeout_s
     found = {}
     for shard, future in futures.items():
@@ -413,7 +422,8 @@ class Announcer:
                 self._stored_at[shard] = now
                 with DHT_CALL_LOCK:
                     futures.append(self.dht.store(shard_key(self.run_id, *shard), subkey=self.subkey, value=value,
-                                                  expiration_time=now + self.ttl_s, return_future=True))
+                                                  expiration_time=now + self.ttl_s, beam_size=KEY_BEAM,
+                                                  return_future=True))
             deadline = time.monotonic() + timeout_s
             return all([bool(f.result(timeout=max(0.0, deadline - time.monotonic()))) for f in futures])
         except Exception:  # a late store, or the DHT process shutting down: the next heartbeat tries again
