@@ -7,8 +7,9 @@ the records and bytes its reads returned, the keys it read, the peers its view h
 some other peer's view (a gossip partner can be drawn for it). The one-key column is one peer's read of the single
 key with every record in it, as every read was before the shards (protocol 2). Bytes per record are those of a real
 signed record (a typical one, every field set: value, RSA subkey and signature, `record_wire_bytes`). The DHT's own
-routing is not modelled: a real read asks the key's KEY_BEAM (5) nearest nodes and each holder answers with its
-copy, up to 5 × the bytes counted here, for every key alike.
+routing is modelled by its cost only: a read asks for the latest records (`latest=True`), so each of the key's
+KEY_BEAM (5) nearest nodes, its holders, answers with its whole copy. Per peer and heartbeat: what its reads
+download (5 copies) and what it uploads as a holder (each copy it served), the median peer's and the busiest's.
 
     python benchmarks/discovery_scale.py [--peers 64,256,1024,4096] [--target 16] [--json out.json]
 """
@@ -16,7 +17,9 @@ copy, up to 5 × the bytes counted here, for every key alike.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
+import heapq
 import json
 import random
 import statistics
@@ -30,11 +33,12 @@ from typing import Any
 from unittest import mock
 
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
 from p2ptrain.net import discovery
-from p2ptrain.net.dht_keys import shard_key
+from p2ptrain.net.dht_keys import KEY_BEAM, shard_key
 from p2ptrain.net.discovery import PeerRecord, SwarmWatcher
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import SHARD_TARGET, RecordShards
@@ -52,12 +56,23 @@ class VirtualClock:
 
 
 class MemoryDHT:
-    """A DHT that is one dictionary: key → subkey → (value, expiry), answered at once; counts what reads return."""
+    """A DHT that is one dictionary: key → subkey → (value, expiry), answered at once; counts what reads return,
+    and the records each of `nodes` served as one of a key's KEY_BEAM nearest nodes (its holders)."""
 
-    def __init__(self, clock: VirtualClock):
+    def __init__(self, clock: VirtualClock, nodes: list[str] | None = None):
         self.clock = clock
         self.keys: dict[str, dict[str, tuple[dict[str, Any], float]]] = {}
         self.gets = self.records_returned = 0
+        self.node_ids = [(DHTID.generate(source=node), node) for node in nodes or []]
+        self.holders: dict[str, list[str]] = {}
+        self.served: collections.Counter[str] = collections.Counter()
+
+    def holders_of(self, key: str) -> list[str]:
+        if key not in self.holders:
+            target = DHTID.generate(source=key)
+            nearest = heapq.nsmallest(KEY_BEAM, self.node_ids, key=lambda node: node[0].xor_distance(target))
+            self.holders[key] = [node for _, node in nearest]
+        return self.holders[key]
 
     def store(self, key: str, subkey: str, value: dict[str, Any], expiration_time: float) -> None:
         self.keys.setdefault(key, {})[subkey] = (value, expiration_time)
@@ -68,6 +83,8 @@ class MemoryDHT:
                    if e >= now}
         self.gets += 1
         self.records_returned += len(entries)
+        for holder in self.holders_of(key):
+            self.served[holder] += len(entries)
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         future.set_result(SimpleNamespace(value=entries) if entries else None)
         return future
@@ -111,7 +128,7 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
     """`peers` peers for `heartbeats` heartbeats (measured after `warmup`), then `joiners` fresh peers that join
     and are followed for two reads: per-peer figures, medians and worst cases."""
     clock, rng = VirtualClock(), random.Random(seed)
-    dht = MemoryDHT(clock)
+    dht = MemoryDHT(clock, [f"peer-{i}" for i in range(peers)])
     swarm = [SimulatedPeer(dht, f"peer-{i}", target, rng) for i in range(peers)]
     reads: list[int] = []
     keys: list[int] = []
@@ -119,6 +136,8 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
     with virtual_time(clock):
         for beat in range(heartbeats):
             clock.now += HEARTBEAT_S
+            if beat == warmup:
+                dht.served.clear()
             for peer in swarm:
                 peer.publish(dht, clock.now)
             for peer in swarm:
@@ -127,6 +146,8 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
                 if beat >= warmup:
                     reads.append(dht.records_returned - returned)
                     keys.append(dht.gets - gets)
+        # records a heartbeat each peer served as a holder of the keys read, over the measured heartbeats
+        served = sorted(dht.served[peer.peer_id] / (heartbeats - warmup) for peer in swarm)
         views = [peer.view() for peer in swarm]
         seen = set().union(*views)
         whole_view = len(swarm[0].watcher.records(current=True))
@@ -139,6 +160,8 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
             joined.append((first, newcomer.shards.level))
     levels = [peer.shards.level for peer in swarm]
     return {
+        "records_read_total": sum(reads), "holder_records_served_total": sum(served),
+        "holder_records_served_median": statistics.median(served), "holder_records_served_max": served[-1],
         "peers": peers, "target": target,
         "levels": sorted(set(levels)), "level_median": statistics.median(levels),
         "records_per_read_median": statistics.median(reads), "records_per_read_max": max(reads),
@@ -175,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.heartbeats}`: a signed record is {record_bytes} bytes; heartbeat {HEARTBEAT_S:g} s, TTL "
              f"{TTL_S:g} s; per peer and heartbeat, after {args.heartbeats // 2 + 2} heartbeats of warm-up", "",
              "| peers | levels | one key: records a read | shards: records a read (median, max) | kB a heartbeat "
-             "(one key, shards) | keys read | view (median, min) | peers in no view | joiner's first read |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(one key, shards) | kB downloaded, 5 copies | kB uploaded as a holder (median, busiest) | keys read "
+             "| view (median, min) | peers in no view | joiner's first read |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for peers in (int(p) for p in args.peers.split(",")):
         row = simulate(peers, args.target, args.heartbeats, warmup=args.heartbeats // 2 + 2)
@@ -187,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['records_per_read_median']:g}, {row['records_per_read_max']} | "
                      f"{row['one_key_records_per_read'] * record_bytes / 1e3:.0f}, "
                      f"{row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
+                     f"{KEY_BEAM * row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
+                     f"{row['holder_records_served_median'] * record_bytes / 1e3:.0f}, "
+                     f"{row['holder_records_served_max'] * record_bytes / 1e3:.0f} | "
                      f"{row['keys_per_read_median']:g} | {row['view_median']:g}, {row['view_min']} | "
                      f"{row['peers_in_no_view']} | {row['joiner_first_read_peers_min']} peers |")
         print(lines[-1], flush=True)

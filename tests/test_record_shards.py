@@ -84,6 +84,10 @@ def test_a_peer_reads_about_as_many_records_at_four_times_the_swarm_and_every_pe
         # levels one apart still meet (each peer reads its shard at the levels next to its own)
         assert max(row["levels"] + row["joiner_levels"]) - min(row["levels"] + row["joiner_levels"]) <= 1
     assert max(small["levels"]) < min(large["levels"])
+    for row in (small, large):  # every record a read returned came from each of the key's KEY_BEAM holders
+        measured = row["records_read_total"] * KEY_BEAM / (22 - 14)
+        assert row["holder_records_served_total"] == pytest.approx(measured)
+        assert row["holder_records_served_median"] < row["holder_records_served_max"]  # a few peers serve them all
 
 
 class StoringDHT:
