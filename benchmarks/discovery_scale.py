@@ -7,9 +7,10 @@ the records and bytes its reads returned, the keys it read, the peers its view h
 some other peer's view (a gossip partner can be drawn for it). The one-key column is one peer's read of the single
 key with every record in it, as every read was before the shards (protocol 2). Bytes per record are those of a real
 signed record (a typical one, every field set: value, RSA subkey and signature, `record_wire_bytes`). The DHT's own
-routing is modelled by its cost only: a read asks for the latest records (`latest=True`), so each of the key's
-KEY_BEAM (5) nearest nodes, its holders, answers with its whole copy. Per peer and heartbeat: what its reads
-download (5 copies) and what it uploads as a holder (each copy it served), the median peer's and the busiest's.
+routing is modelled by its cost only: a key's KEY_BEAM (5) nearest nodes are its holders; a read for the latest
+records asks every holder, each answering with its whole copy, and a background read asks one holder at random
+(net/holder_read.py). Per peer and heartbeat: what its reads download and what the busiest peer uploads as a
+holder (each copy it served), with every background read from every holder, as before 2026-11-30, and from one.
 
     python benchmarks/discovery_scale.py [--peers 64,256,1024,4096] [--target 16] [--json out.json]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import heapq
 import json
 import random
@@ -59,10 +61,10 @@ class MemoryDHT:
     """A DHT that is one dictionary: key → subkey → (value, expiry), answered at once; counts what reads return,
     and the records each of `nodes` served as one of a key's KEY_BEAM nearest nodes (its holders)."""
 
-    def __init__(self, clock: VirtualClock, nodes: list[str] | None = None):
-        self.clock = clock
+    def __init__(self, clock: VirtualClock, nodes: list[str] | None = None, seed: int = 0):
+        self.clock, self.rng = clock, random.Random(seed)
         self.keys: dict[str, dict[str, tuple[dict[str, Any], float]]] = {}
-        self.gets = self.records_returned = 0
+        self.gets = self.records_returned = self.copies_returned = 0
         self.node_ids = [(DHTID.generate(source=node), node) for node in nodes or []]
         self.holders: dict[str, list[str]] = {}
         self.served: collections.Counter[str] = collections.Counter()
@@ -78,12 +80,22 @@ class MemoryDHT:
         self.keys.setdefault(key, {})[subkey] = (value, expiration_time)
 
     def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
+        """A latest-value read: a copy from every holder."""
+        return self._read(key, self.holders_of(key))
+
+    def run_coroutine(self, coro: functools.partial[Any], return_future: bool) -> concurrent.futures.Future[object]:
+        """A background read (net/holder_read.py's, the only coroutine the watcher runs): one holder's copy."""
+        key = coro.keywords["key"]
+        return self._read(key, [self.rng.choice(self.holders_of(key))] if self.node_ids else [])
+
+    def _read(self, key: str, holders: list[str]) -> concurrent.futures.Future[object]:
         now = self.clock()
         entries = {s: SimpleNamespace(value=v, expiration_time=e) for s, (v, e) in self.keys.get(key, {}).items()
                    if e >= now}
         self.gets += 1
         self.records_returned += len(entries)
-        for holder in self.holders_of(key):
+        self.copies_returned += len(entries) * max(1, len(holders))
+        for holder in holders:
             self.served[holder] += len(entries)
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         future.set_result(SimpleNamespace(value=entries) if entries else None)
@@ -124,13 +136,15 @@ class SimulatedPeer:
 
 
 def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmup: int = 16, joiners: int = 4,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, one_holder: bool = True) -> dict[str, Any]:
     """`peers` peers for `heartbeats` heartbeats (measured after `warmup`), then `joiners` fresh peers that join
-    and are followed for two reads: per-peer figures, medians and worst cases."""
+    and are followed for two reads: per-peer figures, medians and worst cases. Background reads from one holder at
+    random (the watcher's), or from every holder."""
     clock, rng = VirtualClock(), random.Random(seed)
-    dht = MemoryDHT(clock, [f"peer-{i}" for i in range(peers)])
+    dht = MemoryDHT(clock, [f"peer-{i}" for i in range(peers)], seed)
     swarm = [SimulatedPeer(dht, f"peer-{i}", target, rng) for i in range(peers)]
     reads: list[int] = []
+    copies: list[int] = []  # records a read downloaded, a copy from each holder it asked
     keys: list[int] = []
     cpu = time.process_time()
     with virtual_time(clock):
@@ -141,10 +155,11 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
             for peer in swarm:
                 peer.publish(dht, clock.now)
             for peer in swarm:
-                gets, returned = dht.gets, dht.records_returned
-                peer.watcher.read_(peer.shards.refresh_shards())
+                gets, returned, copies_before = dht.gets, dht.records_returned, dht.copies_returned
+                peer.watcher.read_(peer.shards.refresh_shards(), one_holder=one_holder)
                 if beat >= warmup:
                     reads.append(dht.records_returned - returned)
+                    copies.append(dht.copies_returned - copies_before)
                     keys.append(dht.gets - gets)
         # records a heartbeat each peer served as a holder of the keys read, over the measured heartbeats
         served = sorted(dht.served[peer.peer_id] / (heartbeats - warmup) for peer in swarm)
@@ -154,13 +169,14 @@ def simulate(peers: int, target: int = SHARD_TARGET, heartbeats: int = 28, warmu
         newcomers = [SimulatedPeer(dht, f"joiner-{i}", target, rng) for i in range(joiners)]
         joined = []
         for newcomer in newcomers:
-            newcomer.watcher.read_(newcomer.shards.refresh_shards())
+            newcomer.watcher.read_(newcomer.shards.refresh_shards(), one_holder=one_holder)
             first = len(newcomer.view())
-            newcomer.watcher.read_(newcomer.shards.refresh_shards())
+            newcomer.watcher.read_(newcomer.shards.refresh_shards(), one_holder=one_holder)
             joined.append((first, newcomer.shards.level))
     levels = [peer.shards.level for peer in swarm]
     return {
-        "records_read_total": sum(reads), "holder_records_served_total": sum(served),
+        "one_holder": one_holder, "records_read_total": sum(reads), "copies_read_total": sum(copies),
+        "copies_per_read_median": statistics.median(copies), "holder_records_served_total": sum(served),
         "holder_records_served_median": statistics.median(served), "holder_records_served_max": served[-1],
         "peers": peers, "target": target,
         "levels": sorted(set(levels)), "level_median": statistics.median(levels),
@@ -198,22 +214,24 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.heartbeats}`: a signed record is {record_bytes} bytes; heartbeat {HEARTBEAT_S:g} s, TTL "
              f"{TTL_S:g} s; per peer and heartbeat, after {args.heartbeats // 2 + 2} heartbeats of warm-up", "",
              "| peers | levels | one key: records a read | shards: records a read (median, max) | kB a heartbeat "
-             "(one key, shards) | kB downloaded, 5 copies | kB uploaded as a holder (median, busiest) | keys read "
-             "| view (median, min) | peers in no view | joiner's first read |",
+             "(one key, shards) | kB downloaded: every holder, one holder | busiest holder's upload kB: every holder, "
+             "one holder | keys read | view (median, min) | peers in no view | joiner's first read |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for peers in (int(p) for p in args.peers.split(",")):
-        row = simulate(peers, args.target, args.heartbeats, warmup=args.heartbeats // 2 + 2)
+        every, row = (simulate(peers, args.target, args.heartbeats, warmup=args.heartbeats // 2 + 2,
+                               one_holder=one_holder) for one_holder in (False, True))
         row["one_key_records_per_read"] = one_key_rows(peers)
         row["record_bytes"] = record_bytes
+        row["every_holder"] = {k: every[k] for k in ("copies_per_read_median", "holder_records_served_median",
+                                                     "holder_records_served_max")}
         rows.append(row)
+        kb = record_bytes / 1e3
         lines.append(f"| {peers} | {row['levels']} | {row['one_key_records_per_read']} | "
                      f"{row['records_per_read_median']:g}, {row['records_per_read_max']} | "
-                     f"{row['one_key_records_per_read'] * record_bytes / 1e3:.0f}, "
-                     f"{row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
-                     f"{KEY_BEAM * row['records_per_read_median'] * record_bytes / 1e3:.0f} | "
-                     f"{row['holder_records_served_median'] * record_bytes / 1e3:.0f}, "
-                     f"{row['holder_records_served_max'] * record_bytes / 1e3:.0f} | "
+                     f"{row['one_key_records_per_read'] * kb:.0f}, {row['records_per_read_median'] * kb:.0f} | "
+                     f"{every['copies_per_read_median'] * kb:.0f}, {row['copies_per_read_median'] * kb:.0f} | "
+                     f"{every['holder_records_served_max'] * kb:,.0f}, {row['holder_records_served_max'] * kb:,.0f} | "
                      f"{row['keys_per_read_median']:g} | {row['view_median']:g}, {row['view_min']} | "
                      f"{row['peers_in_no_view']} | {row['joiner_first_read_peers_min']} peers |")
         print(lines[-1], flush=True)

@@ -6,6 +6,7 @@ no older than its TTL, and ask to be kept no longer than the TTL; anything else 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -54,6 +55,7 @@ from p2ptrain.net.discovery import (
     fetch_peers,
     parse_records,
 )
+from p2ptrain.net.holder_read import read_from_one_holder
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import RecordShards
 from p2ptrain.testnet.sybils import SybilRecords
@@ -259,6 +261,23 @@ async def _read_counting_nodes(_dht: object, node: Any, key: str, beam: int | No
     return asked, 0 if found is None else len(found.value)
 
 
+async def _one_holder_read_counting(_dht: object, node: Any, key: str) -> tuple[list[str], list[object] | None]:
+    """net/holder_read.py's read of `key` from this DHT node (runs in its process): the nodes it asked and the
+    subkeys it found."""
+    asked, call_find = [], node.protocol.call_find
+
+    async def counted(peer: object, keys: object) -> object:
+        asked.append(str(peer))
+        return await call_find(peer, keys)
+
+    node.protocol.call_find = counted
+    try:
+        found = await read_from_one_holder(_dht, node, key)
+    finally:
+        del node.protocol.call_find
+    return asked, None if found is None else sorted(found.value)
+
+
 async def _caching(_dht: object, node: Any) -> tuple[bool, int, float]:
     return node.cache_locally, node.cache_nearest, node.cache_refresh_before_expiry
 
@@ -413,6 +432,30 @@ def test_a_key_is_stored_and_read_through_its_nearest_nodes_not_every_node_of_th
         assert found == found_by_default == len(nodes), (found, found_by_default)
         assert asked <= KEY_BEAM + 1 and asked_by_default == len(nodes) - 1, (asked, asked_by_default)
         assert {node.run_coroutine(_caching) for node in nodes} == {(False, 0, 0)}
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_background_read_takes_one_holders_copy_and_the_reads_spread_over_the_holders() -> None:
+    """A read for the latest value takes a copy from each of the key's 5 holders, and every reader asks the same
+    ones; the watcher's background reads ask one holder at random (net/holder_read.py)."""
+    nodes = [start_node()]
+    try:
+        nodes += [start_node(visible_maddrs(nodes[0])) for _ in range(11)]
+        for i, node in enumerate(nodes):
+            assert node.store("beam", subkey=i, value=i, expiration_time=get_dht_time() + 60, beam_size=KEY_BEAM)
+        served: collections.Counter[str] = collections.Counter()
+        for reader in nodes:
+            for _ in range(3):
+                asked, found = reader.run_coroutine(functools.partial(_one_holder_read_counting, key="beam"))
+                assert len(asked) <= 1 and found == list(range(len(nodes))), (asked, found)  # none: its own copy
+                served.update(asked)
+        assert sum(served.values()) >= 24 and 3 <= len(served) <= KEY_BEAM, served
+        asked, found = nodes[0].run_coroutine(functools.partial(_one_holder_read_counting, key="nobody-stored-this"))
+        assert len(asked) <= 1 and found is None  # a holder without the key ends the read
     finally:
         for node in nodes:
             node.shutdown()

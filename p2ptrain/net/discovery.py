@@ -43,6 +43,7 @@ from p2ptrain.net.dht_keys import (
     shard_key,
     shard_key_ids,
 )
+from p2ptrain.net.holder_read import read_from_one_holder
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, SHARD_TARGET, RecordShards, Shard
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
@@ -317,15 +318,18 @@ DHT_CALL_LOCK = threading.Lock()
 
 
 def fetch_shards(dht: hivemind.DHT, run_id: str, shards: Iterable[Shard], ttl_s: float,
-                 timeout_s: float = PATIENCE_S, admission: Admission | None = None) -> dict[Shard, list[PeerRecord]]:
+                 timeout_s: float = PATIENCE_S, admission: Admission | None = None,
+                 one_holder: bool = False) -> dict[Shard, list[PeerRecord]]:
     """The live records (`parse_records`) of each shard whose read the DHT answered within `timeout_s`, all read at
     once (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply); a
-    warning when none answered."""
+    warning when none answered. Each shard as every one of its holders has it, or with `one_holder` as one holder
+    drawn at random has it (net/holder_read.py)."""
     futures = {}
     for shard in dict.fromkeys(shards):
+        key = shard_key(run_id, *shard)
         with DHT_CALL_LOCK:
-            futures[shard] = dht.get(shard_key(run_id, *shard), latest=True, beam_size=KEY_BEAM,
-                                     return_future=True)
+            futures[shard] = dht.run_coroutine(functools.partial(read_from_one_holder, key=key), return_future=True) \
+                if one_holder else dht.get(key, latest=True, beam_size=KEY_BEAM, return_future=True)
     deadline = time.monotonic() + timeout_s
     found = {}
     for shard, future in futures.items():
@@ -466,8 +470,9 @@ class SwarmWatcher:
     does in the DHT. One read that timed out or reached only some of the nodes (it may find none of the records)
     would otherwise leave the peer believing itself alone until the next read. With `admission`, reads keep its
     list of admitted peers current (`Admission.allows`). Which shards a read covers, `shards` says
-    (net/record_shards.py): a background read, our own and one at random; a `current` read, every shard of our
-    level and the two next to it; every few reads and a read that found nobody, our shard at every level as well.
+    (net/record_shards.py): a background read, our own and one at random, each from one of its holders at random
+    (net/holder_read.py); a `current` read, every shard of our level and the two next to it, from all its holders;
+    every few reads and a read that found nobody, our shard at every level as well.
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float,
@@ -497,12 +502,14 @@ class SwarmWatcher:
             live = [r for r in self._known.values() if is_live(r, now, self.ttl_s)]
         return sorted(present(live), key=lambda r: r.peer_id)
 
-    def read_(self, shards: list[Shard], timeout_s: float = PATIENCE_S) -> None:
+    def read_(self, shards: list[Shard], timeout_s: float = PATIENCE_S, one_holder: bool = False) -> None:
         """Read `shards` and merge what they hold; tell `self.shards` how many fresh records of others each held.
         Every LINEAGE_EVERY reads, and after a read that found nobody but us, read our shard at every level as well
-        (a swarm that split before we came, or part of which moved to a level we do not read)."""
+        (a swarm that split before we came, or part of which moved to a level we do not read). `one_holder`: each
+        shard from one of its holders at random (`fetch_shards`), as background reads do."""
         deadline = time.monotonic() + timeout_s
-        found = fetch_shards(self.dht, self.run_id, shards, self.ttl_s, timeout_s, admission=self.admission)
+        found = fetch_shards(self.dht, self.run_id, shards, self.ttl_s, timeout_s, admission=self.admission,
+                             one_holder=one_holder)
         me = self.shards.peer_id
         self._reads += 1
         alone = bool(found) and not any(r.peer_id != me for records in found.values() for r in records)
@@ -514,7 +521,7 @@ class SwarmWatcher:
             self._lineage_due = False
             missing = [shard for shard in self.shards.lineage() if shard not in found]
             found.update(fetch_shards(self.dht, self.run_id, missing, self.ttl_s,
-                                      max(0.0, deadline - time.monotonic()), self.admission))
+                                      max(0.0, deadline - time.monotonic()), self.admission, one_holder))
         freshest: dict[str, PeerRecord] = {}
         keep_freshest_(freshest, [r for records in found.values() for r in records])
         self.merge_(list(freshest.values()))
@@ -537,7 +544,7 @@ class SwarmWatcher:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.read_(self.shards.refresh_shards())
+                self.read_(self.shards.refresh_shards(), one_holder=True)
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
                 logger.debug("swarm records not read", exc_info=True)
             self._stop.wait(self.refresh_s)
