@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -243,27 +243,8 @@ async def _store_bytes(_dht: object, node: Any, key: str, size: int, subkey: byt
     return bool(await node.store(key, b"x" * size, expiration_time, subkey=subkey))
 
 
-async def _read_counting_nodes(_dht: object, node: Any, key: str, beam: int | None) -> tuple[int, int]:
-    """Read `key`'s latest value from this DHT node (runs in its process), with `beam` or hivemind's default beam;
-    returns the nodes the read asked and the subkeys it found."""
-    asked, call_find = 0, node.protocol.call_find
-
-    async def counted(peer: object, keys: object) -> object:
-        nonlocal asked
-        asked += 1
-        return await call_find(peer, keys)
-
-    node.protocol.call_find = counted
-    try:
-        found = await node.get(key, latest=True, **({} if beam is None else {"beam_size": beam}))
-    finally:
-        del node.protocol.call_find
-    return asked, 0 if found is None else len(found.value)
-
-
-async def _one_holder_read_counting(_dht: object, node: Any, key: str) -> tuple[list[str], list[object] | None]:
-    """net/holder_read.py's read of `key` from this DHT node (runs in its process): the nodes it asked and the
-    subkeys it found."""
+async def _asking(node: Any, read: Callable[[], Awaitable[Any]]) -> tuple[list[str], Any]:
+    """Run `read` on this DHT node (in its process) and list the nodes it asked: its result, and them."""
     asked, call_find = [], node.protocol.call_find
 
     async def counted(peer: object, keys: object) -> object:
@@ -272,9 +253,23 @@ async def _one_holder_read_counting(_dht: object, node: Any, key: str) -> tuple[
 
     node.protocol.call_find = counted
     try:
-        found = await read_from_one_holder(_dht, node, key)
+        found = await read()
     finally:
         del node.protocol.call_find
+    return asked, found
+
+
+async def _latest_read(_dht: object, node: Any, key: str, beam: int | None) -> tuple[int, int]:
+    """hivemind's read of `key`'s latest value, with `beam` or its default beam: the nodes it asked, the subkeys
+    it found."""
+    asked, found = await _asking(node, lambda: node.get(key, latest=True, **({} if beam is None else
+                                                                             {"beam_size": beam})))
+    return len(asked), 0 if found is None else len(found.value)
+
+
+async def _one_holder_read(_dht: object, node: Any, key: str) -> tuple[list[str], list[object] | None]:
+    """net/holder_read.py's read of `key`: the nodes it asked, the subkeys it found."""
+    asked, found = await _asking(node, lambda: read_from_one_holder(_dht, node, key))
     return asked, None if found is None else sorted(found.value)
 
 
@@ -298,6 +293,21 @@ def stored_subkeys(dht: SwarmDHT, run_id: str = RUN) -> list[bytes]:
 
 def start_node(initial_peers: list[str] | None = None) -> SwarmDHT:
     return start_dht(NetworkConfig.loopback(), initial_peers or [])
+
+
+@contextlib.contextmanager
+def nodes_each_storing(key: str, count: int = 12) -> Iterator[list[SwarmDHT]]:
+    """`count` nodes joined to the first, each of which stored its index under `key` (its own subkey), asking the
+    key's KEY_BEAM nearest nodes; all shut down after."""
+    nodes = [start_node()]
+    try:
+        nodes += [start_node(visible_maddrs(nodes[0])) for _ in range(count - 1)]
+        for i, node in enumerate(nodes):
+            assert node.store(key, subkey=i, value=i, expiration_time=get_dht_time() + 60, beam_size=KEY_BEAM)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
 
 
 @contextlib.contextmanager
@@ -421,20 +431,13 @@ async def _request_timeout(_dht: object, node: Any) -> float:
 def test_a_key_is_stored_and_read_through_its_nearest_nodes_not_every_node_of_the_swarm() -> None:
     """hivemind's default beam (20) made each heartbeat's store and read ask every node of a swarm under 21 nodes:
     a key's values live on its 5 nearest nodes, and a beam of KEY_BEAM finds every value there. No node caches."""
-    nodes = [start_node()]
-    try:
-        nodes += [start_node(visible_maddrs(nodes[0])) for _ in range(11)]
-        for i, node in enumerate(nodes):
-            assert node.store("beam", subkey=i, value=i, expiration_time=get_dht_time() + 60, beam_size=KEY_BEAM)
-        asked, found = nodes[-1].run_coroutine(functools.partial(_read_counting_nodes, key="beam", beam=KEY_BEAM))
+    with nodes_each_storing("beam") as nodes:
+        asked, found = nodes[-1].run_coroutine(functools.partial(_latest_read, key="beam", beam=KEY_BEAM))
         asked_by_default, found_by_default = nodes[-1].run_coroutine(
-            functools.partial(_read_counting_nodes, key="beam", beam=None))
+            functools.partial(_latest_read, key="beam", beam=None))
         assert found == found_by_default == len(nodes), (found, found_by_default)
         assert asked <= KEY_BEAM + 1 and asked_by_default == len(nodes) - 1, (asked, asked_by_default)
         assert {node.run_coroutine(_caching) for node in nodes} == {(False, 0, 0)}
-    finally:
-        for node in nodes:
-            node.shutdown()
 
 
 @pytest.mark.network
@@ -442,23 +445,16 @@ def test_a_key_is_stored_and_read_through_its_nearest_nodes_not_every_node_of_th
 def test_a_background_read_takes_one_holders_copy_and_the_reads_spread_over_the_holders() -> None:
     """A read for the latest value takes a copy from each of the key's 5 holders, and every reader asks the same
     ones; the watcher's background reads ask one holder at random (net/holder_read.py)."""
-    nodes = [start_node()]
-    try:
-        nodes += [start_node(visible_maddrs(nodes[0])) for _ in range(11)]
-        for i, node in enumerate(nodes):
-            assert node.store("beam", subkey=i, value=i, expiration_time=get_dht_time() + 60, beam_size=KEY_BEAM)
+    with nodes_each_storing("beam") as nodes:
         served: collections.Counter[str] = collections.Counter()
         for reader in nodes:
             for _ in range(3):
-                asked, found = reader.run_coroutine(functools.partial(_one_holder_read_counting, key="beam"))
+                asked, found = reader.run_coroutine(functools.partial(_one_holder_read, key="beam"))
                 assert len(asked) <= 1 and found == list(range(len(nodes))), (asked, found)  # none: its own copy
                 served.update(asked)
         assert sum(served.values()) >= 24 and 3 <= len(served) <= KEY_BEAM, served
-        asked, found = nodes[0].run_coroutine(functools.partial(_one_holder_read_counting, key="nobody-stored-this"))
+        asked, found = nodes[0].run_coroutine(functools.partial(_one_holder_read, key="nobody-stored-this"))
         assert len(asked) <= 1 and found is None  # a holder without the key ends the read
-    finally:
-        for node in nodes:
-            node.shutdown()
 
 
 @pytest.mark.network
