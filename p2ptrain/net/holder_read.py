@@ -37,9 +37,12 @@ async def read_from_one_holder(_dht: object, node: Any, key: str) -> ValueWithEx
     known = {node_id: peer for node_id, peer in protocol.routing_table.get_nearest_neighbors(
         key_id, KEY_BEAM, exclude=node.node_id)}
     asked: set[DHTID] = set()
+
+    def holders() -> list[DHTID]:  # the KEY_BEAM nodes nearest to the key that we know of, ourselves included
+        return sorted([*known, node.node_id], key=key_id.xor_distance)[:KEY_BEAM]
+
     for _ in range(MAX_ASKED):
-        nearest = sorted([*known, node.node_id], key=key_id.xor_distance)[:KEY_BEAM]
-        candidates = [node_id for node_id in nearest if node_id not in asked]
+        candidates = [node_id for node_id in holders() if node_id not in asked]
         if not candidates:
             return None
         holder = random.choice(candidates)
@@ -54,7 +57,7 @@ async def read_from_one_holder(_dht: object, node: Any, key: str) -> ValueWithEx
         if found is not None:
             return _loaded(protocol, key_id, found)
         known.update((node_id, peer) for node_id, peer in named.items() if node_id != node.node_id)
-        if holder in sorted([*known, node.node_id], key=key_id.xor_distance)[:KEY_BEAM]:
+        if holder in holders():
             return None  # a holder, by what it knows too, without the key
     return None
 
