@@ -265,6 +265,66 @@ def test_a_member_out_of_step_keeps_the_anchor_and_the_others_apply_their_mean()
     with_transports(3, scenario)
 
 
+def ban_at_the_reduction(transport: ExchangeAllReduce, *peers: str) -> None:
+    """Make `transport`'s reduction ban `peers`, as CenteredClip bans an input far beyond its radius."""
+    reduce = transport._reduce
+
+    def reducing(inputs: list[tuple[str, list[torch.Tensor]]], round_: int) -> Any:
+        reduced = reduce(inputs, round_)
+        for peer in peers:
+            transport.reputation.penalise(peer, "clipped_far", "the test's ban")
+        return reduced
+
+    transport._reduce = reducing  # type: ignore[method-assign]
+
+
+@pytest.mark.network
+def test_members_a_reduction_banned_are_not_waited_for_nor_counted_in_its_confirmation():
+    """d is banned by every honest member's reduction of round 0, so it refuses d's confirmation: waited for, d held
+    every member for the whole patience; counted, it left b (whose confirmation from c is lost: c refuses b too)
+    with 2 of 4, out of step, while a applied (a CI run: one honest member of four alone for 5 rounds). d's Δ is in
+    the round's inputs (the ban comes with the reduction), and a, b and c apply the same mean of 4."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        # the lower id opens the pair's stream (routes.opener): b opens to c, which refuses it at once (c, the opener,
+        # would leave b waiting for its offer for b's patience, as a lost confirmation does)
+        transports.sort(key=lambda t: t.own_id)
+        a, b, c, d = transports
+        for member in (a, b):
+            ban_at_the_reduction(member, d.own_id)
+        ban_at_the_reduction(c, d.own_id, b.own_id)
+        ids, patience_s = [t.own_id for t in transports], 30.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def gather(t: ExchangeAllReduce, i: int) -> tuple[Any, float]:
+            result = await t.gather(deltas(i), [p for p in ids if p != t.own_id], 0, patience_s if t is not d else 5.0)
+            return result, loop.time() - started
+
+        *ended, _ = await asyncio.gather(*(gather(t, i) for i, t in enumerate(transports)))
+        mean = exact_average([deltas(i) for i in range(4)])
+        assert [(r.group_size, r.discarded) for r, _ in ended] == [(4, False)] * 3  # b applies, not out of step
+        for result, seconds in ended:
+            assert distance(result.delta, mean) <= 1e-6 * norm(mean)
+            assert seconds < patience_s / 2, seconds  # nobody waited out its patience for d
+        assert all(torch.equal(x, y) for r, _ in ended[1:] for x, y in zip(r.delta, ended[0][0].delta, strict=True))
+
+    with_transports(4, scenario)
+
+
+@pytest.mark.network
+def test_a_pair_whose_other_member_the_reduction_banned_applies_nothing():
+    """Nobody is left to confirm the mean, and it holds the banned member's clipped pull: the round is discarded,
+    as when that member's confirmation counted against it."""
+    async def scenario(transports: list[ExchangeAllReduce]) -> None:
+        a, b = transports
+        ban_at_the_reduction(a, b.own_id)
+        ours, _ = await asyncio.gather(a.gather(deltas(0), [b.own_id], 0, 5.0),
+                                       b.gather(deltas(1), [a.own_id], 0, 2.0))
+        assert (ours.group_size, ours.discarded) == (2, True)
+
+    with_transports(2, scenario)
+
+
 def equivocate(transport: ExchangeAllReduce) -> None:
     """Make `transport` send each member a different Δ (scaled by a factor of its own per partner)."""
     factors: dict[str, float] = {}  # a factor of its own for each member, on first sight

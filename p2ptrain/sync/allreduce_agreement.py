@@ -6,9 +6,10 @@ and parameters that never meet again (DiLoCo averages outer gradients, not param
 step, both on `Reduction`s: what a member reduced (its round, each input's hash, and their digest).
 
 1. Confirmation, within the round (`confirmation_verdict`). Members swap their digests before applying anything. A
-   member applies the mean when a strict majority of its members (itself included) reduced the same inputs; if not,
-   nobody applies anything this round: each puts its parameters back at the round's anchor, which the members
-   shared, so they stay in step and lose one round. A member that sees others agree on a reduction it does not hold
+   member applies the mean when a strict majority of its members (itself included; one it refuses by then, say one
+   this very reduction banned, is not asked) reduced the same inputs; if not, nobody applies anything this round:
+   each puts its parameters back at the round's anchor, which the members shared, so they stay in step and lose
+   one round. A member that sees others agree on a reduction it does not hold
    (they may have applied it) is out of step: it keeps the anchor too, and the next round's state samples
    (state_evidence.py) show whether the others did apply and it must catch up from a synced peer's state. One
    member's word, sent differently to different members, cannot move a member whose honest co-members form a

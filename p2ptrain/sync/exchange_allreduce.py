@@ -357,12 +357,17 @@ class ExchangeAllReduce:
 
     async def _confirm(self, reduction: Reduction, members: set[str], stage: int, patience_s: float,
                        stats: RoundSync) -> str:
-        """Swap digests with the members whose Δ we reduced; APPLY, DISCARD or OUT_OF_STEP."""
-        rnd = await self.run_stage(self.digest_round(stage, members, reduction.digest), patience_s, stats)
-        verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(members) + 1)
+        """Swap digests with the members whose Δ we reduced, but those we refuse now (the reduction may have just
+        banned one); APPLY, DISCARD or OUT_OF_STEP by a majority of the others. A refused member can only count
+        against: waited for, it held every member's round for the whole patience, and counted, one confirmation
+        lost among three honest members of four set one apart (a CI run: out of step, alone for 5 rounds)."""
+        heard = {p for p in members if not self.reputation.refuses(p)}
+        rnd = await self.run_stage(self.digest_round(stage, heard, reduction.digest), patience_s, stats)
+        counted = heard or members  # nobody left to hear (a pair, the other just banned): discarded, as before
+        verdict = confirmation_verdict(reduction.digest, rnd.confirmed, len(counted) + 1)
         if verdict != APPLY:
             same = sum(d == reduction.digest for d in rnd.confirmed.values())
-            logger.info(f"round {stage // self.stages}: {same} of {len(members)} members confirmed this peer's "
+            logger.info(f"round {stage // self.stages}: {same} of {len(counted)} members confirmed this peer's "
                         f"inputs: {verdict}")
         return verdict
 
