@@ -93,8 +93,7 @@ def scenario(mode: str, peers: int, budget_s: float, inner_steps: int, nat_fract
             "model": MODEL,
             "data": DATA | {"num_shards": max(DATA["num_shards"], peers)},
             "inner": {"steps": inner_steps, "min_steps": max(1, inner_steps // 20)},
-            "sync": MODES[mode] | {"matchmaking_s": 2.0},
-            "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
+            "sync": MODES[mode] | {"matchmaking_s": 2.0},  # the network section's defaults: 1 s heartbeats
             # the DHT and p2pd answer while peers train; peers wait for the whole swarm before round 0
             "run": {"training_priority": "idle"} | ({"min_peers_wait_s": start_wait_s} if start_wait_s else {}),
         },

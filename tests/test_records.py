@@ -58,6 +58,7 @@ from p2ptrain.net.discovery import (
 from p2ptrain.net.holder_read import read_from_one_holder
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import RecordShards
+from p2ptrain.net.routing_refill import initial_peer_ids, refill_routing_table
 from p2ptrain.testnet.sybils import SybilRecords
 from p2ptrain.timing import MAX_CLOCK_SKEW_S
 
@@ -273,6 +274,14 @@ async def _one_holder_read(_dht: object, node: Any, key: str) -> tuple[list[str]
     return asked, None if found is None else sorted(found.value)
 
 
+async def _forget_every_node(_dht: object, node: Any) -> int:
+    """Empty the routing table, as requests that each timed out do (hivemind drops a node that did not answer)."""
+    table = node.protocol.routing_table
+    for node_id in list(table.uid_to_peer_id):
+        del table[node_id]
+    return len(table.uid_to_peer_id)
+
+
 async def _caching(_dht: object, node: Any) -> tuple[bool, int, float]:
     return node.cache_locally, node.cache_nearest, node.cache_refresh_before_expiry
 
@@ -455,6 +464,34 @@ def test_a_background_read_takes_one_holders_copy_and_the_reads_spread_over_the_
         assert sum(served.values()) >= 24 and 3 <= len(served) <= KEY_BEAM, served
         asked, found = nodes[0].run_coroutine(functools.partial(_one_holder_read, key="nobody-stored-this"))
         assert len(asked) <= 1 and found is None  # a holder without the key ends the read
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_node_that_lost_every_contact_finds_the_swarm_again_through_its_initial_peers() -> None:
+    """Alone, it stores and reads on itself, and hivemind never looks again: the watcher's refill pings the
+    initial peers and looks up its own id (net/routing_refill.py); a table that holds the key's holders is left."""
+    with nodes_each_storing("refill", count=10) as nodes:
+        # a node that is not one of the key's 5 holders (those hold every value in their own storage)
+        lost = next(node for node in nodes[1:]
+                    if not node.run_coroutine(functools.partial(_stored_subkeys, key="refill")))
+        assert lost.initial_peers == tuple(visible_maddrs(nodes[0]))
+        assert lost.run_coroutine(_forget_every_node) == 0
+        assert lost.run_coroutine(functools.partial(_one_holder_read, key="refill")) == ([], None)  # itself alone
+        watcher = SwarmWatcher(lost, RUN, TTL_S, refresh_s=1.0)
+        watcher.refill_routing_table()
+        asked, found = lost.run_coroutine(functools.partial(_one_holder_read, key="refill"))
+        assert found == list(range(10)), (asked, found)
+        known = lost.run_coroutine(_routing_table_size)
+        assert known >= KEY_BEAM
+        initial = initial_peer_ids(lost.initial_peers)
+        assert lost.run_coroutine(functools.partial(refill_routing_table, initial_peers=initial,
+                                                    least=KEY_BEAM)) == (known, known)  # enough: nothing asked
+        assert nodes[0].initial_peers == ()  # the first node joined nobody: it has nobody to ask
+
+
+async def _routing_table_size(_dht: object, node: Any) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 @pytest.mark.network

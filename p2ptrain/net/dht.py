@@ -136,6 +136,7 @@ class SwarmDHT(DiesWithStarter, hivemind.DHT):
     (and p2pd) ends with the peer's, however the peer ends (net/lifetime.py)."""
 
     signing_key: RSAPrivateKey
+    initial_peers: tuple[str, ...] = ()  # the multiaddrs it joined through (net/routing_refill.py asks them again)
 
 
 def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kwargs: object) -> SwarmDHT:
@@ -154,6 +155,7 @@ def start_dht(config: NetworkConfig, initial_peers: Sequence[str] = (), **dht_kw
         dht = _launch(config, [str(p) for p in peers], identity_path, dht_kwargs)
         try:
             dht.signing_key = load_identity_key(identity_path)
+            dht.initial_peers = tuple(str(p) for p in peers)
         except (OSError, ValueError) as e:
             dht.shutdown()
             raise UserError(f"cannot read the identity key {identity_path!r}: {one_line(e)}") from None

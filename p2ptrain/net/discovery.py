@@ -46,6 +46,7 @@ from p2ptrain.net.dht_keys import (
 from p2ptrain.net.holder_read import read_from_one_holder
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, SHARD_TARGET, RecordShards, Shard
+from p2ptrain.net.routing_refill import REFILL_EVERY_S, initial_peer_ids, refill_routing_table
 from p2ptrain.timing import BRIEF_S, MAX_CLOCK_SKEW_S, PATIENCE_S, SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -542,12 +543,32 @@ class SwarmWatcher:
             self._read_once = True
 
     def _loop(self) -> None:
+        refill_at = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() >= refill_at:
+                refill_at = time.monotonic() + REFILL_EVERY_S
+                try:
+                    self.refill_routing_table()
+                except Exception:  # as a read's: the next look tries again
+                    logger.debug("the DHT's routing table not refilled", exc_info=True)
             try:
                 self.read_(self.shards.refresh_shards(), one_holder=True)
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
                 logger.debug("swarm records not read", exc_info=True)
             self._stop.wait(self.refresh_s)
+
+    def refill_routing_table(self) -> None:
+        """Find the swarm again through the initial peers when our DHT node knows fewer than the key's holders
+        (net/routing_refill.py); a DHT started without initial peers has nobody to ask."""
+        initial = initial_peer_ids(self.dht.initial_peers) if isinstance(self.dht, SwarmDHT) else []
+        if not initial:
+            return
+        before, after = self.dht.run_coroutine(functools.partial(
+            refill_routing_table, initial_peers=initial, least=KEY_BEAM), return_future=True).result(PATIENCE_S)
+        if before == 0 and after > 0:
+            logger.info(f"the DHT node had lost every contact; it knows {after} node(s) again")
+        elif after > before:
+            logger.debug(f"the DHT node knew {before} node(s), {after} after asking the initial peers")
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,41 @@
+"""A DHT node that lost its contacts finds the swarm again through the initial peers it joined by.
+
+hivemind drops a node from its routing table at the first request that node does not answer within the request
+timeout (`DHTProtocol.update_routing_table`), and refreshes the table only when asked to (`DHTNode`'s
+`refresh_timeout`, off). A node that lost everyone it knew stores its record and reads the run's key on itself
+alone, and nobody asks it anything again: it stays alone for the rest of the run. On 2 cores carrying 32 starting
+netns peers (benchmarks/swarm_scale.py), answers came later than the 3 s timeout and 26 of the 32 peers saw no
+other peer in 6 minutes. A node that knows fewer than `least` nodes (the key's holders, KEY_BEAM) pings its
+initial peers and looks up its own id, as hivemind's join does; the peer's swarm watcher asks at most every
+REFILL_EVERY_S (net/discovery.py). It runs in the DHT's own process (`hivemind.DHT.run_coroutine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+REFILL_EVERY_S = 10.0  # between two looks at the routing table: a ping and a lookup when it is short
+
+
+def initial_peer_ids(initial_peers: Sequence[str]) -> list[PeerID]:
+    """The peer ids in the initial peers' multiaddrs (start_dht refused any without its /p2p/ part)."""
+    return list(dict.fromkeys(PeerID.from_base58(Multiaddr(maddr)["p2p"]) for maddr in initial_peers))
+
+
+async def refill_routing_table(_dht: object, node: Any, initial_peers: Sequence[PeerID], least: int
+                               ) -> tuple[int, int]:
+    """(nodes our routing table held, and holds now): when it held fewer than `least`, the initial peers were pinged
+    (each that answers is added) and our own id looked up (each node met on the way is added)."""
+    table = node.protocol.routing_table
+    before = len(table.uid_to_peer_id)
+    if before >= least:
+        return before, before
+    others = [peer for peer in initial_peers if peer != node.peer_id]
+    await asyncio.gather(*(node.protocol.call_ping(peer) for peer in others), return_exceptions=True)
+    await node.find_nearest_nodes([node.node_id])
+    return before, len(table.uid_to_peer_id)
