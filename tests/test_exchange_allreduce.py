@@ -280,7 +280,7 @@ def ban_at_the_reduction(transport: ExchangeAllReduce, *peers: str) -> None:
 
 @pytest.mark.network
 def test_members_a_reduction_banned_are_not_waited_for_nor_counted_in_its_confirmation():
-    """d is banned by every honest member's reduction of round 0, so it refuses d's confirmation: waited for, d held
+    """d is banned by every honest member's reduction of round 0, so each refuses d's confirmation: waited for, d held
     every member for the whole patience; counted, it left b (whose confirmation from c is lost: c refuses b too)
     with 2 of 4, out of step, while a applied (a CI run: one honest member of four alone for 5 rounds). d's Δ is in
     the round's inputs (the ban comes with the reduction), and a, b and c apply the same mean of 4."""

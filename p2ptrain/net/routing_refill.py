@@ -2,12 +2,11 @@
 
 hivemind drops a node from its routing table at the first request that node does not answer within the request
 timeout (`DHTProtocol.update_routing_table`), and refreshes the table only when asked to (`DHTNode`'s
-`refresh_timeout`, off). A node that lost everyone it knew stores its record and reads the run's key on itself
-alone, and nobody asks it anything again: it stays alone for the rest of the run. On 2 cores carrying 32 starting
-netns peers (benchmarks/swarm_scale.py), answers came later than the 3 s timeout and 26 of the 32 peers saw no
-other peer in 6 minutes. A node that knows fewer than `least` nodes (the key's holders, KEY_BEAM) pings its
-initial peers and looks up its own id, as hivemind's join does; the peer's swarm watcher asks at most every
-REFILL_EVERY_S (net/discovery.py). It runs in the DHT's own process (`hivemind.DHT.run_coroutine`).
+`refresh_timeout`, off). A node whose requests all timed out for a while (a loaded machine, a link that stalled)
+has lost everyone it knew: it stores its record and reads the run's key on itself alone, and nobody asks it
+anything again, for the rest of the run. A node that knows fewer than `least` nodes (the key's holders, KEY_BEAM)
+pings its initial peers and looks up its own id, as hivemind's join does; the peer's swarm watcher asks at most
+every REFILL_EVERY_S (net/discovery.py). It runs in the DHT's own process (`hivemind.DHT.run_coroutine`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ step, both on `Reduction`s: what a member reduced (its round, each input's hash,
    member applies the mean when a strict majority of its members (itself included; one it refuses by then, say one
    this very reduction banned, is not asked) reduced the same inputs; if not, nobody applies anything this round:
    each puts its parameters back at the round's anchor, which the members shared, so they stay in step and lose
-   one round. A member that sees others agree on a reduction it does not hold
-   (they may have applied it) is out of step: it keeps the anchor too, and the next round's state samples
-   (state_evidence.py) show whether the others did apply and it must catch up from a synced peer's state. One
-   member's word, sent differently to different members, cannot move a member whose honest co-members form a
-   majority.
+   one round. A member that sees others agree on a reduction it does not hold (they may have applied it) is out of
+   step: it keeps the anchor too, and the next round's state samples (state_evidence.py) show whether the others
+   did apply and it must catch up from a synced peer's state. One member's word, sent differently to different
+   members, cannot move a member whose honest co-members form a majority.
 2. Reports, the next round (`outvoted`, `equivocators`). Each member's headers carry its previous `Reduction`
    (DISCARDED as its digest if it applied nothing). A member whose state more of this round's members do not share
    than do (a confirmation lost to the network, a hostile confirmation) learns it is out of step. And a member
