@@ -312,6 +312,14 @@ def growth_table(found: list[dict[str, Any]]) -> str:
                      for g in found])
 
 
+def budgets(rows: list[dict[str, Any]], default_s: float) -> str:
+    """Each size's wall-clock budget (kept runs read together may differ), e.g. "120 s a run (32 peers: 360 s)"."""
+    by_size = {r["peers"]: r.get("budget_s", default_s) for r in rows}
+    common = max(set(by_size.values()), key=list(by_size.values()).count)
+    other = [f"{peers} peers: {budget:g} s" for peers, budget in by_size.items() if budget != common]
+    return f"{common:g} s a run" + (f" ({', '.join(other)})" if other else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="swarm sizes, each a run per mode")
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(
         f"# Per-peer costs at {', '.join(map(str, args.sizes))} peers on the netns testnet\n\n`{settings['command']}`: "
         f"home upload links (log-normal, p10 5 / median 22 / p90 100 Mbit/s), {args.nat_fraction:.0%} behind NAT, "
-        f"{args.budget_s:g} s per run, H = {args.inner_steps}, tiny model, 1 torch thread per peer on 2 shared "
+        f"{budgets(rows, args.budget_s)}, H = {args.inner_steps}, tiny model, 1 torch thread per peer on 2 shared "
         f"cores.\n\n{text}\n\nLargest ÷ smallest swarm, per peer:\n\n{growth_table(found)}\n\n"
         f"The simulation (benchmarks/simulate_scale.py's event loop) given each run's own links, inner phases and "
         f"payloads (benchmarks/scale/measured.py):\n\n{simulation_table(simulated)}\n")

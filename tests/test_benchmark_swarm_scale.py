@@ -176,3 +176,9 @@ def test_the_start_wait_is_the_peers_min_peers_wait() -> None:
                                start_wait_s=240.0)
     assert build_config(raw["peer_config"]).run.min_peers_wait_s == 240.0
     assert "min_peers_wait_s" not in swarm_scale.scenario("swarm", 8, 60.0, 20, 0.25)["peer_config"]["run"]
+
+
+def test_the_results_name_each_sizes_budget_where_kept_runs_differ() -> None:
+    rows = [{"peers": 8, "budget_s": 120.0}, {"peers": 16, "budget_s": 120.0}, {"peers": 32, "budget_s": 360.0}]
+    assert swarm_scale.budgets(rows, 60.0) == "120 s a run (32 peers: 360 s)"
+    assert swarm_scale.budgets([{"peers": 8}], 60.0) == "60 s a run"
