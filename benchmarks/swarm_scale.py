@@ -165,7 +165,7 @@ def aggregate(mode: str, peers: int, figures: dict[str, dict[str, Any]]) -> dict
     """A row from its peers' figures. Bytes per round are medians over peers: the relay's host also forwards the
     NATed peers' streams, which would lift a mean."""
     values = list(figures.values())
-    if not values:  # no peer ended a round within the budget (32 peers took 120 s to see each other here)
+    if not values:  # no peer ended a round within the budget (32 peers on 0.5 s heartbeats: docs/design.md)
         return {"mode": mode, "peers": peers, "peers_with_rounds": 0, "peer_rows": {}} | {
             key: math.nan for key in NUMERIC}
 
