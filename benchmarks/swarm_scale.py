@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.peer_memory import peer_memory, total  # noqa: E402
 from benchmarks.scale.measured import SIMULATED, fit_round_cost, simulated_utilisation  # noqa: E402
-from benchmarks.scale.model import UPLOAD_MEDIAN_MBIT, UPLOAD_SIGMA  # noqa: E402
+from benchmarks.scale.model import LINK_CAP_MBIT, LINK_FLOOR_MBIT, UPLOAD_MEDIAN_MBIT, UPLOAD_SIGMA  # noqa: E402
 from benchmarks.testnet_utilization import DATA, MODEL, VARIANTS, peer_figures  # noqa: E402
 from p2ptrain.errors import UserError  # noqa: E402
 from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet  # noqa: E402
@@ -62,14 +62,15 @@ MODES: dict[str, dict[str, Any]] = {
     "gasloc": {"mode": "gasloc"},
     "factored-local": VARIANTS["factored-local"],
 }
-LINK_MBIT = (1.0, 1000.0)  # the scale model's clip of the distribution
 SAMPLE_S = 3.0  # between two samples of every peer's processes
 
 
 def home_links_mbit(peers: int) -> list[float]:
-    """The `peers` quantiles (i + ½)/N of the home upload distribution, slowest first (three significant figures)."""
+    """The `peers` quantiles (i + ½)/N of the home upload distribution, clipped as the scale model clips it, slowest
+    first (three significant figures)."""
     normal = statistics.NormalDist(math.log(UPLOAD_MEDIAN_MBIT), UPLOAD_SIGMA)
-    rates = [min(max(math.exp(normal.inv_cdf((i + 0.5) / peers)), LINK_MBIT[0]), LINK_MBIT[1]) for i in range(peers)]
+    rates = [min(max(math.exp(normal.inv_cdf((i + 0.5) / peers)), LINK_FLOOR_MBIT), LINK_CAP_MBIT)
+             for i in range(peers)]
     return [float(f"{rate:.3g}") for rate in rates]
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import swarm_scale  # noqa: E402
 from benchmarks.scale import measured  # noqa: E402
-from benchmarks.scale.model import UPLOAD_MEDIAN_MBIT, UPLOAD_P10_MBIT, UPLOAD_P90_MBIT  # noqa: E402
+from benchmarks.scale.model import LINK_FLOOR_MBIT, UPLOAD_MEDIAN_MBIT, UPLOAD_P10_MBIT, UPLOAD_P90_MBIT  # noqa: E402
 
 
 def test_the_links_are_the_home_distributions_quantiles() -> None:
@@ -29,7 +29,7 @@ def test_the_links_are_the_home_distributions_quantiles() -> None:
     assert links == sorted(links) and len(links) == 100
     assert statistics.geometric_mean(links) == pytest.approx(UPLOAD_MEDIAN_MBIT, rel=0.01)  # symmetric in log
     assert sum(rate < UPLOAD_P10_MBIT for rate in links) == 10 and sum(rate > UPLOAD_P90_MBIT for rate in links) == 10
-    assert swarm_scale.home_links_mbit(8)[0] > swarm_scale.LINK_MBIT[0]
+    assert swarm_scale.home_links_mbit(8)[0] > LINK_FLOOR_MBIT
 
 
 @pytest.mark.parametrize("peers", [3, 8, 16, 32])
