@@ -63,6 +63,7 @@ class RoundSync:
     failed: int = 0  # exchanges that timed out or carried invalid data
     refused: int = 0  # partners that were busy or declined
     exchanges: list[ExchangeRecord] = dataclasses.field(default_factory=list)  # the exchanges we started
+    answered: list[str] = dataclasses.field(default_factory=list)  # partners whose exchanges with us we applied
     link_bytes_per_s: float = 0.0  # our own link's measured speed (both directions of an exchange), 0: unknown
     expected_blocking_s: float = float("nan")  # what the next round's sync should block training (nan: unknown)
     swarm_blocking_s: float = 0.0  # the same for a peer on the fastest link announced in the swarm (pacing's base)
@@ -83,8 +84,9 @@ class RoundSync:
         self.exchanges.append(record)
 
     def add_incoming_(self, incoming: RoundSync) -> RoundSync:
-        """Count the exchanges others started with us (and their bytes) beside the ones we started; returns self."""
-        self.group_size += incoming.group_size
+        """Count the exchanges others started with us (and their bytes) beside the ones we started; returns self.
+        A peer counts once: unaligned rounds (GASLoC) let a partner we opened to open to us in the same round."""
+        self.group_size += len(set(incoming.answered) - set(self.partners))
         self.consensus_distance += incoming.consensus_distance
         self.bytes_sent += incoming.bytes_sent
         self.bytes_received += incoming.bytes_received

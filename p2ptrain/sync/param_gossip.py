@@ -152,7 +152,7 @@ class ParamAnswers:
 
     def apply_(self, partner: str, theirs: Sequence[torch.Tensor], outgoing: bool, weight: float) -> None:
         traffic = (self.answered_bytes, self.slots.offered_bytes.pop(partner, 0))
-        self.gossip.add_correction_(weight, list(theirs), self.public, traffic)
+        self.gossip.add_correction_(partner, weight, list(theirs), self.public, traffic)
 
     def release_(self, partner: str, outgoing: bool) -> None:
         self.slots.offered_bytes.pop(partner, None)
@@ -255,12 +255,12 @@ class ParamGossip:
             stats, self.incoming = self.incoming, RoundSync(group_size=0)
             return stats
 
-    def add_correction_(self, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor],
+    def add_correction_(self, sender: str, weight: float, partner: list[torch.Tensor], ours: list[torch.Tensor],
                         traffic: tuple[int, int] = (0, 0)) -> None:
-        """Mix a committed exchange a partner opened; `traffic`: the bytes we sent and received in it."""
+        """Mix a committed exchange `sender` opened; `traffic`: the bytes we sent and received in it."""
         with self.lock:
             pull_toward_(self._correction, partner, ours, weight)
-            self.incoming.group_size += 1
+            self.incoming.answered.append(sender)
             self.incoming.bytes_sent += traffic[0]
             self.incoming.bytes_received += traffic[1]
             self.incoming.consensus_distance.append(consensus_distance(ours, partner))
