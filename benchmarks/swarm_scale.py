@@ -60,6 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
     "diloco": {"mode": "diloco"},
     "diloco-scatter": {"mode": "diloco", "allreduce_transport": "scatter"},
     "gasloc": {"mode": "gasloc"},
+    "gasloc-overlap": VARIANTS["gasloc-overlap"],  # its exchanges during the next inner phase
     "factored-local": VARIANTS["factored-local"],
 }
 SAMPLE_S = 3.0  # between two samples of every peer's processes

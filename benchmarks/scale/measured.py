@@ -30,6 +30,8 @@ from benchmarks.scale.sim import Algorithm, simulate
 SIMULATED: dict[str, tuple[Algorithm, bool]] = {
     "swarm": (Algorithm("gradgossip", 1, overlap=True), False),  # Mix1 every 4th round is left out
     "gasloc": (Algorithm("gossip", 1), False),
+    # a pair exchange behind the next inner phase, as gradgossip's; the measured payload is GASLoC's θ
+    "gasloc-overlap": (Algorithm("gradgossip", 1, overlap=True), False),
     "diloco": (Algorithm("allreduce"), True),
     "diloco-scatter": (Algorithm("allreduce"), False),
 }
