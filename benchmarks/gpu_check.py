@@ -171,6 +171,7 @@ def run_swarm(model: str, size: Size, device: torch.device) -> dict[str, Any]:
             "model": {"name": model, "max_seq_len": size.swarm_seq_len},
             "data": {"seq_len": size.swarm_seq_len, "batch_size": size.swarm_batch, **CORPUS},
             "inner": {"steps": size.swarm_inner_steps},
+            "sync": {"mode": "diloco"},  # the exact mean: both peers end with one state
             "network": NETWORK,
         })
 

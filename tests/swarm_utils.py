@@ -24,7 +24,8 @@ def tiny_config(run_id: str, **sections: dict[str, Any]) -> PeerConfig:
         "model": {"name": "tiny", "max_seq_len": 64},
         "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 1_000_000, "num_shards": 8, "val_batches": 2},
         "inner": {"steps": 5, "warmup_steps": 2, "lr": 3e-3},
-        "sync": {"matchmaking_s": 3.0, "allreduce_timeout_s": 30.0, "state_download_timeout_s": 20.0},
+        # DiLoCo, the exact reference, whose peers agree to the bit; a test of a gossip mode names its own
+        "sync": {"mode": "diloco", "matchmaking_s": 3.0, "allreduce_timeout_s": 30.0, "state_download_timeout_s": 20.0},
         "network": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False,
                     "use_relay": False, "heartbeat_s": 0.5, "record_ttl_s": 5.0},
     }

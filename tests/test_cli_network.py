@@ -110,7 +110,7 @@ def test_the_peer_kit_config_holds_a_volunteers_own_settings_and_the_run_file_th
     assert load_config(REPO_ROOT / "peer/config.yaml").network.nat_port_map
     own = set(flatten_settings(read_config_file(REPO_ROOT / "peer/config.yaml")))
     assert own and not own & shared_keys(), "the kit's config would contradict the run of any organiser"
-    assert load_config(REPO_ROOT / "peer/run.yaml").sync.mode == "diloco"
+    assert load_config(REPO_ROOT / "peer/run.yaml").sync.mode == "gasloc"
     assert set(flatten_settings(read_config_file(REPO_ROOT / "peer/run.yaml"))) <= shared_keys()
 
 

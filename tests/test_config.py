@@ -62,9 +62,9 @@ def test_defaults_build_and_match_each_section_default() -> None:
 
 
 def test_the_start_up_line_shows_only_the_settings_that_differ_from_the_defaults() -> None:
-    config = build_config({"run": {"run_id": "mine", "rounds": 3}, "sync": {"mode": "gasloc", "gossip_peers": 2}})
+    config = build_config({"run": {"run_id": "mine", "rounds": 3}, "sync": {"mode": "diloco", "gossip_peers": 2}})
     changed = config.changes_from_defaults()
-    assert {"run.run_id": "mine", "run.rounds": 3, "sync.mode": "gasloc"}.items() <= changed.items()
+    assert {"run.run_id": "mine", "run.rounds": 3, "sync.mode": "diloco"}.items() <= changed.items()
     assert all(key.split(".")[0] in ("run", "sync") for key in changed), changed
     assert build_config({}).changes_from_defaults() == {}
 

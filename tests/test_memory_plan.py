@@ -126,7 +126,8 @@ def test_what_fits_needs_no_change_and_the_outer_state_leaves_the_gpu() -> None:
     assert verdict.fits and verdict.advice is None
     outer, parameters = plan.line("outer state"), model_state_bytes(plan.shape)["parameters"]
     assert outer.device_bytes == 0 and outer.host_bytes == parameters  # the anchor: no outer momentum by default
-    with_momentum = plan_memory(plan.shape, plan.settings, "cuda", build_config({"outer": {"momentum": 0.9}}))
+    with_momentum = plan_memory(plan.shape, plan.settings, "cuda",
+                                build_config({"outer": {"momentum": 0.9}, "sync": {"mode": "diloco"}}))
     assert with_momentum.line("outer state").host_bytes == 2 * parameters
     on_device = plan_memory(plan.shape, dataclasses.replace(plan.settings, state_device="device"), "cuda")
     assert on_device.device_bytes > plan.device_bytes
@@ -142,7 +143,7 @@ def test_micro_batches_and_checkpointing_shrink_the_activations() -> None:
 
 
 def test_an_all_reduce_holds_about_three_copies_per_member() -> None:
-    config = SyncConfig()
+    config = SyncConfig(mode="diloco")
     assert sync_buffers(config, 4, False).round == allreduce_round(4, 1.0) == 5 + 1 + 3 * 2 + 8
     assert sync_buffers(config, 10, False).round - sync_buffers(config, 9, False).round == 4  # 1 + c received, 2 in
     assert sync_buffers(config, 1000, False).round == allreduce_round(MAX_MEMBERS, 1.0)  # the reduce

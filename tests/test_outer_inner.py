@@ -349,7 +349,7 @@ def test_inner_state_round_trips(tiny_model_state: dict[str, torch.Tensor]) -> N
 def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explicit: float | None,
                                                            expected: float) -> None:
     """A one-round-late gradient with γ = 0.9 diverged in benchmarks/algorithms.py: overlap gets its own γ."""
-    sync = {"overlap": overlap} if explicit is None else {"overlap": overlap, "overlap_momentum": explicit}
+    sync = {"mode": "diloco", "overlap": overlap} | ({} if explicit is None else {"overlap_momentum": explicit})
     config = build_config({"sync": sync, "outer": {"momentum": 0.9}})
     assert config.sync.outer_momentum(config.outer.momentum) == expected
 
@@ -358,16 +358,17 @@ def test_overlap_runs_the_outer_step_with_its_own_momentum(overlap: str, explici
 def test_overlap_adds_no_momentum_to_a_run_without_it(overlap: str) -> None:
     """The overlap's γ is a cap on the run's: eager's 0.5 does not apply when the run's outer step has none (the
     default, measured best at short rounds: benchmarks/outer_step.py)."""
-    config = build_config({"sync": {"overlap": overlap}})
+    config = build_config({"sync": {"mode": "diloco", "overlap": overlap}})
     assert config.outer.momentum == 0.0 and config.sync.outer_momentum(config.outer.momentum) == 0.0
-    assert build_config({"sync": {"overlap": "eager"}, "outer": {"momentum": 0.3}}).sync.outer_momentum(0.3) == 0.3
+    eager = build_config({"sync": {"mode": "diloco", "overlap": "eager"}, "outer": {"momentum": 0.3}})
+    assert eager.sync.outer_momentum(0.3) == 0.3
 
 
 @pytest.mark.parametrize("sync", [{"overlap_momentum": 0.5}, {"overlap": "delayed", "overlap_momentum": 1.0},
                                   {"overlap": "local", "overlap_momentum": 0.5}])
 def test_overlap_momentum_without_overlap_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="overlap_momentum"):
-        build_config({"sync": sync})
+        build_config({"sync": {"mode": "diloco"} | sync})
 
 
 @pytest.mark.parametrize(("sync", "expected"), [
@@ -379,7 +380,7 @@ def test_gasloc_runs_with_its_own_momentum(sync: dict[str, Any], expected: float
     assert config.sync.outer_momentum(config.outer.momentum) == expected
 
 
-@pytest.mark.parametrize("sync", [{"gasloc_momentum": 0.5}, {"mode": "gasloc", "gasloc_momentum": 1.0}])
+@pytest.mark.parametrize("sync", [{"mode": "diloco", "gasloc_momentum": 0.5}, {"gasloc_momentum": 1.0}])
 def test_gasloc_momentum_outside_gasloc_or_out_of_range_is_a_config_error(sync: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="gasloc_momentum"):
         build_config({"sync": sync})

@@ -282,7 +282,7 @@ def test_the_overlapped_path_judges_the_late_mean_against_the_delta_it_was_made_
     second = honest_deltas(4, shared=1.0, own=0.5, seed=1)
     hostile = exact_average(first[:3] + [scaled(first[0], -1000.0)])
     outer = outer_with_delta(first[0])
-    config = SyncConfig(overlap=overlap, overlap_momentum=0.0)
+    config = SyncConfig(mode="diloco", overlap=overlap, overlap_momentum=0.0)
     sync = DilocoSync(outer, FixedAverager([hostile, exact_average(second)]), config)  # type: ignore[arg-type]
     first_round = sync.finish_round(context(0))  # nothing pending yet
     # the first round applies no mean (eager: only its own share, which the next mean takes back), so it leaves the

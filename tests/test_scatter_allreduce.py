@@ -145,9 +145,9 @@ def test_malformed_chunk_claims_are_refused(value: Any):
 
 
 def test_scatter_sends_the_codecs_whose_values_it_can_cut_into_chunks():
-    assert SyncConfig(allreduce_transport="scatter", grad_codec="fp16").allreduce_transport == "scatter"
+    assert SyncConfig(mode="diloco", allreduce_transport="scatter", grad_codec="fp16").allreduce_transport == "scatter"
     with pytest.raises(ConfigError, match="scatter"):
-        SyncConfig(allreduce_transport="scatter", grad_codec="sparse")
+        SyncConfig(mode="diloco", allreduce_transport="scatter", grad_codec="sparse")
 
 
 # ---- real P2P nodes ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ TINY_PEER_CONFIG = {
     "model": {"name": "tiny", "max_seq_len": 64},
     "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 2},
     "inner": {"steps": 30},  # an inner phase of ~0.5 s: longer than the CPU jitter of a restart on 2 cores
-    "sync": {"matchmaking_s": 2.0, "allreduce_timeout_s": 10.0},
+    # DiLoCo, whose peers agree to the bit: the run-wide checks hold a restarted peer's state to it
+    "sync": {"mode": "diloco", "matchmaking_s": 2.0, "allreduce_timeout_s": 10.0},
     "network": {"heartbeat_s": 0.5, "record_ttl_s": 5.0},
     "run": {"checkpoint_every": 1},
 }

@@ -73,7 +73,7 @@ def plan_report(config: PeerConfig, settings: Settings, request: PlanRequest) ->
     return {
         "model": dataclasses.asdict(shape),
         "settings": dataclasses.asdict(settings),
-        "sync": {"mode": config.sync.mode, "peers": request.peers},
+        "sync": {"mode": config.sync.mode, "peers": request.peers, "gossip_peers": config.sync.gossip_peers},
         "plans": {kind: _plan_dict(plan) for kind, plan in plans.items()},
         "activations": {kind: activation_grid(shape, settings, kind) for kind in plans},
         "fits": [dict(dataclasses.asdict(f), device=kind) for kind, f in fits],
@@ -109,7 +109,7 @@ def render(report: dict[str, Any]) -> str:
            f"batch {s['batch_size']} × {s['seq_len']} tokens in {s['micro_batches']} micro-batch(es), precision "
            f"{s['precision']} (auto: bf16 on CUDA, fp32 elsewhere), checkpointing "
            f"{'on' if s['activation_checkpointing'] else 'off'}, outer state {s['state_device']}, sync "
-           f"{report['sync']['mode']} ({report['sync']['peers']} peers per round)"]
+           f"{report['sync']['mode']} ({_sync_scope(report['sync'])})"]
     for kind, plan in report["plans"].items():
         out += ["", f"{'on ' + kind:<42}{'device':>11}{'host':>11}  note"]
         out += [f"  {line['what']:<40}{size(line['device_bytes']):>11}{size(line['host_bytes']):>11}  {line['note']}"
@@ -130,6 +130,13 @@ def render(report: dict[str, Any]) -> str:
         "fits" if host["fits"] else f"does NOT fit ({size(host['needed_bytes'])} needed): fewer --peers per round "
                                     f"or a smaller sync.grad_codec (fp16) lower the sync buffers"))
     return "\n".join(out)
+
+
+def _sync_scope(sync: dict[str, Any]) -> str:
+    """Whom a peer's round buffers are for: GASLoC mixes with its partners whatever the swarm's size."""
+    if sync["mode"] == "gasloc":
+        return f"{sync['gossip_peers']} partner(s) a round"
+    return f"{sync['peers']} peers per round"
 
 
 def verdict(f: dict[str, Any]) -> str:
