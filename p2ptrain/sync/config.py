@@ -31,7 +31,7 @@ class SyncConfig:
     """The outer-sync stage. Outer lr η and momentum γ are `outer.lr` and `outer.momentum` in every mode."""
 
     # gasloc | diloco | factored. GASLoC trained to the lowest loss at equal wall clock on home links at 8 and 16
-    # peers, 2 of 2 runs, at 6-14x DiLoCo's utilisation (benchmarks/swarm_scale.py); diloco is the exact reference
+    # peers, 2 of 2 runs, at 7-13x DiLoCo's utilisation (benchmarks/swarm_scale.py); diloco is the exact reference
     mode: str = "gasloc"
     # diloco, and factored's Mix2: an all-reduce among the peers of the round
     matchmaking_s: float = 3.0  # how long a peer waits at most for the others of its round (late ones: left out)
