@@ -206,9 +206,13 @@ class Joiner:
         for suspect in choice.suspects:
             if suspect.peer_id not in self._suspects_logged:
                 self._suspects_logged.add(suspect.peer_id)
-                logger.warning(f"peer {suspect.peer_id} announces round {suspect.round}, more than "
-                               f"{self.config.join_max_round_lead} ahead of the swarm's {choice.quorum}: "
-                               f"suspect, not a donor")
+                # gossip rounds are each peer's own count, which a fast peer runs up honestly: not a donor, but no
+                # warning for what a mixed swarm does all the time
+                level, why = ((logging.WARNING, "suspect") if peer.sync.aligned_rounds
+                              else (logging.INFO, "gossip rounds are each peer's own"))
+                logger.log(level, f"peer {suspect.peer_id} announces round {suspect.round}, more than "
+                                  f"{self.config.join_max_round_lead} ahead of the swarm's {choice.quorum} "
+                                  f"({why}): not a donor")
         return dataclasses.replace(choice, donors=peer.routes.best_first(choice.donors))  # reachable, direct first
 
     def _last_round_syncing_s(self) -> float:

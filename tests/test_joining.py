@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import random
 import re
@@ -221,6 +222,21 @@ def joiner_seeing(views: list[list[PeerRecord]], timeout_s: float = 30.0) -> tup
                                  contributions=Contributions(), announced=[])
     peer.announce = lambda **fields: peer.announced.append(fields)
     return Joiner(peer), reads  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("aligned", "level"), [(True, logging.WARNING), (False, logging.INFO)])
+def test_a_peer_far_ahead_is_no_donor_and_a_warning_only_where_rounds_are_aligned(aligned, level, caplog):
+    """In DiLoCo a round far ahead of the quorum is a lie or a split; in the gossip modes (GASLoC, the default) a
+    fast peer counts its own rounds faster, which a mixed swarm does all the time: said once, at INFO."""
+    joiner, _ = joiner_seeing([])
+    joiner.peer.sync.aligned_rounds = aligned
+    others = [record("a", 7), record("b", 7), record("fast", 30)]
+    with caplog.at_level(logging.INFO, logger="p2ptrain.joining"):
+        for _ in range(2):  # once per peer, not every read
+            choice = joiner.choose(SwarmView("me", others))
+    assert "fast" not in {r.peer_id for r in choice.donors}
+    said = [r for r in caplog.records if "announces round 30" in r.getMessage()]
+    assert [r.levelno for r in said] == [level], [r.getMessage() for r in said]
 
 
 def syncing_in(seconds: float, round_: int, phase: str = "inner") -> list[PeerRecord]:
