@@ -20,6 +20,7 @@ from p2ptrain.net.wire import encode_metadata, stream_parts
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
+from p2ptrain.timing import SETUP_FLOOR_S
 
 pytestmark = [pytest.mark.network]
 
@@ -300,3 +301,40 @@ def test_a_partner_that_mixed_with_us_both_ways_in_one_round_counts_once() -> No
     ours = RoundSync()
     ours.add_exchange_(ExchangeRecord(partner="b", bytes_sent=1, bytes_received=1, seconds=0.1, codec="fp16"))
     assert ours.add_incoming_(RoundSync(group_size=0, answered=["b", "c", "c"])).group_size == 3  # us, b and c
+
+
+def test_a_partner_whose_exchanges_fail_sits_out_one_then_two_rounds_and_a_round_pays_one_dead_partner() -> None:
+    """A peer that left (its record lingers) fails every exchange we open: it is not drawn the round after its
+    first failure, nor the two after its second (`FailedPartners`). Two partners that stall cost a round one
+    deadline: after the first time-out the round opens no more, and the link's deadline does not grow for it."""
+    async def scenario() -> None:
+        a, b = await start_pair()
+        c = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False,
+                             use_relay=False, initial_peers=await a.get_visible_maddrs())
+        try:
+            gone = (await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False,
+                                     use_relay=False))
+            gone_id = gone.peer_id.to_base58()
+            await gone.shutdown()
+            mixer = make_mixer(a)
+            mixer.set_base_(reference())
+            failed_by_round = []
+            for round_ in range(6):
+                _, stats = await mixer.mix(near(reference()), [gone_id], round_=round_)
+                failed_by_round.append(stats.failed)
+            assert failed_by_round == [1, 0, 1, 0, 0, 1]
+
+            for servicer_host in (b, c):
+                await GossipServicer("stall").add_p2p_handlers(servicer_host, namespace=f"{RUN}.gasloc")
+            started = asyncio.get_running_loop().time()
+            _, stats = await mixer.mix(near(reference()), [b.peer_id.to_base58(), c.peer_id.to_base58()], round_=0)
+            assert stats.failed == 1 and stats.partners == []
+            assert asyncio.get_running_loop().time() - started < 2 * SETUP_FLOOR_S
+            # one time-out is no proof of a slow link: the next deadline is still the floor, not 4× it
+            assert {mixer.links.estimate_bytes_per_s(p.peer_id.to_base58()) for p in (b, c)} == \
+                {mixer.links.prior_bytes_per_s}
+        finally:
+            for p2p in (a, b, c):
+                await p2p.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))

@@ -273,7 +273,8 @@ def test_an_overlapped_mix2_answers_a_late_partner_until_it_is_stopped(monkeypat
 def test_only_a_transfer_that_ran_out_of_time_bounds_the_links_speed(monkeypatch: pytest.MonkeyPatch,
                                                                      lost: str) -> None:
     """A missing ack after both payloads crossed says nothing of the link (taken for a bound, one lost ack made two
-    fast peers look slow to each other for good); a transfer that missed its deadline bounds it."""
+    fast peers look slow to each other for good); a transfer that missed its deadline twice in a row bounds it (once
+    is as likely a partner gone: `FailedPartners`), and the partner sits out the round after the first."""
     gossip = GradGossip(FakeP2P("a"), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)  # type: ignore[arg-type]
     partner = PeerID(b"b").to_base58()
 
@@ -286,6 +287,9 @@ def test_only_a_transfer_that_ran_out_of_time_bounds_the_links_speed(monkeypatch
     monkeypatch.setattr(exchange_driver, "push_pull", failing_push_pull)
     _, stats = asyncio.run(gossip.mix(deltas(1), [partner], 0, patience_s=0.0))
     assert stats.failed == 1 and stats.group_size == 1
+    assert partner not in gossip.driver.links.measured()
+    assert asyncio.run(gossip.mix(deltas(1), [partner], 1, patience_s=0.0))[1].failed == 0  # not drawn
+    assert asyncio.run(gossip.mix(deltas(1), [partner], 2, patience_s=0.0))[1].failed == 1
     assert (partner in gossip.driver.links.measured()) == (lost == "payload")
 
 

@@ -34,6 +34,7 @@ from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens
+from p2ptrain.sync.failed_partners import FailedPartners
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
 from p2ptrain.sync.relay_retries import RelayRetries
@@ -41,6 +42,7 @@ from p2ptrain.sync.replay_check import ReplayCheck
 from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
 from p2ptrain.tensor_layout import norm
+from p2ptrain.timing import SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +276,7 @@ class Incoming:
         theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
+        self.driver.failed_partners.reached_(self.sender)  # its whole payload reached us: it is not cut off
         return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False, weight=self.weight)
 
     def close(self) -> None:
@@ -304,6 +307,7 @@ class ExchangeDriver:
         self.routes = routes if routes is not None else Routes("")
         self.gate = RoundGate()  # the round we are in, and offers held for the next one
         self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
+        self.failed_partners = FailedPartners()  # gossip partners whose exchange failed: not drawn for a few rounds
         self.replays = ReplayCheck()  # partners' values, to tell one sent again for a later round
         # what partners' outer gradients showed of their work: the peer's one ledger, where it keeps one
         self.contributions = contributions if contributions is not None else Contributions()
@@ -393,15 +397,30 @@ class ExchangeDriver:
         """Offer our payload to random live peers, one after another, until the round's slots are taken or nobody
         is left to ask: those we reach directly first, then those behind relays; peers nobody can reach offer
         theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`, or
-        until `rnd.slots.give_up_at` if the round's owner moves it."""
-        rnd.slots.give_up_at, attempt = time.monotonic() + patience_s, 0
-        candidates = [p for p in live_peers if not self.reputation.is_banned(p)]
+        until `rnd.slots.give_up_at` if the round's owner moves it. Peers whose last exchanges we opened failed sit
+        out a few rounds (`FailedPartners`), and once failed exchanges took `SETUP_FLOOR_S` of this round, it opens
+        no more: at a cut, the first dead partner costs the round its deadline, a second one nothing."""
+        rnd.slots.give_up_at, attempt, failing_s = time.monotonic() + patience_s, 0, 0.0
+        candidates = self.failed_partners.drawable([p for p in live_peers if not self.reputation.is_banned(p)],
+                                                   rnd.round)
         while candidates and rnd.slots.free_slots() > 0:
             later = []
             for partner in [p for pool in self.routes.pools(candidates)
                             for p in draw_partners(pool, len(pool), rng, exclude=set())]:
-                if rnd.slots.reserve_outgoing_(partner) and await self.exchange_with(rnd, partner, stats) in ASK_AGAIN:
+                if failing_s >= SETUP_FLOOR_S:
+                    return
+                if not rnd.slots.reserve_outgoing_(partner):
+                    continue
+                started = time.monotonic()
+                outcome = await self.exchange_with(rnd, partner, stats,
+                                                   slow_if_timed_out=self.failed_partners.failed_before(partner))
+                if outcome in ASK_AGAIN:
                     later.append(partner)
+                elif outcome == Outcome.FAILED:
+                    self.failed_partners.failed_(partner, rnd.round)
+                    failing_s += time.monotonic() - started
+                elif outcome == Outcome.OK:
+                    self.failed_partners.reached_(partner)
             if not later or time.monotonic() >= rnd.slots.give_up_at:
                 return
             candidates = later
@@ -438,8 +457,11 @@ class ExchangeDriver:
         rnd.ended_(partner, outcome)
         return outcome
 
-    async def exchange_with(self, rnd: OfferingRound, partner: str, stats: RoundSync) -> str:
-        """One exchange we start (its slot is reserved); returns OK, FAILED, NO_VALUE or the partner's refusal."""
+    async def exchange_with(self, rnd: OfferingRound, partner: str, stats: RoundSync,
+                            slow_if_timed_out: bool = True) -> str:
+        """One exchange we start (its slot is reserved); returns OK, FAILED, NO_VALUE or the partner's refusal.
+        `slow_if_timed_out`: a time-out bounds the link's speed (the next deadline grows). Gossip takes only a second
+        time-out in a row for that: one is as likely a partner gone or a connection gone stale at a cut."""
         try:
             codec, ours = rnd.value_for(partner, None)
         except ValueError as e:  # what the conduct formed is not finite
@@ -484,7 +506,7 @@ class ExchangeDriver:
             # a missing ack after both payloads crossed (UnconfirmedMix) says nothing of the link's speed; taken for
             # a bound, one lost ack made two fast peers look slow to each other for good (neither asked again)
             timed_out = getattr(e, "timed_out", isinstance(e, (asyncio.TimeoutError, TimeoutError)))
-            if timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
+            if timed_out and slow_if_timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
                 link.update_timeout_(2 * nbytes, deadline_s)
             return Outcome.FAILED
         finally:
