@@ -30,6 +30,7 @@ import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, confloat, conint, constr, validator
 
 from p2ptrain.net.admission import MAX_TICKET_CHARS, Admission, AdmissionPolicy
@@ -543,14 +544,20 @@ class SwarmWatcher:
             self._read_once = True
 
     def _loop(self) -> None:
+        # a look at the routing table runs in the DHT process beside the reads: its ping of an initial peer out of
+        # reach (a cut) would otherwise hold our reads for the ping's whole time-out
+        refill: MPFuture | None = None
         refill_at = time.monotonic()
         while not self._stop.is_set():
-            if time.monotonic() >= refill_at:
+            if refill is not None and (refill.done() or time.monotonic() >= refill_at + PATIENCE_S):
+                self._refilled(refill)
+                refill = None
+            if refill is None and time.monotonic() >= refill_at:
                 refill_at = time.monotonic() + REFILL_EVERY_S
                 try:
-                    self.refill_routing_table()
+                    refill = self._start_refill()
                 except Exception:  # as a read's: the next look tries again
-                    logger.debug("the DHT's routing table not refilled", exc_info=True)
+                    logger.debug("the DHT's routing table not looked at", exc_info=True)
             try:
                 self.read_(self.shards.refresh_shards(), one_holder=True)
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
@@ -559,12 +566,27 @@ class SwarmWatcher:
 
     def refill_routing_table(self) -> None:
         """Find the swarm again through the initial peers when our DHT node knows fewer than the key's holders
-        (net/routing_refill.py); a DHT started without initial peers has nobody to ask."""
+        (net/routing_refill.py), and wait for it; a DHT started without initial peers has nobody to ask."""
+        refill = self._start_refill()
+        if refill is not None:
+            self._refilled(refill, PATIENCE_S)
+
+    def _start_refill(self) -> MPFuture | None:
+        """The DHT process's future of a refill (`refill_routing_table`), None without initial peers."""
         initial = initial_peer_ids(self.dht.initial_peers) if isinstance(self.dht, SwarmDHT) else []
         if not initial:
+            return None
+        return self.dht.run_coroutine(functools.partial(refill_routing_table, initial_peers=initial, least=KEY_BEAM),
+                                      return_future=True)
+
+    @staticmethod
+    def _refilled(refill: MPFuture, wait_s: float = 0.0) -> None:
+        """Log what a refill found (waiting `wait_s` for it); one that failed or is still running is let go."""
+        try:
+            before, after = refill.result(wait_s)
+        except Exception:  # a time-out, the DHT process shutting down: the next look tries again
+            logger.debug("the DHT's routing table not refilled", exc_info=True)
             return
-        before, after = self.dht.run_coroutine(functools.partial(
-            refill_routing_table, initial_peers=initial, least=KEY_BEAM), return_future=True).result(PATIENCE_S)
         if before == 0 and after > 0:
             logger.info(f"the DHT node had lost every contact; it knows {after} node(s) again")
         elif after > before:

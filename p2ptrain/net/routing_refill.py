@@ -6,7 +6,8 @@ timeout (`DHTProtocol.update_routing_table`), and refreshes the table only when 
 has lost everyone it knew: it stores its record and reads the run's key on itself alone, and nobody asks it
 anything again, for the rest of the run. A node that knows fewer than `least` nodes (the key's holders, KEY_BEAM)
 pings its initial peers and looks up its own id, as hivemind's join does; the peer's swarm watcher asks at most
-every REFILL_EVERY_S (net/discovery.py). It runs in the DHT's own process (`hivemind.DHT.run_coroutine`).
+every REFILL_EVERY_S, beside its reads (net/discovery.py). It runs in the DHT's own process
+(`hivemind.DHT.run_coroutine`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-REFILL_EVERY_S = 10.0  # between two looks at the routing table: a ping and a lookup when it is short
+from p2ptrain.timing import BRIEF_S
+
+# between two looks at the routing table (a ping and a lookup only when it is short): a node cut off from the swarm
+# finds it again within this of the cut's end
+REFILL_EVERY_S = BRIEF_S
 
 
 def initial_peer_ids(initial_peers: Sequence[str]) -> list[PeerID]:
