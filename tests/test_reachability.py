@@ -202,3 +202,19 @@ def test_a_peer_that_may_not_use_relays_is_outbound_only_at_once(caplog: pytest.
             await helper.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_no_initial_peer_taking_the_probes_connection_is_no_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's daemon exits when no initial peer takes its connection (a bootstrap down, or too busy to answer:
+    joiners of the 32-peer netns swarm crashed with a traceback): nothing was asked, and the DHT's join says why."""
+    from p2ptrain.net import reachability
+    from p2ptrain.net.dht import NetworkConfig
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmcTZNACrXZmNwbM5vcvTiZ3dnJpkqnUzrAXNsVM5GCEXF"
+    monkeypatch.setattr(reachability, "is_loopback", lambda _maddr: False)  # ask, though we listen on loopback
+    config = NetworkConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), nat_port_map=False, auto_nat=False,
+                           use_relay=False)
+    assert reachability.reachable_before_joining(config, [dead]) is None

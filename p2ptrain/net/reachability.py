@@ -21,7 +21,7 @@ import ipaddress
 import logging
 from collections.abc import Sequence
 
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 
 from p2ptrain.net.dht import NetworkConfig, is_loopback, peer_id_of
@@ -140,9 +140,14 @@ def reachable_before_joining(config: NetworkConfig, initial_peers: Sequence[str]
 
 
 async def _ask_as_a_stranger(config: NetworkConfig, initial_peers: Sequence[str]) -> bool | None:
-    p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(config.host_maddrs),
-                           announce_maddrs=list(config.announce_maddrs) or None, nat_port_map=config.nat_port_map,
-                           auto_nat=False, use_relay=False, startup_timeout=config.startup_timeout_s)
+    try:
+        p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(config.host_maddrs),
+                               announce_maddrs=list(config.announce_maddrs) or None,
+                               nat_port_map=config.nat_port_map, auto_nat=False, use_relay=False,
+                               startup_timeout=config.startup_timeout_s)
+    except P2PDaemonError as e:  # no initial peer took the daemon's connection: the DHT's join waits and says so
+        logger.info(f"reachability not asked: {str(e).strip().splitlines()[-1][:200]}")
+        return None
     try:
         ports = [int(str(m).split("/tcp/")[1].split("/")[0]) for m in await p2p.get_visible_maddrs()
                  if "/tcp/" in str(m)]
