@@ -268,6 +268,42 @@ def test_checks_fail_when_loss_rises_resume_goes_back_or_a_peer_stalls(tmp_path:
     assert not results["max_stall_s"].passed and "peer0 8.0 s" in results["max_stall_s"].detail
 
 
+def partition_record(crossing: dict[str, float]) -> RunRecord:
+    """peer0-peer3 gossip every second from t=100; peer2 and peer3 are cut off at 110 and the cut heals at 120;
+    `crossing`: peer → when it first opens to a peer of the other side after the heal (the rest: its own side)."""
+    other = {"peer0": "peer2", "peer1": "peer3", "peer2": "peer0", "peer3": "peer1"}
+    same = {"peer0": "peer1", "peer1": "peer0", "peer2": "peer3", "peer3": "peer2"}
+    rows = {}
+    for peer in other:
+        rows[peer] = [dict(row(r, 100.0 + r, 5.0 - 0.01 * r), peer_id=f"id-{peer}",
+                           partners=[f"id-{other[peer] if 100.0 + r == crossing.get(peer) else same[peer]}"])
+                      for r in range(40)]
+    rows["peer4"] = [dict(row(r, 125.0 + r, 4.0), peer_id="id-peer4", partners=["id-peer0"]) for r in range(10)]
+    lives = [Life(peer, i, 99.0, 140.0, 0, "finished") for i, peer in enumerate(rows)]
+    events = [EventRecord(110.5, "partition", "partition peer2,peer3", "at 10 s", "script", True,
+                          peers=["peer2", "peer3"]),
+              EventRecord(120.5, "heal", "heal partition", "at 20 s", "script", True),
+              EventRecord(124.0, "add_peer", "add_peer peer4", "at 24 s", "script", True)]
+    return RunRecord(99.0, 140.0, rows, lives, events, [], {}, {}, "duration")
+
+
+def test_the_heal_check_wants_every_peer_of_both_sides_to_mix_across_the_cut_in_time() -> None:
+    """Within `max_heal_s` of the heal, each peer of either side opened to a peer of the other one; a peer that
+    joined after the cut (peer4, opening to peer0) is of neither side and is not judged."""
+    crossing = {"peer0": 122.0, "peer1": 124.0, "peer2": 121.0, "peer3": 127.0}
+    result = run_checks(partition_record(crossing), ChecksSpec(loss_fell=False, max_heal_s=8.0))[-1]
+    assert result.name == "max_heal_s" and result.passed, result
+    assert "peer3 6.5 s" in result.detail and "peer4" not in result.detail
+    result = run_checks(partition_record(crossing), ChecksSpec(loss_fell=False, max_heal_s=5.0))[-1]
+    assert not result.passed and "peer3 6.5 s" in result.detail
+    del crossing["peer1"]  # it mixed on its own side only: the halves never met through it
+    result = run_checks(partition_record(crossing), ChecksSpec(loss_fell=False, max_heal_s=60.0))[-1]
+    assert not result.passed and "peer1 never" in result.detail
+    no_heal = partition_record(crossing)
+    no_heal.events = [e for e in no_heal.events if e.action != "heal"]
+    assert not run_checks(no_heal, ChecksSpec(loss_fell=False, max_heal_s=60.0))[-1].passed
+
+
 def test_loss_fell_judges_the_trend_not_one_noisy_last_round(tmp_path: Path) -> None:
     """A round's validation loss is two batches: one high last value does not fail a run whose loss fell."""
     record = kill_restart_record(tmp_path)

@@ -278,7 +278,7 @@ def drive(fleet: Fleet, plan: RunPlan, timeout_s: float, events: list[EventRecor
                 if source == "churn" and ok:
                     (churn_down.add if event.action == "kill" else churn_down.discard)(str(event.peer))
                 events.append(EventRecord(time.time(), event.action, event.describe(), event.trigger, source, ok,
-                                          detail))
+                                          detail, list(event.group)))
                 click.echo(f"testnet: t={elapsed:5.1f}s {event.describe()} ({event.trigger})"
                            + ("" if ok and not detail else f": {detail}"))
         if plan.duration_s is not None and elapsed >= plan.duration_s:

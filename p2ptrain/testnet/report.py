@@ -47,6 +47,7 @@ class EventRecord:
     source: str  # script | churn
     ok: bool  # False: skipped or failed (see detail)
     detail: str = ""
+    peers: list[str] = dataclasses.field(default_factory=list)  # a partition's cut-off group
 
 
 @dataclasses.dataclass
@@ -111,7 +112,42 @@ def run_checks(record: RunRecord, checks: ChecksSpec) -> list[CheckResult]:
         results.append(check_nat_exchanges(record, checks.min_nat_exchanges))
     if checks.max_alone_fraction is not None or checks.max_rounds_alone is not None:
         results.append(check_averaging(record, checks.max_alone_fraction, checks.max_rounds_alone))
+    if checks.max_heal_s is not None:
+        results.append(check_heal(record, checks.max_heal_s))
     return results
+
+
+def check_heal(record: RunRecord, max_heal_s: float) -> CheckResult:
+    """After each heal, every peer that was on one side of the cut and ran on opened an exchange with a peer of the
+    other side within `max_heal_s` (the gossip modes' rows name the partners a peer opened to; DiLoCo's none).
+    Peers started after the cut were on neither side."""
+    name_of = {row["peer_id"]: peer for peer, rows in record.rows.items() for row in rows if row.get("peer_id")}
+    cut = None
+    late, shown = [], []
+    for event in record.events:
+        if event.action == "partition" and event.ok:
+            cut = event
+            continue
+        if event.action != "heal" or not event.ok or cut is None:
+            continue
+        group = set(cut.peers)
+        sides = {peer: peer in group for peer, rows in record.rows.items()
+                 if peer not in record.adversaries and any(row["time"] < cut.time for row in rows)}
+        for peer, cut_off in sorted(sides.items()):
+            after = [row for row in record.rows[peer] if row["time"] > event.time]
+            if not after:
+                continue  # it had left
+            crossed = next((row["time"] - event.time for row in after
+                            if any(sides.get(name_of.get(p, ""), cut_off) != cut_off for p in row.get("partners", []))),
+                           math.inf)
+            shown.append(f"{peer} {crossed:.1f} s" if crossed < math.inf else f"{peer} never")
+            if not crossed <= max_heal_s:
+                late.append(peer)
+        cut = None
+    if not shown:
+        return CheckResult("max_heal_s", False, "no heal after a partition, with peers on both sides running on")
+    return CheckResult("max_heal_s", not late, f"first exchange across the healed cut (limit {max_heal_s:g} s): "
+                       + ", ".join(shown))
 
 
 def check_reachability(record: RunRecord) -> CheckResult:

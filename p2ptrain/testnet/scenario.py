@@ -19,7 +19,7 @@ duration_s (full examples in testnet/scenarios/)::
     nat: [peer2, [peer3, peer4]]                 # behind NAT (netns only): peer2 at its own home, 3 and 4 share one
     relays: [peer0]                              # peers started with --relay (the bootstrap always serves as one)
     checks: {loss_fell: true, max_stall_s: 8, max_consensus_distance: 0.05, attackers_banned: true,
-             reachability: true, min_nat_exchanges: 3}
+             reachability: true, min_nat_exchanges: 3, max_heal_s: 15}
 
 ``at_s`` counts from the moment the peers are started; ``after_round: N`` fires once peer ``of`` (default: any
 peer) has logged round N. Every mistake is a one-line ConfigError naming the file and the key.
@@ -233,9 +233,11 @@ class ChecksSpec:
     # fraction averaged with nobody (neither the round's averaging nor a Mix2 found a partner)
     max_alone_fraction: float | None = None
     max_rounds_alone: int | None = None  # no survivor averaged with nobody in more rounds than this in a row
+    # after each heal, every peer of either side opened an exchange across the cut within this many seconds (gossip)
+    max_heal_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_stall_s", "max_consensus_distance", "min_nat_exchanges", "max_rounds_alone"):
+        for name in ("max_stall_s", "max_consensus_distance", "min_nat_exchanges", "max_rounds_alone", "max_heal_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"checks.{name} must be > 0 (or null to turn it off), got {getattr(self, name)}")
         if self.max_alone_fraction is not None and not 0 <= self.max_alone_fraction <= 1:
