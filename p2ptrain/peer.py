@@ -214,6 +214,10 @@ class TrainingPeer:
                                        timeout_s=self.config.sync.matchmaking_s)
         self.routes.update_(records)
         self._note_left_out(records)
+        return self._view_of(records)
+
+    def _view_of(self, records: list[PeerRecord]) -> SwarmView:
+        """The records of peers of our run's model and protocol."""
         return SwarmView(self.peer_id, [r for r in records if r.fingerprint == self.fingerprint
                                         and r.protocol == PROTOCOL_VERSION])
 
@@ -383,7 +387,7 @@ class TrainingPeer:
         """The round's metrics, written to the metrics file, and our record's figures; a line saying why, when the
         round combined only our own contribution (said again only when the reason changes)."""
         result = synced.result
-        reason = why_alone(synced.context, result) if result.group_size == 1 else None
+        reason = why_alone(synced.context, result, self.sync.aligned_rounds) if result.group_size == 1 else None
         if reason is not None and reason != self.alone_reason:
             logger.info(f"round {round_} averaged alone: {reason}")
         self.alone_reason = reason
@@ -418,6 +422,8 @@ class TrainingPeer:
 
     def _context(self, view: SwarmView, inner_steps: int, tokens: int = 0) -> RoundContext:
         others = [r for r in view.others if r.phase != "joining"]
+        if not others and not self.sync.needs_current_swarm:  # gossip: partners seen lately, an exchange verifies
+            others = [r for r in self._view_of(self.watcher.recently_seen()).others if r.phase != "joining"]
         # this round's own inner phase (a paced peer runs fewer steps): what an overlapped transfer must fit in
         phase_s = self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else math.inf
         round_ = self.state.round

@@ -153,6 +153,35 @@ def test_the_swarm_watcher_keeps_records_until_they_expire_not_until_a_read_miss
     assert [r.peer_id for r in watcher.records()] == ["A"]
 
 
+def test_expired_records_stay_recently_seen_for_a_few_lifetimes_and_a_peer_that_left_never_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gossip's fallback while no record stands (`TrainingPeer._context`): peers live within RECENT_LIFETIMES
+    lifetimes, not those that said they left; older ones are forgotten, so the table stays the swarm's size."""
+    now = get_dht_time()
+    ours = {"protocol": PROTOCOL_VERSION}
+    dht = ScriptedDHT(dht_result(entry(peer_id="A", updated=now - 1.0, **ours),
+                                 entry(peer_id="B", updated=now - 4.0, **ours),
+                                 entry(peer_id="C", updated=now - 1.0, phase="left", **ours)))
+    watcher = SwarmWatcher(dht, "run", ttl_s=5.0, refresh_s=0.5)  # type: ignore[arg-type]
+    assert [r.peer_id for r in watcher.records()] == ["A", "B"]
+    monkeypatch.setattr(discovery, "get_dht_time", lambda: now + 12.0)  # no read since: A 13 s old, B 16 s
+    assert watcher.records() == [] and discovery.RECENT_LIFETIMES * 5.0 == 15.0
+    assert [r.peer_id for r in watcher.recently_seen()] == ["A"]  # B is beyond 3 lifetimes, C left
+    watcher.merge_([])
+    assert set(watcher._known) == {"A", "C"}  # B is forgotten; C's tombstone (it left) is kept, never drawn
+
+    def context(needs_current_swarm: bool) -> list[str]:
+        me = SimpleNamespace(sync=SimpleNamespace(needs_current_swarm=needs_current_swarm), watcher=watcher,
+                             peer_id="me", fingerprint="",
+                             step_time_s=math.nan, state=SimpleNamespace(round=3),
+                             config=SimpleNamespace(sync=SimpleNamespace(overlap="none")), _inner_steps=lambda: 5)
+        me._view_of = lambda records: TrainingPeer._view_of(me, records)  # type: ignore[arg-type]
+        return TrainingPeer._context(me, SwarmView("me", []), 5).live_peers  # type: ignore[arg-type]
+
+    assert context(needs_current_swarm=False) == ["A"]  # gossip draws from those seen lately
+    assert context(needs_current_swarm=True) == []  # an all-reduce's members are those of the records that stand
+
+
 class SlowDHT:
     """A DHT whose reads answer nothing, each key `delay_s` after it was asked on a clock of its own (the watcher's,
     patched in), and that counts the keys it was asked for."""
@@ -271,6 +300,7 @@ def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog:
         sync=SimpleNamespace(needs_current_swarm=False),
         watcher=SimpleNamespace(records=lambda current, timeout_s: records))
     me._note_left_out = lambda rs: TrainingPeer._note_left_out(me, rs)  # type: ignore[arg-type]
+    me._view_of = lambda rs: TrainingPeer._view_of(me, rs)  # type: ignore[arg-type]
     caplog.set_level("WARNING", logger="p2ptrain")
     for _ in range(3):
         view = TrainingPeer.swarm(me)  # type: ignore[arg-type]

@@ -658,3 +658,7 @@ def test_a_round_averaged_alone_says_why() -> None:
     assert "1 failed" in why_alone(context, RoundSync(failed=1)) and "0 were refused" in why_alone(
         context, RoundSync(failed=1))
     assert "averaged without it" in why_alone(context, RoundSync())
+    # gossip takes live peers of any round: the rounds of others are no reason
+    context.round_peers = []
+    assert "2 live peer(s), 1 failed" in why_alone(context, RoundSync(failed=1), aligned_rounds=False)
+    assert "opened no exchange with the 2 live peer(s)" in why_alone(context, RoundSync(), aligned_rounds=False)

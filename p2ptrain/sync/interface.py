@@ -106,12 +106,19 @@ class RoundSync:
         self.refused += mix2.refused
 
 
-def why_alone(context: RoundContext, result: RoundSync) -> str:
-    """Why a round combined nothing but our own contribution, from what the round saw."""
+def why_alone(context: RoundContext, result: RoundSync, aligned_rounds: bool = True) -> str:
+    """Why a round combined nothing but our own contribution, from what the round saw. `aligned_rounds`: whether
+    the sync mixes only with the peers of our round (DiLoCo's all-reduce); gossip mixes with live peers of any."""
     if result.nothing_due:
         return "nothing to average yet (an overlapped run's first round applies no mean)"
     if not context.live_peers:
         return "no other peer of the run is live"
+    if not aligned_rounds:
+        if result.failed or result.refused:
+            return (f"of the exchanges it opened with {len(context.live_peers)} live peer(s), {result.failed} "
+                    f"failed (timed out or invalid) and {result.refused} were refused (busy or declined)")
+        return (f"it opened no exchange with the {len(context.live_peers)} live peer(s) (those too slow to wait "
+                f"for, or sitting out after failed exchanges, open theirs to it) and none opened one with it")
     if not context.round_peers:
         return (f"none of the {len(context.live_peers)} other live peer(s) is in round {context.round} or the one "
                 f"before")
