@@ -148,6 +148,7 @@ class FlakyNode:
 
     started: list[FlakyNode] = []
     fails = 1
+    takes_s = 0.0  # how long a failed start takes
     error = f"DHTNode bootstrap failed: {dht_module.UNANSWERED_PINGS}. (set ensure_bootstrap_success=False to ignore)"
 
     def __init__(self, **_kwargs: object):
@@ -157,17 +158,24 @@ class FlakyNode:
     def wait_until_ready(self, timeout: float) -> None:
         assert timeout > 0
         if len(FlakyNode.started) <= FlakyNode.fails:
+            time.sleep(FlakyNode.takes_s)
             raise RuntimeError(FlakyNode.error)
 
 
-@pytest.mark.parametrize("fails, error, joins", [
-    (1, FlakyNode.error, True),  # a busy bootstrap: the join starts again
-    (1000, FlakyNode.error, False),  # never answers: one line once the join's time is spent
-    (1, "p2pd exited", False),  # anything else fails at once
+UNCONNECTED = f"Daemon failed to start: 2026/11/30 11:29:42 {dht_module.UNCONNECTED_INITIAL_PEERS}"
+
+
+@pytest.mark.parametrize("fails, error, takes_s, joins", [
+    (1, FlakyNode.error, 0.0, True),  # a busy bootstrap: the join starts again
+    (1000, FlakyNode.error, 0.0, False),  # never answers: one line once the join's time is spent
+    (1, UNCONNECTED, 0.06, True),  # p2pd took no connection within a dial: busy (or cut), so again
+    (1, UNCONNECTED, 0.0, False),  # refused at once: nothing listens there
+    (1, "p2pd exited", 0.0, False),  # anything else fails at once
 ])
 def test_a_join_whose_pings_went_unanswered_starts_again_within_the_join_timeout(
-        fails: int, error: str, joins: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    FlakyNode.started, FlakyNode.fails = [], fails
+        fails: int, error: str, takes_s: float, joins: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    FlakyNode.started, FlakyNode.fails, FlakyNode.takes_s = [], fails, takes_s
+    monkeypatch.setattr(dht_module, "DIAL_S", 0.05)
     monkeypatch.setattr(FlakyNode, "error", error)
     monkeypatch.setattr(dht_module, "SwarmDHT", FlakyNode)
     monkeypatch.setattr(dht_module, "_kill", lambda node: setattr(node, "killed", True))

@@ -23,11 +23,14 @@ from p2ptrain.net import frame_cap, stream_bytes  # noqa: F401  (importing them 
 from p2ptrain.net.identity import fresh_identity_path, load_identity_key
 from p2ptrain.net.lifetime import DiesWithStarter, kill_children
 from p2ptrain.net.record_shards import SHARD_TARGET
-from p2ptrain.timing import PATIENCE_S, TICK_S
+from p2ptrain.timing import DIAL_S, PATIENCE_S, TICK_S
 
 logger = logging.getLogger(__name__)
 # what hivemind's DHTNode.create raises when initial peers were reached but none answered its one ping
 UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
+# what p2pd exits with when it connected to none of its initial peers: at once where they refused (nothing listens),
+# after its dial time-out where they were silent (a bootstrap too busy to answer, or behind a cut)
+UNCONNECTED_INITIAL_PEERS = "failed to connect to bootstrap peers"
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -177,13 +180,29 @@ def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
             dht_kwargs: dict[str, object]) -> SwarmDHT:
     """Start the node and wait until it is ready, within `join_timeout_s` when it joins through initial peers; any
     failure is a one-line UserError, and leaves neither the node's process nor its p2pd behind. A join whose initial
-    peers were reached but answered no ping in time (hivemind pings once, for `dht_request_timeout_s`: a busy
-    bootstrap) starts again while the join's time lasts."""
+    peers were busy starts again while the join's time lasts: they were reached but answered no ping in time
+    (hivemind pings once, for `dht_request_timeout_s`), or took no connection within a dial (p2pd exits; in the
+    32-peer netns swarm a joiner gave up so at once, its bootstrap too busy to answer). Initial peers that refused the
+    connection at once are not there: that fails at once."""
     ready_s = config.join_timeout_s if initial_peers else config.startup_timeout_s
     deadline = time.monotonic() + ready_s
     failure = f"cannot join the swarm through {', '.join(initial_peers)}" if initial_peers else \
         f"cannot start the p2p daemon on {', '.join(config.host_maddrs)}"
+
+    def busy(error: Exception, tried_s: float) -> bool:
+        """Whether to join again after `error`, which took `tried_s`: busy initial peers and time for two more
+        tries (after a pause: an error at once must not spin up daemons)."""
+        silent = UNCONNECTED_INITIAL_PEERS in str(error) and tried_s >= DIAL_S
+        if not (UNANSWERED_PINGS in str(error) or silent) or time.monotonic() + 2 * config.dht_request_timeout_s \
+                >= deadline:
+            return False
+        logger.info(f"no initial peer answered within {max(tried_s, config.dht_request_timeout_s):.1f} s; "
+                    f"joining again")
+        time.sleep(config.dht_request_timeout_s)
+        return True
+
     while True:
+        started = time.monotonic()
         try:
             dht = SwarmDHT(
                 initial_peers=initial_peers,
@@ -202,16 +221,15 @@ def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
                 **{**NO_CACHING, **dht_kwargs},
             )
         except (P2PDaemonError, RuntimeError, ValueError, OSError) as e:
+            if busy(e, time.monotonic() - started):
+                continue
             raise UserError(f"{failure}: {one_line(e)}") from None
         try:
             dht.wait_until_ready(max(deadline - time.monotonic(), 0.1))
             return dht
         except Exception as e:  # whatever the node's process reports is a failure to start; a bare TimeoutError is ours
             _kill(dht)
-            if UNANSWERED_PINGS in str(e) and time.monotonic() + 2 * config.dht_request_timeout_s < deadline:
-                logger.info("no initial peer answered a ping within %.1f s; joining again",
-                            config.dht_request_timeout_s)
-                time.sleep(config.dht_request_timeout_s)  # a ping refused at once must not spin up daemons
+            if busy(e, time.monotonic() - started):
                 continue
             late = "no initial peer answered" if initial_peers else "the daemon did not start"
             raise UserError(f"{failure}: {one_line(e) if str(e) else f'{late} within {ready_s:.0f} s'}") from None
