@@ -3,25 +3,19 @@ report judges the honest peers (their loss fell, they banned it); the shipped sc
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
+from netns_utils import run_shipped_scenario
 
 from p2ptrain.metrics import read_metrics
-from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
-
-SCENARIO = Path(__file__).resolve().parents[1] / "testnet" / "scenarios" / "red_team.yaml"
 
 
 def test_the_red_team_scenario_runs_and_the_honest_peers_ban_the_attacker(netns_ok: None, tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    ok = run_netns_testnet(NetnsTestnetOptions(scenario_path=str(SCENARIO), workdir=str(workdir), timeout_s=300,
-                                               name_prefix=f"rt{os.getpid() % 100000}"))
-    report = json.loads((workdir / "report" / "report.json").read_text())
+    ok, report = run_shipped_scenario("red_team.yaml", workdir, timeout_s=300)
     checks = {c["name"]: c for c in report["checks"]}
     assert ok and report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert {"loss_fell", "attackers_banned"} <= set(checks)
