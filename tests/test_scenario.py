@@ -23,6 +23,7 @@ from p2ptrain.testnet.report import (
     RunRecord,
     longest_stall_s,
     peer_logs,
+    reachability_lines,
     run_checks,
     verdict_line,
     write_report,
@@ -315,6 +316,21 @@ def test_loss_fell_judges_the_trend_not_one_noisy_last_round(tmp_path: Path) -> 
     assert not run_checks(record, ChecksSpec())[3].passed
 
 
+def test_a_late_joiner_is_judged_against_the_runs_starting_loss(tmp_path: Path) -> None:
+    """A joiner with a round or two (too few for a trend) passes when its loss is below the founders' first
+    rounds', and fails when it is not (it learnt nothing from the state it took, or diverged)."""
+    record = kill_restart_record(tmp_path)
+    record.rows["peer2"] = [dict(row(8, 116, 4.6), joined=True), row(9, 118, 4.7)]  # rising: its own trend fails
+    record.lives.append(Life("peer2", 4, 115.0, 119.0, 0, "finished"))
+    result = run_checks(record, ChecksSpec())[3]
+    assert result.passed and "peer2 joined, run start 5.000->4.650" in result.detail, result
+    record.rows["peer2"][-1]["val_loss"] = 5.6  # median of 4.6 and 5.6: 5.1, above the start
+    result = run_checks(record, ChecksSpec())[3]
+    assert not result.passed and "did not fall for peer2" in result.detail, result
+    record.rows["peer2"] = [dict(row(8, 116, 4.6), joined=False)]  # one round, no state taken: nothing to compare
+    assert not run_checks(record, ChecksSpec())[3].passed
+
+
 def test_loss_fell_reads_only_the_rounds_that_measured_it(tmp_path: Path) -> None:
     """With `run.eval_every`, a round in between repeats the latest loss: the check reads the measured ones."""
     record = kill_restart_record(tmp_path)
@@ -529,6 +545,18 @@ def test_nat_checks_read_the_reachability_lines_and_count_exchanges() -> None:
     assert not run_checks(record, ChecksSpec(min_nat_exchanges=5))[-1].passed
     record.reachability["peer1"] = ["x reachability: reachable directly at /ip4/10.213.1.2/tcp/31337"]
     assert not run_checks(record, ChecksSpec(reachability=True))[-1].passed  # a NATed peer cannot be direct
+
+
+def test_a_probe_not_asked_is_no_reachability_verdict(tmp_path: Path) -> None:
+    """A joiner whose probe found the bootstrap busy says so, then gives its verdict: only the verdict is read."""
+    (tmp_path / "peer0.log").write_text(
+        "2026-11-30 13:30:00,692 INFO p2ptrain.net.reachability: reachability not asked: Daemon failed to start\n"
+        "2026-11-30 13:30:27,898 INFO p2ptrain.net.presence: reachability: reachable directly at /ip4/10.2.0.3/tcp/1\n")
+    (tmp_path / "peer1.log").write_text(
+        "2026-11-30 13:30:00,692 INFO p2ptrain.net.reachability: reachability not asked: Daemon failed to start\n")
+    assert reachability_lines(tmp_path, ["peer0", "peer1"]) == {
+        "peer0": ["2026-11-30 13:30:27,898 INFO p2ptrain.net.presence: reachability: reachable directly at "
+                  "/ip4/10.2.0.3/tcp/1"], "peer1": []}
 
 
 def test_a_failed_run_shows_each_peers_last_warnings_and_a_passed_one_does_not(tmp_path: Path) -> None:

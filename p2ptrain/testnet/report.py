@@ -178,8 +178,10 @@ def log_lines(workdir: Path, peers: list[str], keep: Callable[[str], bool]) -> d
 
 
 def reachability_lines(workdir: Path, peers: list[str]) -> dict[str, list[str]]:
-    """Each peer's reachability lines (net/reachability.py)."""
-    return log_lines(workdir, peers, lambda line: "reachability: " in line)
+    """Each peer's reachability verdicts (`Reachability.line`: "reachability: reachable directly at ..."). Other
+    lines of the module that asks ("...net.reachability: reachability not asked: ...": its probe found the
+    bootstrap busy, and the peer's own presence gives the verdict later) are no verdict."""
+    return log_lines(workdir, peers, lambda line: " reachability: " in line)
 
 
 def warning_lines(workdir: Path, peers: list[str], last: int = WARNINGS_SHOWN) -> dict[str, list[str]]:
@@ -256,21 +258,37 @@ def check_loss_fell(record: RunRecord) -> CheckResult:
 
     One round's validation loss is a few batches (testnet peers: 2) and varies by ±10 % from round to round, so
     comparing the last round with the first alone failed runs that trained; k ≤ 3 rounds at each end (at most
-    half the rounds each, so the two ends never share a round) keep the check about the trend."""
+    half the rounds each, so the two ends never share a round) keep the check about the trend. A joiner that took a
+    peer's state late in a run has too few rounds for a trend of its own (swarm32's last joiners: 1-2), and its loss
+    starts at the swarm's: its last rounds are judged against the run's starting loss, that is, against having
+    learnt nothing (`starting_loss`)."""
     survivors = record.survivors()
     if not survivors:
         return CheckResult("loss_fell", False, "no peer survived to the end")
+    start = starting_loss(record)
     bad, shown = [], []
     for peer in survivors:
         losses = [row["val_loss"] for row in record.rows[peer] if row.get("evaluated", True)]  # run.eval_every
         k = min(LOSS_WINDOW_ROUNDS, len(losses) // 2)
-        first, last = (statistics.median(losses[:k]), statistics.median(losses[-k:])) if k else (math.nan, math.nan)
+        joiner = len(losses) < 2 * LOSS_WINDOW_ROUNDS and any(row.get("joined") for row in record.rows[peer])
+        if joiner and losses:
+            first, last = start, statistics.median(losses[-LOSS_WINDOW_ROUNDS:])
+        else:
+            first, last = (statistics.median(losses[:k]), statistics.median(losses[-k:])) if k else (math.nan,
+                                                                                                     math.nan)
         if not last < first:
             bad.append(peer)
         if losses:
-            shown.append(f"{peer} {first:.3f}->{last:.3f}")
+            shown.append(f"{peer} {'joined, run start ' if joiner else ''}{first:.3f}->{last:.3f}")
     return CheckResult("loss_fell", not bad, ("" if not bad else f"did not fall for {', '.join(bad)}: ") +
                        ", ".join(shown))
+
+
+def starting_loss(record: RunRecord) -> float:
+    """The median first validation loss of the peers that began at round 0 without taking a state (NaN: none)."""
+    firsts = [rows[0]["val_loss"] for peer, rows in record.rows.items() if peer not in record.adversaries and rows
+              and rows[0].get("round") == 0 and not rows[0].get("joined") and math.isfinite(rows[0]["val_loss"])]
+    return statistics.median(firsts) if firsts else math.nan
 
 
 def averaged_alone(row: dict[str, Any]) -> bool:
