@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--link-efficiency", type=float, default=model.LINK_EFFICIENCY, help="fraction of a link's goodput a "
         "transfer gets (default: fitted by calibrate)")
     add("--allreduce-latency-s", type=float, default=model.ALLREDUCE_LATENCY_S)
+    add("--round-cost-s", type=float, default=model.ROUND_COST_S, help="a round's client work before its inner "
+        "phase, no compute (default: fitted by benchmarks/swarm_scale.py)")
     add("--duplex", action="store_true", help="what-if: gossip exchanges stream both directions at once")
     add("--name", default="simulate_scale", help="results file names: NAME.md and NAME.json in --output-dir")
     add("--stragglers", type=int, default=0, help="peers whose links are slowed by --straggler-factor")
@@ -98,8 +100,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         return _calibrate(args, command)
     algorithms = grid.algorithms(args.algorithms, args.mix2_every)
     knobs = ("gpu", "mfu", "tokens_per_step", "inner_steps", "step_time_s", "compute_spread",
-             "exchange_latency_s", "allreduce_latency_s", "link_efficiency", "duplex", "stragglers", "straggler_factor",
-             "seed")
+             "exchange_latency_s", "allreduce_latency_s", "link_efficiency", "round_cost_s", "duplex", "stragglers",
+             "straggler_factor", "seed")
     settings: dict[str, Any] = {knob: getattr(args, knob) for knob in knobs}
     sizes = [grid.parse_params(m) for m in args.params.split(",")]
     points = codecs.codec_points(args.codecs, args.algorithm_results, args.delivered_ratio)

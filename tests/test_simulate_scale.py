@@ -4,6 +4,7 @@ testnet run's exchange records (synthetic records here; a real netns run where r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -59,6 +60,20 @@ def test_homogeneous_gossip_pairs_triples_and_factored_match_hand_computed() -> 
     factored = sim.simulate(sim.Algorithm("factored", 2, 2), _swarm(9, 16.0), budget_s=90.0, min_rounds=6)
     np.testing.assert_allclose(factored.utilisation, 60 / 90)
     assert all(durations == pytest.approx([10.0, 20.0] * 3) for durations in factored.round_s)
+
+
+def test_a_rounds_cost_is_time_without_compute_before_the_inner_phase() -> None:
+    """1 s of the client's own work a round: gossip pairs take 1 + 10 + 5 s for 10 s of compute, and an overlapped
+    exchange (5 s, started with the round) hides behind the cost and the inner phase (11 s)."""
+    costly = dataclasses.replace(_swarm(8, 16.0), round_cost_s=1.0)
+    pairs = sim.simulate(GOSSIP1, costly, budget_s=160.0, min_rounds=10)
+    np.testing.assert_allclose(pairs.utilisation, 10 / 16)
+    assert all(durations == pytest.approx([16.0] * 10) for durations in pairs.round_s)
+    overlap = sim.simulate(sim.Algorithm("gradgossip", 1, overlap=True), costly, budget_s=110.0, min_rounds=10)
+    np.testing.assert_allclose(overlap.utilisation, 10 / 11)
+    assert model.Scenario(8, 150e6).round_cost_s == model.ROUND_COST_S > 0
+    with pytest.raises(ConfigError, match="round's cost"):
+        dataclasses.replace(costly, round_cost_s=-1.0)
 
 
 def test_a_straggler_slows_every_diloco_peer_but_only_its_gossip_partners() -> None:
@@ -286,6 +301,10 @@ def test_simulate_mode_writes_markdown_and_json(tmp_path: Path, capsys: pytest.C
     assert simulate_scale.main(["--codecs", "zip"]) == 2 and "unknown codec 'zip'" in capsys.readouterr().err
     assert simulate_scale.main([*argv, "--duplex", "--name", "what_if", "--codecs", "delivered"]) == 0
     assert "What-if: gossip exchanges stream both directions" in (tmp_path / "what_if.md").read_text()
+    assert document["settings"]["round_cost_s"] == model.ROUND_COST_S
+    assert f"costs the client {model.ROUND_COST_S:g} s before its inner phase" in markdown
+    capsys.readouterr()
+    assert simulate_scale.main([*argv, "--round-cost-s", "-1"]) == 2 and "round's cost" in capsys.readouterr().err
 
 
 def test_sparse_outer_gradients_make_diloco_an_all_gather_and_gradient_gossip_carries_them() -> None:

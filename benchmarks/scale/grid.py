@@ -119,7 +119,12 @@ def describe_exchange_constants(settings: dict[str, Any]) -> str:
               f"set on the command line; the defaults, {defaults[0]:g} s and {defaults[1]:g}, are {model.FITTED_FROM}")
     what_if = (" What-if: gossip exchanges stream both directions at once (--duplex; p2ptrain's push-pull sends them "
                "one after the other)." if settings.get("duplex") else "")
-    return f"Exchange model: fixed cost {used[0]:g} s per exchange, link efficiency {used[1]:g} ({origin}).{what_if}"
+    cost = settings.get("round_cost_s", 0.0)
+    cost_origin = "the default, fitted by benchmarks/swarm_scale.py to its 8-peer gossip rows" if (
+        cost == model.ROUND_COST_S) else f"set on the command line; the default {model.ROUND_COST_S:g} s is fitted " \
+        "by benchmarks/swarm_scale.py"
+    return (f"Exchange model: fixed cost {used[0]:g} s per exchange, link efficiency {used[1]:g} ({origin}).{what_if} "
+            f"Each round also costs the client {cost:g} s before its inner phase, no compute ({cost_origin}).")
 
 
 NOTES = [

@@ -68,6 +68,12 @@ LINK_EFFICIENCY = 0.889  # exchange goodput / link goodput: libp2p framing and e
 FITTED_FROM = ("fitted by `simulate_scale.py calibrate` to the netns testnet run of 2026-11-22 10:45 UTC (4 peers "
                "at 20, 20, 5, 2 Mbit/s, 66 s; benchmarks/results/simulate_scale_calibration.md)")
 ALLREDUCE_LATENCY_S = 5.0  # matchmaking of one all-reduce (hivemind's min_matchmaking_time; not measured)
+# What a round costs the client beyond compute and transfers (records read and published, partners drawn, the mix
+# applied): fitted by `benchmarks/swarm_scale.py` to its 8-peer rows, the simulation given each run's own links and
+# inner phases (benchmarks/scale/measured.py): 0.18-0.26 s for GASLoC and Factored's gossip, over two runs
+# (benchmarks/results/swarm_scale.md, swarm_scale_default.md); the larger is taken. DiLoCo's fitted 0-5 s is its
+# all-reduce's latency, which ALLREDUCE_LATENCY_S already counts. Spent before each inner phase, as no compute.
+ROUND_COST_S = 0.26
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class Swarm:
     delta_payload_bytes: float = 0.0  # an outer-gradient payload; 0 = payload_bytes
     sparse_deltas: bool = False  # outer gradients travel sparse: an all-reduce of them is an all-gather
     duplex: bool = False  # what-if: a gossip exchange streams both directions at once
+    round_cost_s: float = 0.0  # each round's client work before its inner phase, no compute (ROUND_COST_S)
 
     @property
     def delta_bytes(self) -> float:
@@ -145,8 +152,8 @@ class Swarm:
         arrays = (self.upload_mbit, self.download_mbit, self.inner_phase_s)
         if min(float(np.min(a)) for a in arrays) <= 0 or self.payload_bytes <= 0 or self.delta_payload_bytes < 0:
             raise ConfigError("link rates, inner-phase times and payload_bytes must be > 0")
-        if self.exchange_latency_s < 0 or self.allreduce_latency_s < 0:
-            raise ConfigError("latencies must be >= 0 s")
+        if self.exchange_latency_s < 0 or self.allreduce_latency_s < 0 or not self.round_cost_s >= 0:
+            raise ConfigError("latencies and the round's cost must be >= 0 s")
         if not 0 < self.link_efficiency <= 1:
             raise ConfigError(f"link_efficiency {self.link_efficiency}: give a fraction in (0, 1]")
 
@@ -191,6 +198,7 @@ class Scenario:
     exchange_latency_s: float = EXCHANGE_FIXED_S
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
     link_efficiency: float = LINK_EFFICIENCY
+    round_cost_s: float = ROUND_COST_S
     stragglers: int = 0  # peers whose links are multiplied by straggler_factor
     straggler_factor: float = 0.1
     seed: int = 0
@@ -233,5 +241,5 @@ def build_swarm(scenario: Scenario) -> Swarm:
     return Swarm(
         upload, download, s.inner_steps * step_s / speed, s.params * FP32_BYTES_PER_PARAM * s.param_ratio,
         s.exchange_latency_s, s.allreduce_latency_s, s.link_efficiency,
-        s.params * FP32_BYTES_PER_PARAM * s.delta_ratio, s.sparse_deltas, s.duplex,
+        s.params * FP32_BYTES_PER_PARAM * s.delta_ratio, s.sparse_deltas, s.duplex, s.round_cost_s,
     )

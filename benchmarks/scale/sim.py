@@ -174,12 +174,19 @@ class _Simulation:
         self.since_s[peer], self.computing[peer] = now_s, computing
 
     def _start_round(self, peer: int, now_s: float) -> None:
-        self._switch(peer, now_s, computing=True)
         self.inner_done[peer] = False
-        self._push(now_s + float(self.swarm.inner_phase_s[peer]), 0, "inner_done", peer)
+        if self.swarm.round_cost_s:  # the client's own work first: no compute
+            self._switch(peer, now_s, computing=False)
+            self._push(now_s + self.swarm.round_cost_s, 0, "compute", peer)
+        else:
+            self._on_compute(peer, now_s)
         if self.alg.behind_inner_phase:
             self.need[peer] = "mix1"
             self._push(now_s, 1, "try", peer)
+
+    def _on_compute(self, peer: int, now_s: float) -> None:
+        self._switch(peer, now_s, computing=True)
+        self._push(now_s + float(self.swarm.inner_phase_s[peer]), 0, "inner_done", peer)
 
     def _end_round(self, peer: int, now_s: float) -> None:
         self.round_s[peer].append(now_s - self.round_start_s[peer])
