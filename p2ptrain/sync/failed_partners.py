@@ -23,26 +23,24 @@ class FailedPartners:
     """Per partner: its failures in a row, and the first round it may be drawn again."""
 
     def __init__(self) -> None:
-        self.failures: dict[str, int] = {}  # partner → failed exchanges we opened with it in a row
-        self.next_round: dict[str, int] = {}  # partner → the first round it is drawn again
+        self.failed: dict[str, tuple[int, int]] = {}  # partner → (failed exchanges we opened in a row, next round)
 
     def failed_(self, partner: str, round_: int) -> None:
         """An exchange we opened with `partner` in round `round_` failed: skip it for 1, 2, 4 ... rounds."""
-        failures = self.failures[partner] = self.failures.get(partner, 0) + 1
-        self.next_round[partner] = round_ + 1 + min(MAX_SKIPPED_ROUNDS, 2 ** (failures - 1))
+        failures = self.failed.get(partner, (0, 0))[0] + 1
+        self.failed[partner] = failures, round_ + 1 + min(MAX_SKIPPED_ROUNDS, 2 ** (failures - 1))
 
     def reached_(self, partner: str) -> None:
         """An exchange with `partner` (opened by either side) ended well: its failures are forgotten."""
-        self.failures.pop(partner, None)
-        self.next_round.pop(partner, None)
+        self.failed.pop(partner, None)
 
     def failed_before(self, partner: str) -> bool:
         """Whether the last exchange we opened with `partner` failed."""
-        return partner in self.failures
+        return partner in self.failed
 
     def drawable(self, partners: list[str], round_: int) -> list[str]:
         """The `partners` that may be drawn in round `round_`. A partner that left the swarm for good is forgotten
         once its rounds are over, so the table holds the partners that failed within the last few rounds only."""
-        for gone in [p for p, first in self.next_round.items() if first <= round_ and p not in partners]:
+        for gone in [p for p, (_, first) in self.failed.items() if first <= round_ and p not in partners]:
             self.reached_(gone)
-        return [p for p in partners if self.next_round.get(p, round_) <= round_]
+        return [p for p in partners if self.failed.get(p, (0, round_))[1] <= round_]
