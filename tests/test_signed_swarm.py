@@ -76,11 +76,18 @@ def test_an_intruder_gets_into_no_exchange_all_reduce_of_a_signed_run(tmp_path: 
 def test_a_hivemind_all_reduce_group_with_an_intruder_is_not_used_in_a_signed_run(tmp_path: Path) -> None:
     """The intruder runs 1 inner step to the volunteers' 5, so it reaches each round's matchmaking first and is
     the leader the volunteers try first. (Left to chance, the volunteers' own groups, whose target is the two
-    ticketed peers their records show, often filled before it came: nothing was tested.)"""
-    ticketed, histories, alice = signed_swarm(tmp_path, "diloco", intruder_inner={"steps": 1, "warmup_steps": 0},
-                                              allreduce_transport="hivemind")
-    intruder_rounds = {m.round for m in histories[2] if m.peers_averaged >= 2}  # with Alice or Bob or both
-    assert intruder_rounds, "the intruder never got into a group: nothing tested"
+    ticketed peers their records show, often filled before it came: nothing was tested.) Under load it still came
+    too late in all 5 rounds of one CI run: a swarm where it got into no group is run once more, as nothing was
+    tested, and a second such swarm fails."""
+    for attempt in range(2):
+        (workdir := tmp_path / str(attempt)).mkdir()
+        ticketed, histories, _alice = signed_swarm(workdir, "diloco",
+                                                   intruder_inner={"steps": 1, "warmup_steps": 0},
+                                                   allreduce_transport="hivemind")
+        intruder_rounds = {m.round for m in histories[2] if m.peers_averaged >= 2}  # with Alice or Bob or both
+        if intruder_rounds:
+            break
+    assert intruder_rounds, "the intruder never got into a group in two swarms: nothing tested"
     for name, history in zip(("alice", "bob"), histories[:2], strict=True):
         assert all(m.peers_averaged <= 2 for m in history), f"{name} averaged with the intruder"
         # of three peers, one in a group with the intruder leaves no pair of volunteers: both applied their own Δ
