@@ -10,7 +10,9 @@ budget. Per row, from the peers' metrics and from sampling their processes while
 - payload bytes a peer sent per round (its exchanges, from its metrics);
 - wire bytes a peer's host sent per round (its namespace's interfaces, `/proc/PID/net/dev`), and what is beyond
   the payloads: the DHT, libp2p's framing, TCP/IP headers (bytes per round are medians over peers: the relay's host
-  also forwards the NATed peers' streams);
+  also forwards the NATed peers' streams). Over the whole run (start, join and the wait for the swarm included, so
+  a run whose peers wait longer or train fewer rounds reads higher) and, "in rounds", from the end of a peer's
+  first round to the end of its last, over the rounds in between: what each round costs;
 - peak memory per peer: the PSS of the peer's process tree (the peer, its DHT process, p2pd), sampled every few
   seconds; PSS counts a page shared by k processes 1/k to each, so it is what a peer takes from the machine;
 - rounds averaged alone (no partner, or a group of one).
@@ -113,6 +115,7 @@ class ProcessSampler(threading.Thread):
         self.workdir, self.stop_event = workdir, threading.Event()
         self.peak_pss: dict[str, int] = {}
         self.wire: dict[str, tuple[int, int]] = {}  # host -> (tx bytes, rx bytes)
+        self.sent_at: dict[str, list[tuple[float, int]]] = {}  # host -> (unix time, tx bytes) of every sample
 
     def run(self) -> None:
         while not self.stop_event.wait(SAMPLE_S):
@@ -129,6 +132,14 @@ class ProcessSampler(threading.Thread):
             counters = interface_bytes(pid)
             if counters is not None:
                 self.wire[host] = max(self.wire.get(host, (0, 0)), counters)
+                self.sent_at.setdefault(host, []).append((time.time(), self.wire[host][0]))
+
+    def sent_between(self, host: str, start: float, end: float) -> int | None:
+        """Bytes `host` sent from its last sample at or before `start` to its first at or after `end` (so at most a
+        sample interval more at each end); None without such samples."""
+        samples = self.sent_at.get(host, [])
+        before, after = [s for t, s in samples if t <= start], [s for t, s in samples if t >= end]
+        return after[0] - before[-1] if before and after else None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -153,14 +164,23 @@ def interface_bytes(pid: int) -> tuple[int, int] | None:
 
 def summarise(mode: str, peers: int, report: dict[str, Any], sampler: ProcessSampler) -> dict[str, Any]:
     figures = {peer: peer_figures(info["rounds"]) | {"wire_sent": sampler.wire.get(peer, (None,))[0],
-                                                     "peak_pss": sampler.peak_pss.get(peer)}
+                                                     "peak_pss": sampler.peak_pss.get(peer)} | in_rounds(
+                                                         peer, info["rounds"], sampler)
                for peer, info in report["peers"].items() if info["rounds"]}
     return aggregate(mode, peers, figures) | {"passed_checks": report["passed"],
                                               "bootstrap_peak_pss": sampler.peak_pss.get("bootstrap")}
 
 
+def in_rounds(peer: str, rows: list[dict[str, Any]], sampler: ProcessSampler) -> dict[str, Any]:
+    """What the peer's host sent from the end of its first round to the end of its last, and its payloads of the
+    rounds in between (None: fewer than two rounds, or no samples around them)."""
+    sent = sampler.sent_between(peer, rows[0]["time"], rows[-1]["time"]) if len(rows) >= 2 else None
+    return {"wire_sent_in_rounds": sent, "payload_in_rounds": float(sum(r["bytes_sent"] for r in rows[1:]))}
+
+
 NUMERIC = ("median_utilisation", "mean_val_loss", "mean_rounds", "mean_inner_steps", "payload_bytes_per_round",
-           "wire_bytes_per_round", "beyond_payload_bytes_per_round", "median_peak_pss", "max_peak_pss", "alone")
+           "wire_bytes_per_round", "beyond_payload_bytes_per_round", "beyond_payload_in_rounds_per_round",
+           "median_peak_pss", "max_peak_pss", "alone")
 
 
 def aggregate(mode: str, peers: int, figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -176,6 +196,8 @@ def aggregate(mode: str, peers: int, figures: dict[str, dict[str, Any]]) -> dict
         return statistics.median(known) if known else math.nan
 
     beyond = [(f["wire_sent"] - f["bytes_sent"]) / f["rounds"] for f in values if f["wire_sent"] is not None]
+    beyond_in_rounds = [(f["wire_sent_in_rounds"] - f["payload_in_rounds"]) / (f["rounds"] - 1) for f in values
+                        if f.get("wire_sent_in_rounds") is not None]  # kept rows from before it: none
     pss = [f["peak_pss"] for f in values if f["peak_pss"]]
     alone = [f["alone"] for f in values if not math.isnan(f["alone"])]
     return {
@@ -187,6 +209,7 @@ def aggregate(mode: str, peers: int, figures: dict[str, dict[str, Any]]) -> dict
         "payload_bytes_per_round": per_round("bytes_sent"),
         "wire_bytes_per_round": per_round("wire_sent"),
         "beyond_payload_bytes_per_round": statistics.median(beyond) if beyond else math.nan,
+        "beyond_payload_in_rounds_per_round": statistics.median(beyond_in_rounds) if beyond_in_rounds else math.nan,
         "median_peak_pss": statistics.median(pss) if pss else math.nan,
         "max_peak_pss": max(pss) if pss else math.nan,
         "alone": statistics.fmean(alone) if alone else math.nan,
@@ -283,16 +306,20 @@ def simulation_table(found: list[dict[str, Any]]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     return markdown(["peers", "mode", "median utilisation", "mean val loss", "rounds", "payload kB / round",
-                     "wire kB / round", "beyond payloads kB / round", "peak PSS MiB (median, max)", "alone"],
+                     "wire kB / round", "beyond payloads kB / round", "beyond payloads in rounds kB / round",
+                     "peak PSS MiB (median, max)", "alone"],
                     [[str(r["peers"]), r["mode"], f"{r['median_utilisation']:.3f}", f"{r['mean_val_loss']:.4f}",
                       f"{r['mean_rounds']:.1f}", f"{r['payload_bytes_per_round'] / 1e3:.1f}",
                       f"{r['wire_bytes_per_round'] / 1e3:.1f}", f"{r['beyond_payload_bytes_per_round'] / 1e3:.1f}",
+                      f"{r.get('beyond_payload_in_rounds_per_round', math.nan) / 1e3:.1f}",
                       f"{r['median_peak_pss'] / 2**20:.0f}, {r['max_peak_pss'] / 2**20:.0f}", f"{r['alone']:.0%}"]
                      for r in rows])
 
 
 GROWTH_KEYS = {"payload kB / round": "payload_bytes_per_round", "wire kB / round": "wire_bytes_per_round",
-               "beyond payloads kB / round": "beyond_payload_bytes_per_round", "peak PSS": "median_peak_pss"}
+               "beyond payloads kB / round": "beyond_payload_bytes_per_round",
+               "beyond payloads in rounds kB / round": "beyond_payload_in_rounds_per_round",
+               "peak PSS": "median_peak_pss"}
 
 
 def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -74,6 +74,7 @@ def test_beyond_the_payloads_is_the_wire_less_the_exchanges_per_round_and_memory
     assert row["payload_bytes_per_round"] == pytest.approx(1_500)
     assert row["wire_bytes_per_round"] == pytest.approx((10_000 / 4 + 30_000 / 5) / 2)
     assert row["beyond_payload_bytes_per_round"] == pytest.approx(((10_000 - 4_000) / 4 + (30_000 - 10_000) / 5) / 2)
+    assert math.isnan(row["beyond_payload_in_rounds_per_round"])  # no samples in time
     assert row["median_peak_pss"] == 200 * 2**20 and row["max_peak_pss"] == 300 * 2**20
     assert row["bootstrap_peak_pss"] == 50 * 2**20 and row["alone"] == 0.0
     assert "| 3 | gasloc |" in swarm_scale.table([row])
@@ -161,6 +162,19 @@ def test_kept_runs_are_read_again_with_the_simulation_beside_them(tmp_path: Path
     assert [r["peers"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]] == [3]
     with pytest.raises(SystemExit):
         swarm_scale.main(["--sizes", "4", "--modes", "swarm", "--from-runs", str(kept), "--out", str(out)])
+
+
+def test_beyond_the_payloads_in_rounds_leaves_the_start_out() -> None:
+    """peer0's rounds end at t = 10, 20, 30, 40; its host sent 50 kB while it joined and waited, then 3 kB a
+    round: 1 kB beyond its 2 kB payload a round, where the whole run reads (62 - 8) / 4 = 13.5 kB."""
+    sampler = swarm_scale.ProcessSampler(Path("/nonexistent"))
+    sampler.sent_at = {"peer0": [(0.0, 0), (9.0, 50_000), (25.0, 56_000), (41.0, 62_000)]}
+    sampler.wire = {"peer0": (62_000, 0)}
+    row = swarm_scale.summarise("gasloc", 1, {"passed": True, "peers": {"peer0": {"rounds": rows(4, 2_000)}}}, sampler)
+    assert row["beyond_payload_bytes_per_round"] == pytest.approx(13_500)
+    assert row["beyond_payload_in_rounds_per_round"] == pytest.approx((62_000 - 50_000 - 6_000) / 3)
+    assert "| 2.0 |" in swarm_scale.table([row])
+    assert sampler.sent_between("peer0", 9.5, 42.0) is None and sampler.sent_between("peer9", 0.0, 1.0) is None
 
 
 def test_a_run_in_which_no_peer_ended_a_round_is_a_row_of_its_own_not_a_crash() -> None:
