@@ -8,9 +8,9 @@ exchange's bytes for gossip, the model's fp32 Δ for DiLoCo's all-reduce (the ex
 
 What a round costs the client beyond compute, validation and transfers (records read and published, matchmaking,
 DiLoCo's digest stage, applying the mix) is not modelled from first principles: one constant per mode,
-`fit_round_cost`, fitted to one measured row, and the other sizes test it. It lengthens every peer's inner phase as
-time not computing: the simulated utilisation is scaled, peer by peer, by compute ÷ (compute + validation + that
-cost), as the measured one counts only compute. Only modes the simulation has an algorithm for are replayed
+`fit_round_cost`, fitted to one measured row, and the other sizes test it: the swarm's `round_cost_s`, time not
+computing before each inner phase. The simulated utilisation is scaled, peer by peer, by compute ÷ (compute +
+validation), as the measured one counts only compute. Only modes the simulation has an algorithm for are replayed
 (SIMULATED).
 """
 
@@ -39,11 +39,10 @@ MIN_ROUNDS = 10  # simulated rounds a peer completes at least
 COST_RANGE_S = (0.0, 60.0)
 
 
-def peer_inputs(rows: Sequence[Mapping[str, Any]], round_cost_s: float) -> tuple[float, float]:
-    """(inner phase s, compute share of it): a peer's mean compute plus validation per round plus the round's
-    cost, and compute's part."""
+def peer_inputs(rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """(inner phase s, compute share of it): a peer's mean compute plus validation per round, and compute's part."""
     compute = statistics.fmean(r["compute_s"] for r in rows)
-    phase = compute + statistics.fmean(r.get("eval_s", 0.0) for r in rows) + round_cost_s
+    phase = compute + statistics.fmean(r.get("eval_s", 0.0) for r in rows)
     return phase, compute / phase
 
 
@@ -57,13 +56,13 @@ def measured_swarm(mode: str, report: Mapping[str, Any], parameters: int, round_
                    ) -> tuple[Swarm, np.ndarray]:
     """The row's swarm as the simulation sees it, and each peer's compute share of its inner phase."""
     peers = {p: info for p, info in report["peers"].items() if info["rounds"]}
-    inputs = [peer_inputs(info["rounds"], round_cost_s) for info in peers.values()]
+    inputs = [peer_inputs(info["rounds"]) for info in peers.values()]
     upload = np.array([info["rate_mbit"] for info in peers.values()], dtype=float) * TBF_GOODPUT_PER_RATE
     dense = float(parameters * FP32_BYTES_PER_PARAM)
     sent = exchange_bytes(peers) if mode in ("swarm", "gasloc") else None
     payload = sent if sent is not None else dense
     swarm = Swarm(upload, np.full(len(peers), LINK_CAP_MBIT), np.array([phase for phase, _ in inputs]), payload,
-                  EXCHANGE_FIXED_S, 0.0, LINK_EFFICIENCY, payload, SIMULATED[mode][1])
+                  EXCHANGE_FIXED_S, 0.0, LINK_EFFICIENCY, payload, SIMULATED[mode][1], round_cost_s=round_cost_s)
     return swarm, np.array([share for _, share in inputs])
 
 
