@@ -120,9 +120,9 @@ def describe_exchange_constants(settings: dict[str, Any]) -> str:
     what_if = (" What-if: gossip exchanges stream both directions at once (--duplex; p2ptrain's push-pull sends them "
                "one after the other)." if settings.get("duplex") else "")
     cost = settings.get("round_cost_s", 0.0)
-    cost_origin = "the default, fitted by benchmarks/swarm_scale.py to its 8-peer gossip rows" if (
-        cost == model.ROUND_COST_S) else f"set on the command line; the default {model.ROUND_COST_S:g} s is fitted " \
-        "by benchmarks/swarm_scale.py"
+    fitted = "fitted by benchmarks/swarm_scale.py to its 8-peer gossip rows"
+    cost_origin = f"the default, {fitted}" if cost == model.ROUND_COST_S else \
+        f"set on the command line; the default, {model.ROUND_COST_S:g} s, is {fitted}"
     return (f"Exchange model: fixed cost {used[0]:g} s per exchange, link efficiency {used[1]:g} ({origin}).{what_if} "
             f"Each round also costs the client {cost:g} s before its inner phase, no compute ({cost_origin}).")
 

@@ -273,9 +273,10 @@ def check_loss_fell(record: RunRecord) -> CheckResult:
         joiner = len(losses) < 2 * LOSS_WINDOW_ROUNDS and any(row.get("joined") for row in record.rows[peer])
         if joiner and losses:
             first, last = start, statistics.median(losses[-LOSS_WINDOW_ROUNDS:])
+        elif k:
+            first, last = statistics.median(losses[:k]), statistics.median(losses[-k:])
         else:
-            first, last = (statistics.median(losses[:k]), statistics.median(losses[-k:])) if k else (math.nan,
-                                                                                                     math.nan)
+            first = last = math.nan
         if not last < first:
             bad.append(peer)
         if losses:
