@@ -95,3 +95,12 @@ def test_every_outbound_only_member_gets_rounds_in_the_group() -> None:
 def test_records_refuse_malformed_reachability(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         PeerRecord.parse_obj(dict(record("QmA").dict(), **fields))
+
+
+def test_a_peer_nobody_opens_to_directly_opens_twice_its_share_of_exchanges() -> None:
+    """Others draw relayed peers only once every direct one is used up (`pools`), so a NATed peer answers almost
+    no exchanges; it opens its own share and the one it is not drawn for (the draws of a 32-peer netns swarm)."""
+    assert routes_of(PUBLIC_A).partners_to_open(1) == 1
+    assert routes_of(NAT_C).partners_to_open(1) == 2
+    assert routes_of(OUT_E).partners_to_open(2) == 4
+    assert Routes("QmNew").partners_to_open(1) == 1  # before our self-test: taken as direct

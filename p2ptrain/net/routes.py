@@ -99,6 +99,14 @@ class Routes:
         relayed = [p for p in peers if p not in direct and self.reachable(self.own_id, p)]
         return [pool for pool in (direct, relayed) if pool]
 
+    def partners_to_open(self, share: int) -> int:
+        """How many gossip partners we open exchanges with in a round where each peer's share is `share`: twice it
+        when nobody can open a stream to us directly. Others draw such a peer only once every peer they reach
+        directly is used up (`pools`), so it would answer almost no exchanges, and mix about half as often as a
+        public peer (a 32-peer netns swarm: 2.1 values a round, its own included, against 3.2); opening its own
+        share and the one it is not drawn for, it mixes as often, with no stream through a relay."""
+        return share if self.own.dialable else 2 * share
+
     def best_first(self, records: Sequence[PeerRecord]) -> list[PeerRecord]:
         """The `records` of peers we can open streams to, in their order, those we reach directly first (donors and
         witnesses of a state: a relay passes them only when nobody else can serve)."""

@@ -358,7 +358,8 @@ class ParamGossip:
         skipped, banned ones never asked; those not yet in our round (Mix1) are asked again (`retry_delay_s`) for
         up to `patience_s` seconds, or until `give_up_at` is moved. Peers too slow to wait for (`links`: announced
         speeds) and peers nobody can reach start exchanges with us instead; peers behind relays are drawn once direct
-        ones are used up (`Routes.pools`).
+        ones are used up (`Routes.pools`), and draw twice `gossip_peers` partners themselves
+        (`Routes.partners_to_open`).
         A value that is not finite is not mixed (nor sent): it comes back unchanged, with a warning. τ's yardstick
         is taken now, not when the coroutine runs: an overlapped mix runs after the round loop moved the base on."""
         with self.lock:
@@ -370,7 +371,7 @@ class ParamGossip:
         if not all_finite(value):
             logger.warning(f"round {round_}: our value is not finite; not mixing it this round")
             return [v.clone() for v in value], RoundSync(group_size=1)
-        k = self.config.gossip_peers
+        k = self.routes.partners_to_open(self.config.gossip_peers)
         offer = self._offer = ParamOffer(self, round_, value, k)
         stats = RoundSync(group_size=1)
         await self.driver.open_in_turn(offer, self._eligible(live_peers, links, round_), patience_s, stats, self.rng)
