@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.maths.pacing import ThroughputEMA, inner_steps_for_link
+from p2ptrain.maths.pacing import LinkSpeeds, ThroughputEMA, inner_steps_for_link
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
@@ -152,3 +152,29 @@ def test_one_slow_partner_does_not_make_a_peer_believe_its_own_link_slow() -> No
     slow_first.announced = {"fast": 10e6}
     assert slow_first.own_link_bytes_per_s() == pytest.approx(0.25e6)
     assert first_partner_slow.partners_worth_waiting_for(["slow", "fast"], {"slow": 0.25e6, "fast": 10e6}) == ["fast"]
+
+
+def test_time_outs_with_two_different_partners_bound_our_own_link_for_partners_not_measured() -> None:
+    """A slow uplink whose every exchange went to a partner never measured got the prior's deadline each time and
+    timed out forever (a 1.7 Mbit/s peer of swarm32: all 25 exchanges). Two time-outs in a row with different
+    partners bound what we assume of unmeasured links; one does not (the partner may be gone); a completed
+    exchange raises it again to what it measured, and measured links keep their own speed."""
+    links = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    links.completed_("measured", 2_000_000, 0.5)  # 4 MB/s: above the prior, so unmeasured links stay at the prior
+    assert links.unmeasured_bytes_per_s == 2.5e6
+    links.timed_out_("a", 500_000, 5.0, bounds_link=False)
+    assert links.estimate_bytes_per_s("new") == 2.5e6  # one time-out: no bound
+    assert links.deadline_s("new", 500_000, 4.0) == 5.0  # the set-up floor
+    links.timed_out_("a", 500_000, 5.0, bounds_link=False)  # the same partner again: still one partner
+    assert links.estimate_bytes_per_s("new") == 2.5e6
+    links.timed_out_("b", 500_000, 5.0, bounds_link=False)
+    assert links.estimate_bytes_per_s("new") == pytest.approx(100_000)  # 500 kB in 5 s at most
+    assert links.deadline_s("new", 500_000, 4.0) == pytest.approx(20.0)  # the next exchange gets 4× the floor
+    assert links.estimate_bytes_per_s("a") == pytest.approx(100_000)  # tried, never completed: bounded too
+    assert links.estimate_bytes_per_s("measured") == pytest.approx(4e6)  # a measured link keeps its speed
+    links.completed_("new", 500_000, 2.5)  # 200 kB/s: our link is at least that fast
+    assert links.unmeasured_bytes_per_s == pytest.approx(200_000)
+    assert links.timed_out_with == set()
+    links.timed_out_("c", 500_000, 5.0, bounds_link=True)  # a bound on that link alone, no new streak yet
+    assert links.estimate_bytes_per_s("c") == pytest.approx(100_000)
+    assert links.estimate_bytes_per_s("d") == pytest.approx(200_000)

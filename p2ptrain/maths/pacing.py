@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
 
 OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
+# exchanges we opened that timed out with this many different partners in a row, none completed between: the end
+# those links share, ours, is taken for the slow one (`LinkSpeeds.timed_out_`)
+OWN_LINK_TIMEOUT_PARTNERS = 2
 
 
 class ThroughputEMA:
@@ -65,6 +68,10 @@ class LinkSpeeds:
     def __init__(self, prior_bytes_per_s: float = PRIOR_BYTES_PER_S) -> None:
         self.prior_bytes_per_s = prior_bytes_per_s
         self.by_partner: dict[str, ThroughputEMA] = {}
+        # what a link no exchange has completed on is taken to carry: the prior, or less once time-outs with
+        # several partners bounded our own link (`timed_out_`); raised again by what completed exchanges measure
+        self.unmeasured_bytes_per_s = prior_bytes_per_s
+        self.timed_out_with: set[str] = set()  # partners of the time-outs in a row since our last completed exchange
 
     def to(self, partner: str) -> ThroughputEMA:
         """The link to `partner`, created at the prior if it was never used."""
@@ -72,7 +79,32 @@ class LinkSpeeds:
 
     def estimate_bytes_per_s(self, partner: str) -> float:
         link = self.by_partner.get(partner)
-        return link.bytes_per_s if link is not None else self.prior_bytes_per_s
+        if link is not None and link.num_completed:
+            return link.bytes_per_s
+        return min(link.bytes_per_s if link is not None else self.prior_bytes_per_s, self.unmeasured_bytes_per_s)
+
+    def completed_(self, partner: str, exchange_bytes: int, elapsed_s: float) -> None:
+        """An exchange with `partner` moved `exchange_bytes` (both directions) in `elapsed_s`: that link's speed,
+        and a floor under ours (an exchange runs at its slower end's speed) for links not measured yet."""
+        link = self.to(partner)
+        link.update_(exchange_bytes, elapsed_s)
+        if link.num_completed:
+            self.timed_out_with.clear()
+            self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s,
+                                              max(self.unmeasured_bytes_per_s, link.bytes_per_s))
+
+    def timed_out_(self, partner: str, exchange_bytes: int, deadline_s: float, bounds_link: bool) -> None:
+        """An exchange with `partner` moving `exchange_bytes` missed its `deadline_s`. `bounds_link`: the link
+        to it is taken to be at most that fast (a caller may not take one time-out for that: the partner may be
+        gone). Time-outs with OWN_LINK_TIMEOUT_PARTNERS different partners in a row are: our own link is what
+        they share, and a slow uplink whose every exchange with a partner never measured got the prior's deadline
+        (the set-up floor) would otherwise time out forever (a 1.7 Mbit/s peer of a 32-peer swarm: all 25 of
+        its exchanges, each with a partner it had not tried)."""
+        if bounds_link:
+            self.to(partner).update_timeout_(exchange_bytes, deadline_s)
+        self.timed_out_with.add(partner)
+        if len(self.timed_out_with) >= OWN_LINK_TIMEOUT_PARTNERS and exchange_bytes > 0 and deadline_s > 0:
+            self.unmeasured_bytes_per_s = min(self.unmeasured_bytes_per_s, exchange_bytes / deadline_s)
 
     def deadline_s(self, partner: str, exchange_bytes: int, safety_factor: float) -> float:
         """How long an exchange moving `exchange_bytes` (both directions) with `partner` may take."""
@@ -119,4 +151,3 @@ def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: f
         return h_max
     steps = math.ceil(round_time_s / step_time_s) - math.ceil(comm_time_s / step_time_s)
     return max(h_min, min(h_max, steps))
-

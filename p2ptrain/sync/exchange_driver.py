@@ -469,7 +469,6 @@ class ExchangeDriver:
             rnd.release_(partner, outgoing=True)
             return Refusal.NO_VALUE
         nbytes, hold_s = payload_bytes(ours), max(0.0, rnd.slots.hold_until - time.monotonic())
-        link = self.links.to(partner)
         deadline_s = min(self.config.allreduce_timeout_s,
                          self.links.deadline_s(partner, 2 * nbytes, self.config.exchange_safety_factor))
         header = {"run_id": self.run_id, "fingerprint": self.fingerprint, "kind": self.kind, "round": rnd.round,
@@ -506,14 +505,14 @@ class ExchangeDriver:
             # a missing ack after both payloads crossed (UnconfirmedMix) says nothing of the link's speed; taken for
             # a bound, one lost ack made two fast peers look slow to each other for good (neither asked again)
             timed_out = getattr(e, "timed_out", isinstance(e, (asyncio.TimeoutError, TimeoutError)))
-            if timed_out and slow_if_timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
-                link.update_timeout_(2 * nbytes, deadline_s)
+            if timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
+                self.links.timed_out_(partner, 2 * nbytes, deadline_s, bounds_link=slow_if_timed_out)
             return Outcome.FAILED
         finally:
             rnd.release_(partner, outgoing=True)
         measured_s = transfer_s(outcome.partner_header, outcome.seconds)
         if rnd.measures_link and measured_s is not None and outcome.confirmed:
-            link.update_(outcome.bytes_sent + outcome.bytes_received, measured_s)
+            self.links.completed_(partner, outcome.bytes_sent + outcome.bytes_received, measured_s)
         stats.add_exchange_(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
         return Outcome.OK
