@@ -22,10 +22,11 @@ from p2ptrain.net.admission import (
     load_signing_key,
     sign_ticket,
 )
+from p2ptrain.net.discovery import PeerRecord
 from p2ptrain.net.exchange import ExchangeRefused, push_pull, serve_exchanges
 from p2ptrain.net.presence import PresenceAgent
 from p2ptrain.net.relay import NAMESPACE, ByteBudget, RelayEntry, RelayLimits, RelayServer, open_relayed, take_slot
-from p2ptrain.net.routes import RELAYED, Presence, Route, Routes
+from p2ptrain.net.routes import DIRECT, RELAYED, Presence, Route, Routes
 from p2ptrain.net.state_sharing import SnapshotExpectation, StateServer, StateSnapshot, download_state
 from p2ptrain.net.wire import WireError, decode_metadata, encode_metadata
 from p2ptrain.sync.config import SyncConfig
@@ -292,6 +293,43 @@ def test_a_relayed_peer_moves_on_once_its_connection_to_the_relay_is_gone_not_at
             assert time.monotonic() - gone_at < 5.0 and entry.relays == set()
         finally:
             await shut(initiator, target)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
+def test_a_peer_on_an_initial_peers_relay_moves_to_one_the_swarm_announces_at_its_next_renewal() -> None:
+    """Before a peer has read the swarm's records, the only relay it knows is an initial peer's (the bootstrap): in
+    a 32-peer netns swarm all 8 NATed peers held the bootstrap's for the whole run, beside every joiner's DHT. It
+    keeps that slot while the swarm announces no relay, and gives it up at its next renewal once one does."""
+    async def scenario() -> None:
+        bootstrap, target, volunteer, _, entry = await three_nodes(RelayLimits(lease_s=3.0))
+        volunteer_relay = RelayServer(volunteer, NAMESPACE, RelayLimits(lease_s=3.0))
+        await volunteer_relay.add_p2p_handlers(volunteer, namespace=NAMESPACE)
+        bootstrap_id, target_id, volunteer_id = (n.peer_id.to_base58() for n in (bootstrap, target, volunteer))
+        routes = Routes(target_id, NAMESPACE)
+        try:
+            agent = PresenceAgent(target, routes, entry, "dial-back", helpers=list,
+                                  relays=lambda: [*routes.relays(), bootstrap_id], publish=lambda **_: None,
+                                  use_relays=True, retry_s=1.0)
+            assert (await agent._take_any_slot())[0] == bootstrap_id  # the swarm announces none yet
+            holding = asyncio.create_task(agent._hold(bootstrap_id, 3.0))
+            await asyncio.sleep(2.5)  # one renewal (at 1 s) and more: still on the bootstrap
+            assert not holding.done()
+            routes.update_([PeerRecord(peer_id=volunteer_id, round=0, inner_step=0, phase="inner", round_eta=0.0,
+                                       reach=DIRECT, relay=True)])
+            await asyncio.wait_for(holding, timeout=3.0)  # the next renewal gives the fallback up
+            assert (await agent._take_any_slot())[0] == volunteer_id and entry.relays == {volunteer_id}
+            assert target_id in volunteer_relay.clients
+            # a relay taken from the swarm's is kept while it answers, whatever one read of the records says (in a
+            # 32-peer run NATed peers flipped between the two volunteer relays when one's record missed a read)
+            routes.update_([PeerRecord(peer_id="QmOtherRelay", round=0, inner_step=0, phase="inner", round_eta=0.0,
+                                       reach=DIRECT, relay=True)])
+            holding = asyncio.create_task(agent._hold(volunteer_id, 3.0))
+            await asyncio.sleep(2.5)
+            assert not holding.done()
+            holding.cancel()
+        finally:
+            await shut(volunteer, target, bootstrap)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=90))
 

@@ -47,8 +47,9 @@ class NodeServices:
             others = [p for p in self.routes.known if p not in first]
             return [p for p in first if p != own] + random.sample(others, len(others))
 
-        def relays() -> list[str]:
-            return [p for p in dict.fromkeys(first + self.routes.relays()) if p != own]
+        def relays() -> list[str]:  # the swarm's in a random order (no one relay for all), then initial peers
+            swarm = [p for p in self.routes.relays() if p not in first and p != own]
+            return random.sample(swarm, len(swarm)) + [p for p in first if p != own]
 
         self.presence = PresenceAgent(p2p, self.routes, self.entry, reachability.NAMESPACE, helpers, relays, publish,
                                       config.use_relays, retry_s=reachability_retry_s(config.heartbeat_s))
