@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -576,3 +577,50 @@ def test_a_failed_run_shows_each_peers_last_warnings_and_a_passed_one_does_not(t
     assert "round 3" not in line and "peer1" not in line
     assert verdict_line(True, record) == "testnet: every check passed"
 
+
+
+class _ListedHosts:
+    """A backend that runs nothing: every host is up, at 10.0.0.<its number>."""
+
+    kind, poll_s = "fake", 0.1
+
+    def __init__(self) -> None:
+        self.started: dict[str, list[str]] = {}
+
+    def start(self, host: str, command: str, args: list[str], log: Path) -> int:
+        self.started[host] = args
+        return 1000 + len(self.started)
+
+    def refresh(self) -> None:
+        pass
+
+    def exit_code(self, host: str) -> int | None:
+        return None
+
+    def address(self, host: str) -> str:
+        return f"10.0.0.{int(host.removeprefix('peer'))}"
+
+
+def test_a_peer_started_mid_run_joins_through_the_bootstrap_and_two_running_public_peers(tmp_path: Path) -> None:
+    """As a volunteer may copy any running peer's printed command: through the bootstrap alone, a joiner of the
+    32-peer swarm got no answer for 120 s. Peers behind NAT, adversaries and peers not yet training are no entry."""
+    from p2ptrain.testnet.engine import Fleet
+
+    scenario = load_scenario(write_scenario(tmp_path, "peers: 5\nduration_s: 60\nnat: [peer1]\n"))
+    plan = dataclasses.replace(plan_run(scenario), adversaries={"peer2": "sign_flip"})
+    hosts = _ListedHosts()
+    fleet = Fleet(hosts, tmp_path, plan, [], num_shards=5)  # type: ignore[arg-type]
+    fleet.bootstrap_maddr = "/ip4/10.0.0.99/tcp/31337/p2p/QmBoot"
+    for peer in plan.initial_peers:
+        fleet.start_peer(peer, resume=False)
+    assert fleet.entry_points("peer5") == [fleet.bootstrap_maddr]  # nobody trains yet: the bootstrap alone
+    for peer in plan.initial_peers:
+        fleet.rows[peer] = [{"time": time.time() + 1, "peer_id": f"Qm{peer}", "round": 0}]
+    entry = fleet.entry_points("peer5")
+    assert entry[0] == fleet.bootstrap_maddr and len(entry) == 3
+    public = {f"/ip4/10.0.0.{i}/tcp/31337/p2p/Qmpeer{i}" for i in (0, 3, 4)}
+    assert set(entry[1:]) <= public and len(set(entry[1:])) == 2
+    fleet.start_peer("peer5", resume=False)
+    args = hosts.started["peer5"]
+    given = [args[i + 1] for i, a in enumerate(args) if a == "--initial-peers"]  # the flag once per address
+    assert given[0] == fleet.bootstrap_maddr and len(given) == 3 and set(given[1:]) <= public
