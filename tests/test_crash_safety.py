@@ -150,6 +150,7 @@ class FlakyNode:
     fails = 1
     takes_s = 0.0  # how long a failed start takes
     error = f"DHTNode bootstrap failed: {dht_module.UNANSWERED_PINGS}. (set ensure_bootstrap_success=False to ignore)"
+    raises: type[Exception] = RuntimeError
 
     def __init__(self, **_kwargs: object):
         self.killed = False
@@ -159,10 +160,11 @@ class FlakyNode:
         assert timeout > 0
         if len(FlakyNode.started) <= FlakyNode.fails:
             time.sleep(FlakyNode.takes_s)
-            raise RuntimeError(FlakyNode.error)
+            raise FlakyNode.raises(FlakyNode.error)
 
 
 UNCONNECTED = f"Daemon failed to start: 2026/11/30 11:29:42 {dht_module.UNCONNECTED_INITIAL_PEERS}"
+NO_SOCKET = "[Errno 2] No such file or directory"
 
 
 @pytest.mark.parametrize("fails, error, takes_s, joins", [
@@ -171,10 +173,14 @@ UNCONNECTED = f"Daemon failed to start: 2026/11/30 11:29:42 {dht_module.UNCONNEC
     (1, UNCONNECTED, 0.06, True),  # p2pd took no connection within a dial: busy (or cut), so again
     (1, UNCONNECTED, 0.0, False),  # refused at once: nothing listens there
     (1, "p2pd exited", 0.0, False),  # anything else fails at once
+    # p2pd gone after a dial's time, its socket with it (a 32-peer netns joiner through 3 busy initial peers)
+    (1, NO_SOCKET, 0.06, True),
+    (1, NO_SOCKET, 0.0, False),
 ])
 def test_a_join_whose_pings_went_unanswered_starts_again_within_the_join_timeout(
         fails: int, error: str, takes_s: float, joins: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     FlakyNode.started, FlakyNode.fails, FlakyNode.takes_s = [], fails, takes_s
+    monkeypatch.setattr(FlakyNode, "raises", FileNotFoundError if error == NO_SOCKET else RuntimeError)
     monkeypatch.setattr(dht_module, "DIAL_S", 0.05)
     monkeypatch.setattr(FlakyNode, "error", error)
     monkeypatch.setattr(dht_module, "SwarmDHT", FlakyNode)

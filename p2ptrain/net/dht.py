@@ -192,7 +192,8 @@ def _launch(config: NetworkConfig, initial_peers: list[str], identity_path: str,
     def busy(error: Exception, tried_s: float) -> bool:
         """Whether to join again after `error`, which took `tried_s`: busy initial peers and time for two more
         tries (after a pause: an error at once must not spin up daemons)."""
-        silent = UNCONNECTED_INITIAL_PEERS in str(error) and tried_s >= DIAL_S
+        # p2pd that gave up on the initial peers exits, taking its socket with it (FileNotFoundError on the way up)
+        silent = (UNCONNECTED_INITIAL_PEERS in str(error) or isinstance(error, FileNotFoundError)) and tried_s >= DIAL_S
         if not (UNANSWERED_PINGS in str(error) or silent) or time.monotonic() + 2 * config.dht_request_timeout_s \
                 >= deadline:
             return False
