@@ -53,6 +53,7 @@ LOCAL_KEYS = frozenset({
     "data.batch_size", "inner.micro_batches", "inner.activation_checkpointing",
     "inner.precision", "inner.fp16_initial_scale", "outer.state_device", "sync.allreduce_timeout_s",
     "sync.exchange_safety_factor", "sync.state_download_timeout_s", "sync.adapt_inner_steps",
+    "sync.keep_pace",
 })
 # settings whose value may name a file on this machine: taken from a manifest only when the volunteer names it too
 PATH_KEYS = {"data.dataset": "--dataset", "model.name": "--model", "data.tokenizer": "data.tokenizer in --config"}

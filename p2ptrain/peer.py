@@ -35,7 +35,7 @@ from p2ptrain.manifest import RunManifest
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer, PhaseResult
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
-from p2ptrain.maths.pacing import inner_steps_for_link
+from p2ptrain.maths.pacing import inner_steps_for_link, inner_steps_for_pace, swarm_step_s
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.admission import Admission
@@ -43,6 +43,7 @@ from p2ptrain.net.data_claims import ClaimedPieces
 from p2ptrain.net.dht import start_dht
 from p2ptrain.net.discovery import (
     BLOCKING_PUBLISH_HEARTBEATS,
+    MAX_STEP_S,
     MAX_TOKENS,
     PROTOCOL_VERSION,
     Announcer,
@@ -122,6 +123,8 @@ class TrainingPeer:
         # not run again at the end, alone: the others have stopped by then, and the swarm's last states would differ)
         self.end_round: int | None = None
         self.step_time_s = math.nan  # measured seconds per inner step (EMA)
+        self.swarm_step_s = math.nan  # the swarm's pace: the median step time others announce (`sync.keep_pace`)
+        self.paced_steps = self.config.inner.steps  # H, or fewer to keep the swarm's pace (`_pace`, each round)
         self.blocked_s = math.nan  # measured seconds per round that training waited on the network (EMA)
         self.expected_blocking_s = math.nan  # the sync's own forecast of that, from its link speeds (if it has one)
         self.swarm_blocking_s = 0.0  # that forecast for the fastest link in the swarm
@@ -333,6 +336,7 @@ class TrainingPeer:
 
     def _open_round(self, view: SwarmView) -> None:
         """Publish the round's start (our snapshot and record); the sync may start its background work."""
+        self._pace(view)
         self._publish_round_start()
         self.sync.start_round(self._context(view, inner_steps=0))
 
@@ -410,6 +414,7 @@ class TrainingPeer:
         self.announcer.update(val_loss=self.val_loss, tokens_per_s=metrics.tokens_per_s, synced=self.state.synced,
                               bandwidth_bps=8 * result.link_bytes_per_s, banned=len(metrics.banned_peers),
                               bytes_sent=bytes_sent, bytes_received=bytes_received, tokens=self.tokens_trained,
+                              step_s=min(self.step_time_s, MAX_STEP_S) if math.isfinite(self.step_time_s) else 0.0,
                               vouched=self.contributions.vouches())
         return metrics
 
@@ -435,10 +440,11 @@ class TrainingPeer:
                             full_steps=self._inner_steps(), tokens=tokens)
 
     def _inner_steps(self) -> int:
-        """H, or fewer on a slow link when `sync.adapt_inner_steps` is on (GASLoC's pacing rule). The target round is
-        that of a peer on the swarm's fastest link running all H steps, so a fast peer keeps H and a slower one gives
-        up the steps its extra communication time would take."""
-        steps = self.config.inner.steps
+        """H, or fewer when our steps are slower than the swarm's (`sync.keep_pace`, gossip modes) or our link is
+        (`sync.adapt_inner_steps`: GASLoC's pacing rule). The target round is that of a peer on the swarm's fastest
+        link running all H steps at the swarm's pace, so a fast peer keeps H and a slower one gives up the steps its
+        slower compute, or its extra communication time, would take."""
+        steps = self.paced_steps
         if math.isnan(self.expected_blocking_s):  # no link forecast (all-reduce modes): what blocking measured
             comm_s, base_s = self.blocked_s, 0.0
         else:
@@ -447,6 +453,20 @@ class TrainingPeer:
             return steps
         return inner_steps_for_link(steps * self.step_time_s + base_s, self.step_time_s, comm_s,
                                     self.config.inner.min_steps, steps)
+
+    def _pace(self, view: SwarmView) -> None:
+        """The round's H at the swarm's pace (`sync.keep_pace`, gossip modes), from the step times in `view`; one
+        line when it changes, so that a volunteer sees why its peer runs fewer steps."""
+        if not self.config.sync.keep_pace or self.sync.aligned_rounds:
+            return
+        pace = swarm_step_s([r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)])
+        self.swarm_step_s = pace if not math.isnan(pace) else self.swarm_step_s  # a read that found few: as it was
+        steps = inner_steps_for_pace(self.config.inner.steps, self.step_time_s, self.swarm_step_s,
+                                     self.config.inner.min_steps)
+        if steps != self.paced_steps:
+            logger.info(f"round {self.state.round}: {steps} of {self.config.inner.steps} inner steps to keep the "
+                        f"swarm's pace (ours {self.step_time_s:.3g} s a step, the swarm's {self.swarm_step_s:.3g} s)")
+        self.paced_steps = steps
 
     def _on_inner_step(self, bar: ProgressBar, round_: int, step: int, loss: float, peers: int) -> None:
         self.announcer.update(inner_step=step, train_loss=loss)
@@ -457,7 +477,7 @@ class TrainingPeer:
 
     def _publish_round_start(self) -> None:
         """Snapshot our state for joiners and announce this round with the time we expect to finish it."""
-        eta = get_dht_time() + self.config.inner.steps * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
+        eta = get_dht_time() + self._inner_steps() * self.step_time_s if not math.isnan(self.step_time_s) else 0.0
         round_ = self.conduct.announced_round(self.state.round)
         self._snapshot = StateSnapshot.capture(dict(round=round_, fingerprint=self.fingerprint,
                                                     run_id=self.config.run.run_id),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 import uuid
 from collections.abc import Sequence
 
 import pytest
 import torch
-from swarm_utils import run_swarm, tiny_config
+from swarm_utils import run_peers, run_swarm, start_peer, tiny_config
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
@@ -172,3 +173,29 @@ def test_an_overlapped_gasloc_swarm_trains_and_its_peers_agree():
     spread = max(distance(a, b) for a in finals for b in finals)
     print(f"peers {spread:.4g} apart when the first ended, each moved at least {travelled:.4g}")
     assert spread < 0.5 * travelled, (spread, travelled)
+
+
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_peer_slower_to_compute_keeps_the_swarms_pace_with_fewer_steps():
+    """`sync.keep_pace`: one of 4 GASLoC peers takes 0.3 s more a step (a slower GPU); once the others' records
+    carry their step times it runs half its H (the most it gives up), the others all of it. On 2 cores with 32
+    peers, peers 2-3× slower ran half the rounds and drifted from the swarm's mean."""
+    config = tiny_config(f"pace-{uuid.uuid4().hex[:6]}", run={"rounds": 6, "min_peers": 4},
+                         inner={"steps": 10, "warmup_steps": 2, "lr": 3e-3}, sync={"mode": "gasloc"})
+    first = start_peer(config)
+    peers = [first] + [start_peer(config, first.maddrs) for _ in range(3)]
+    slow = peers[-1]
+    on_step = slow._on_inner_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.3)
+        on_step(*args, **kwargs)
+
+    slow._on_inner_step = slow_step  # type: ignore[method-assign]
+    _threads, histories = run_peers(peers, timeout_s=240)
+    slow_steps = [m.inner_steps for m in histories[-1]]
+    assert slow_steps[0] == 10 and slow_steps[-3:] == [5, 5, 5], slow_steps  # the pace is known after a round
+    for history in histories[:-1]:
+        assert [m.inner_steps for m in history].count(10) >= len(history) - 1, [m.inner_steps for m in history]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from p2ptrain.maths.pacing import LinkSpeeds, ThroughputEMA, inner_steps_for_link
+from p2ptrain.maths.pacing import LinkSpeeds, ThroughputEMA, inner_steps_for_link, inner_steps_for_pace, swarm_step_s
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
@@ -178,3 +180,24 @@ def test_time_outs_with_two_different_partners_bound_our_own_link_for_partners_n
     links.timed_out_("c", 500_000, 5.0, bounds_link=True)  # a bound on that link alone, no new streak yet
     assert links.estimate_bytes_per_s("c") == pytest.approx(100_000)
     assert links.estimate_bytes_per_s("d") == pytest.approx(200_000)
+
+
+def test_a_peer_slower_to_compute_than_the_swarm_takes_fewer_steps_down_to_half() -> None:
+    """The round-time rule for compute: the target round is H steps at the swarm's pace (the median of the step
+    times others announce). Within PACE_SLACK of it, or faster, or with the pace unknown, a peer keeps H; at most
+    half is given up, whatever identities claim; never below H_min."""
+    assert swarm_step_s([0.5, 0.6, 0.7]) == 0.6
+    assert math.isnan(swarm_step_s([0.5, 0.6]))  # too few to know the swarm's pace
+    assert math.isnan(swarm_step_s([0.5, 0.0, math.inf, math.nan]))  # unknown, and what is no step time
+    assert swarm_step_s([0.5, 0.5, 0.5, 1e-9, 1e-9]) == 0.5  # two liars move a median of five little
+    assert inner_steps_for_pace(20, own_step_s=0.5, swarm_step_s=0.5, h_min=1) == 20
+    assert inner_steps_for_pace(20, own_step_s=0.74, swarm_step_s=0.5, h_min=1) == 20  # within the slack
+    assert inner_steps_for_pace(20, own_step_s=0.25, swarm_step_s=0.5, h_min=1) == 20  # faster: all of H
+    assert inner_steps_for_pace(20, own_step_s=0.8, swarm_step_s=0.5, h_min=1) == 12  # floor(20 × 0.5 / 0.8)
+    assert inner_steps_for_pace(20, own_step_s=0.76, swarm_step_s=0.5, h_min=1) == 13
+    assert inner_steps_for_pace(20, own_step_s=1.5, swarm_step_s=0.5, h_min=1) == 10  # 3× slower: half at most
+    assert inner_steps_for_pace(20, own_step_s=1.5, swarm_step_s=1e-12, h_min=1) == 10  # claims of infinite speed
+    assert inner_steps_for_pace(20, own_step_s=1.5, swarm_step_s=0.5, h_min=14) == 14
+    assert inner_steps_for_pace(20, own_step_s=1.5, swarm_step_s=math.nan, h_min=1) == 20  # pace unknown
+    assert inner_steps_for_pace(20, own_step_s=math.nan, swarm_step_s=0.5, h_min=1) == 20  # own time unknown
+    assert inner_steps_for_pace(1, own_step_s=1.5, swarm_step_s=0.5, h_min=1) == 1

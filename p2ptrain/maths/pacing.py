@@ -1,4 +1,4 @@
-"""Heterogeneous bandwidth: measured link throughput, inner steps per round, and each link's exchange deadline.
+"""Heterogeneous links and compute: measured link throughput, inner steps per round, each link's exchange deadline.
 
 Deadlines follow from the payload size and the measured link speed (timing.exchange_deadline_s):
 a slow peer takes fewer inner steps so its round (compute + its own transfers) ends with the others'.
@@ -7,10 +7,18 @@ a slow peer takes fewer inner steps so its round (compute + its own transfers) e
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 
 from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
 
+# Compute pacing (`inner_steps_for_pace`): a peer cuts its steps only when its steps take more than this × the
+# swarm's median (equal peers sharing 2 cores measured 1.2-1.3 × it now and then, and flipped between 15 and 20 of
+# 20 steps at a slack of 1.2) ...
+PACE_SLACK = 1.5
+# ... and gives up at most this fraction of them: identities that claim fast steps cost an honest peer at most half
+PACE_MAX_CUT = 0.5
+PACE_MIN_PEERS = 3  # others' step times needed before the swarm's pace is taken as known
 OWN_LINK_MIN_PARTNERS = 2  # own link speed: trust measurements once they span this many partners
 # exchanges we opened that timed out with this many different partners in a row, none completed between: the end
 # those links share, ours, is taken for the slow one (`LinkSpeeds.timed_out_`)
@@ -151,3 +159,23 @@ def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: f
         return h_max
     steps = math.ceil(round_time_s / step_time_s) - math.ceil(comm_time_s / step_time_s)
     return max(h_min, min(h_max, steps))
+
+
+def swarm_step_s(step_times_s: Sequence[float]) -> float:
+    """The swarm's pace: the median of the step times other peers announce (finite and positive ones), NaN with
+    fewer than PACE_MIN_PEERS. A median: a few liars move it little; many identities are bounded by PACE_MAX_CUT."""
+    known = [t for t in step_times_s if t > 0.0 and math.isfinite(t)]
+    return statistics.median(known) if len(known) >= PACE_MIN_PEERS else math.nan
+
+
+def inner_steps_for_pace(steps: int, own_step_s: float, swarm_step_s: float, h_min: int) -> int:
+    """GASLoC's round-time rule (docs/algorithms.md) for compute: the target round is `steps` at the swarm's pace,
+    so a peer whose steps take longer than PACE_SLACK × the swarm's takes floor(steps × swarm / own) of them, at
+    least `h_min` and (1 − PACE_MAX_CUT) × `steps`: its rounds, and its mixes, keep the swarm's pace (on 2 cores
+    with 32 peers a few computed 2-3× slower than the rest, did half the rounds, and drifted from the swarm's
+    mean). A faster peer, or one that does not know the pace (NaN), keeps `steps`."""
+    if not (own_step_s > PACE_SLACK * swarm_step_s and swarm_step_s > 0.0) or not math.isfinite(own_step_s):
+        return steps
+    floor = max(h_min, math.ceil((1 - PACE_MAX_CUT) * steps))
+    return max(min(floor, steps), min(steps, math.floor(steps * swarm_step_s / own_step_s)))
+

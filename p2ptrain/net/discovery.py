@@ -67,6 +67,7 @@ PROTOCOL_VERSION = 3
 MAX_VOUCHES = 8  # partners a record vouches for (sync/contribution.py): the ones judged most recently
 SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer id (status shows them)
 MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
+MAX_STEP_S = 3600.0  # an inner step that takes longer is no step a swarm can pace by
 # stored values whose parse a DHT process remembers (`_parsed_record`): the records of the shards a read covers (up to
 # 3 of twice SHARD_TARGET each), with room; at most this × MAX_VALUE_BYTES (2 MiB), typically a tenth of that
 PARSED_REMEMBERED = 8 * SHARD_TARGET
@@ -84,6 +85,7 @@ class PeerRecord(BaseModel):
     train_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     val_loss: confloat(ge=0, strict=True) | None = None  # type: ignore[valid-type]
     tokens_per_s: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
+    step_s: confloat(ge=0, le=MAX_STEP_S, strict=True) = 0.0  # type: ignore[valid-type]  # s per inner step (0: unknown)
     bandwidth_bps: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]  # own link, bits/s (0: unknown)
     # model fingerprint: peers of another architecture are ignored
     fingerprint: constr(max_length=64, strict=True) = ""  # type: ignore[valid-type]

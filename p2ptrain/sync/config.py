@@ -86,6 +86,9 @@ class SyncConfig:
     error_feedback_decay: float = 1.0  # β in e ← β·e + Δ for outer gradients (1: what was not sent is sent later)
     # all modes
     adapt_inner_steps: bool = False  # a peer on a slow link takes fewer inner steps (GASLoC pacing)
+    # gossip modes (each peer's rounds its own): a peer whose steps are slower than the swarm's takes fewer of them,
+    # down to half, so its rounds keep the swarm's pace (maths/pacing.py `inner_steps_for_pace`); DiLoCo: no effect
+    keep_pace: bool = True
     state_download_timeout_s: float = TRANSFER_PATIENCE_S  # per-chunk deadline when a joiner downloads state
     # joining (joining.py): whose state a newcomer, or a peer that fell behind, may adopt (peers are untrusted)
     join_max_round_lead: int = 2  # rounds a donor may be ahead of the swarm's median round; further: suspect
