@@ -75,7 +75,6 @@ from p2ptrain.swarm_start import wait_for_peers
 from p2ptrain.sync.build import build_outer_sync
 from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.interface import HONEST, Conduct, OuterSync, RoundContext, RoundSync, round_peers, why_alone
-from p2ptrain.timing import records_read_s
 
 logger = logging.getLogger(__name__)
 MAX_TOLD_APART = 64  # peers of another protocol or model a peer tells apart by name in its log
@@ -201,8 +200,7 @@ class TrainingPeer:
         self.services.start_presence(self.p2p, self.loop, cfg.network, initial_peers,
                                      lambda **fields: self.announcer.update(publish=True, **fields))
         self.watcher = SwarmWatcher(self.dht, cfg.run.run_id, cfg.network.record_ttl_s, cfg.network.heartbeat_s,
-                                    admission=self.admission, shards=shards,
-                                    read_every_s=records_read_s(cfg.network.heartbeat_s, cfg.network.record_ttl_s))
+                                    admission=self.admission, shards=shards)
         if not self.sync.needs_current_swarm:  # all-reduce modes read the DHT themselves: no background load
             self.watcher.start()
 

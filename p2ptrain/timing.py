@@ -84,15 +84,6 @@ def relay_lease_s(heartbeat_s: float) -> float:
     return max(SETUP_FLOOR_S, 10 * heartbeat_s)
 
 
-def records_read_s(heartbeat_s: float, record_ttl_s: float) -> float:
-    """How often a gossip peer reads the swarm's records in the background: a third of a record's life (a live
-    record is read about three times before it would lapse, so one read lost costs nothing), at least a heartbeat.
-    Read every heartbeat, a key's busiest holder uploaded 0.34 MB a second at 32 peers (2.7 Mbit/s,
-    benchmarks/discovery_scale.py): more than a 1.7 Mbit/s home uplink carries, whose peer then timed out on
-    every exchange of a 32-peer netns swarm."""
-    return max(heartbeat_s, record_ttl_s / 3)
-
-
 def reachability_retry_s(heartbeat_s: float) -> float:
     """How often an unanswered reachability test is asked again, and an outbound-only peer looks for a relay:
     every five heartbeats, at least the set-up floor."""

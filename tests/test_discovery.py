@@ -28,7 +28,6 @@ from p2ptrain.net.discovery import (
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import status_document
 from p2ptrain.status_view import format_status_table
-from p2ptrain.timing import records_read_s
 
 NOW = 1000.0
 
@@ -319,22 +318,3 @@ def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog:
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and "12D3KooGpt trains another model (fingerprint ffffffffffff, ours )" in lines[2]
     assert "same model settings" in lines[2]
-
-
-def test_a_gossip_peer_reads_the_records_every_third_of_their_life_not_every_heartbeat() -> None:
-    """Read every heartbeat, a key's busiest holder uploaded 0.34 MB a second at 32 peers (2.7 Mbit/s): more than a
-    slow home uplink carries. The background reads come every `read_every_s` (`records_read_s`: ttl / 3 at the
-    defaults), the records' heartbeat stays what counts a record fresh."""
-    assert records_read_s(1.0, 8.0) == pytest.approx(8 / 3)
-    assert records_read_s(0.5, 5.0) == pytest.approx(5 / 3)
-    assert records_read_s(2.0, 3.0) == 2.0  # never more often than the records change
-    watcher = SwarmWatcher(ScriptedDHT(None), "run", ttl_s=5.0, refresh_s=0.05,  # type: ignore[arg-type]
-                           read_every_s=0.5)
-    reads: list[float] = []
-    watcher.read_ = lambda *args, **kwargs: reads.append(time.monotonic())  # type: ignore[method-assign]
-    watcher.start()
-    try:
-        time.sleep(1.2)
-    finally:
-        watcher.stop()
-    assert 1 <= len(reads) <= 4, reads  # every 0.05 s it would have read about 24 times

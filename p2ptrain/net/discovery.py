@@ -468,8 +468,7 @@ class Announcer:
 
 
 class SwarmWatcher:
-    """The run's live records, re-read from the DHT every `read_every_s` by a background thread (`refresh_s`: the
-    records' heartbeat, by default also the reads').
+    """The run's live records, re-read from the DHT every `refresh_s` by a background thread.
 
     The round loop asks for the swarm twice a round; a DHT read can take seconds on a loaded swarm, several times
     a small round's compute. `records()` answers from what the reads found instead (at
@@ -486,10 +485,8 @@ class SwarmWatcher:
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl_s: float, refresh_s: float,
-                 admission: Admission | None = None, shards: RecordShards | None = None,
-                 read_every_s: float | None = None):
+                 admission: Admission | None = None, shards: RecordShards | None = None):
         self.dht, self.run_id, self.ttl_s, self.refresh_s = dht, run_id, ttl_s, refresh_s
-        self.read_every_s = read_every_s if read_every_s is not None else refresh_s
         self.admission = admission
         self.shards = shards or RecordShards(run_id, "")
         self._known: dict[str, PeerRecord] = {}
@@ -581,7 +578,7 @@ class SwarmWatcher:
                 self.read_(self.shards.refresh_shards(), one_holder=True)
             except Exception:  # the DHT process may be shutting down; the next refresh tries again
                 logger.debug("swarm records not read", exc_info=True)
-            self._stop.wait(self.read_every_s)
+            self._stop.wait(self.refresh_s)
 
     def refill_routing_table(self) -> None:
         """Find the swarm again through the initial peers when our DHT node knows fewer than the key's holders
@@ -615,7 +612,7 @@ class SwarmWatcher:
         self._stop.set()
         if self._thread.is_alive():
             # a daemon thread: a hung read must not hold up shutdown
-            self._thread.join(timeout=self.read_every_s + BRIEF_S)
+            self._thread.join(timeout=self.refresh_s + BRIEF_S)
 
 
 @dataclasses.dataclass
