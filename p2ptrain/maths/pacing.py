@@ -176,6 +176,7 @@ def inner_steps_for_pace(steps: int, own_step_s: float, swarm_step_s: float, h_m
     mean). A faster peer, or one that does not know the pace (NaN), keeps `steps`."""
     if not (own_step_s > PACE_SLACK * swarm_step_s and swarm_step_s > 0.0) or not math.isfinite(own_step_s):
         return steps
+    # own > swarm here, so the share is under `steps`; h_min ≤ steps (InnerConfig), so the floor is too
     floor = max(h_min, math.ceil((1 - PACE_MAX_CUT) * steps))
-    return max(min(floor, steps), min(steps, math.floor(steps * swarm_step_s / own_step_s)))
+    return max(floor, math.floor(steps * swarm_step_s / own_step_s))
 
