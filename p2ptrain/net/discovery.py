@@ -69,8 +69,8 @@ SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer
 MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
 MAX_STEP_S = 3600.0  # an inner step that takes longer is no step a swarm can pace by
 # stored values whose parse a DHT process remembers (`_parsed_record`): the records of the shards a read covers (up to
-# 3 of twice SHARD_TARGET each), with room; at most this × MAX_VALUE_BYTES (2 MiB), typically a tenth of that
-PARSED_REMEMBERED = 8 * SHARD_TARGET
+# 4 of twice SHARD_TARGET each), with room; at most this × MAX_VALUE_BYTES (2 MiB), typically a tenth of that
+PARSED_REMEMBERED = 16 * SHARD_TARGET
 SIGNATURES_REMEMBERED = 4096  # records whose valid signature a process remembers (a 16-byte digest each)
 
 
