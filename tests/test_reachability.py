@@ -218,3 +218,23 @@ def test_no_initial_peer_taking_the_probes_connection_is_no_crash(monkeypatch: p
     config = NetworkConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), nat_port_map=False, auto_nat=False,
                            use_relay=False)
     assert reachability.reachable_before_joining(config, [dead]) is None
+
+
+def test_a_probe_daemon_that_exits_before_we_connect_is_no_crash(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The probe's daemon can give up on the initial peers and remove its socket before hivemind connects to it
+    (FileNotFoundError: a joiner of the 32-peer netns swarm crashed so with a traceback): nothing was asked."""
+    from p2ptrain.net import reachability
+    from p2ptrain.net.dht import NetworkConfig
+
+    async def vanishing_daemon(**_options: object) -> None:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(reachability.P2P, "create", vanishing_daemon)
+    monkeypatch.setattr(reachability, "is_loopback", lambda _maddr: False)
+    config = NetworkConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), nat_port_map=False, auto_nat=False,
+                           use_relay=False)
+    with caplog.at_level(logging.INFO, logger="p2ptrain.net.reachability"):
+        assert reachability.reachable_before_joining(
+            config, ["/ip4/127.0.0.1/tcp/1/p2p/QmcTZNACrXZmNwbM5vcvTiZ3dnJpkqnUzrAXNsVM5GCEXF"]) is None
+    assert "reachability not asked: its daemon exited" in caplog.text

@@ -148,6 +148,9 @@ async def _ask_as_a_stranger(config: NetworkConfig, initial_peers: Sequence[str]
     except P2PDaemonError as e:  # no initial peer took the daemon's connection: the DHT's join waits and says so
         logger.info(f"reachability not asked: {str(e).strip().splitlines()[-1][:200]}")
         return None
+    except FileNotFoundError:  # the same, when the daemon gave up and took its socket with it before we connected
+        logger.info("reachability not asked: its daemon exited on the way up (no initial peer took its connection)")
+        return None
     try:
         ports = [int(str(m).split("/tcp/")[1].split("/")[0]) for m in await p2p.get_visible_maddrs()
                  if "/tcp/" in str(m)]
