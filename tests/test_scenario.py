@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -631,3 +632,51 @@ def test_a_peer_started_mid_run_joins_through_the_bootstrap_and_two_running_publ
     args = hosts.started["peer5"]
     given = [args[i + 1] for i, a in enumerate(args) if a == "--initial-peers"]  # the flag once per address
     assert given[0] == fleet.bootstrap_maddr and len(given) == 3 and set(given[1:]) <= public
+
+
+class _ExitingHosts(_ListedHosts):
+    """A backend whose peers exit when a test says, and that remembers the signals sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codes: dict[str, int] = {}
+        self.signals: list[tuple[str, int]] = []
+
+    def signal(self, host: str, sig: int) -> None:
+        self.signals.append((host, sig))
+        if sig == signal.SIGKILL:
+            self.codes[host] = -signal.SIGKILL
+
+    def exit_code(self, host: str) -> int | None:
+        return self.codes.get(host)
+
+
+def test_a_leave_does_not_hold_the_next_events_and_a_peer_past_its_grace_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaving peer finishes its exchange (up to a minute) before it exits: three leaves waited for in turn held the
+    32-peer swarm's next events 34 s, and a 20 s grace killed a peer on its way out. A leave now returns at once; the
+    peer's life ends as `left` when it exits, and one still running past STOP_GRACE_S is SIGKILLed."""
+    from p2ptrain.testnet import engine
+
+    scenario = load_scenario(write_scenario(tmp_path, "peers: 3\nduration_s: 60\n"))
+    hosts = _ExitingHosts()
+    fleet = engine.Fleet(hosts, tmp_path, plan_run(scenario), [], num_shards=3)  # type: ignore[arg-type]
+    fleet.bootstrap_maddr = "/ip4/10.0.0.99/tcp/31337/p2p/QmBoot"
+    for peer in ("peer0", "peer1", "peer2"):
+        fleet.start_peer(peer, resume=False)
+        fleet.rows[peer] = [{"time": time.time() + 1, "peer_id": f"Qm{peer}", "round": 0}]
+    started = time.monotonic()
+    for peer in ("peer0", "peer1"):
+        assert engine.apply_event(fleet, Event(at_s=1, action="leave", peer=peer)) == (True, "")
+    assert time.monotonic() - started < 1.0  # nobody waited for the peers to exit
+    assert hosts.signals == [("peer0", signal.SIGTERM), ("peer1", signal.SIGTERM)]
+    assert fleet.entry_points("peer3") == [fleet.bootstrap_maddr, "/ip4/10.0.0.2/tcp/31337/p2p/Qmpeer2"]
+    hosts.codes["peer0"] = 0  # it finished its exchange, wrote its checkpoint and exited
+    fleet.poll()
+    assert [(life.peer, life.end_reason) for life in fleet.lives if life.ended] == [("peer0", "left")]
+    monkeypatch.setattr(engine.time, "monotonic", lambda: started + engine.STOP_GRACE_S + 1)
+    fleet.poll()
+    assert ("peer1", signal.SIGKILL) in hosts.signals
+    ends = {life.peer: (life.end_reason, life.exit_code) for life in fleet.lives if life.ended}
+    assert ends == {"peer0": ("left", 0), "peer1": ("killed_at_teardown", -signal.SIGKILL)}
+    assert "peer2" in fleet.current

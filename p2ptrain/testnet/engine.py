@@ -43,13 +43,16 @@ from p2ptrain.testnet.report import (
     write_report,
 )
 from p2ptrain.testnet.scenario import BOOTSTRAP, Event, Scenario, load_scenario, peer_index
-from p2ptrain.timing import LAUNCH_S
+from p2ptrain.timing import LAUNCH_S, PATIENCE_S, TRANSFER_PATIENCE_S
 
 PORT = 31337  # every host has its own network stack, so one fixed port serves all
 STATUS_PORT = 8080  # the bootstrap's status page, on its host's loopback
 # running peers a peer started mid-run joins through besides the bootstrap (`Fleet.entry_points`)
 JOIN_THROUGH_PEERS = 2
-STOP_GRACE_S = 20.0  # SIGTERM -> SIGKILL: a peer finishes the averaging it is in, then writes a checkpoint
+# SIGTERM -> SIGKILL: a peer finishes the exchange it is in (its deadline is at most sync.allreduce_timeout_s, 60 s by
+# default), writes a checkpoint and leaves the DHT. At 20 s a peer of the 32-peer swarm on a 4 Mbit/s link, whose
+# exchange had 20 s left, was killed on its way out
+STOP_GRACE_S = TRANSFER_PATIENCE_S + PATIENCE_S
 PEER_FLAGS = ("--torch-threads", "1", "--no-progress", "--device", "cpu", "--no-nat-port-map", "--no-auto-nat",
               "--no-relay")  # every peer of every backend, besides --config
 
@@ -91,6 +94,7 @@ class Fleet:
         self.current: dict[str, Life] = {}
         self.stopped: set[str] = set()  # peers now frozen
         self.asked_to_stop: dict[str, float] = {}  # peers sent SIGTERM for reaching the last round -> deadline
+        self.leaving: dict[str, float] = {}  # peers a `leave` event sent SIGTERM -> when they are SIGKILLed
         self.round_budget: dict[str, int] = {}  # the --rounds each peer's current process was given
         self.rows: dict[str, list[dict[str, Any]]] = {}
 
@@ -161,6 +165,7 @@ class Fleet:
         self.current[peer] = life
         self.rows.setdefault(peer, [])
         self.asked_to_stop.pop(peer, None)
+        self.leaving.pop(peer, None)
         return note
 
     def entry_points(self, peer: str) -> list[str]:
@@ -168,7 +173,7 @@ class Fleet:
         running peers that others can dial (not behind NAT, not adversaries), as a volunteer may copy any running
         peer's printed command. Through the bootstrap alone, a joiner of the 32-peer swarm got no answer for 120 s
         in 2 of 3 runs: the box's one bootstrap answers every peer's DHT."""
-        running = [p for p in sorted(self.current) if p != peer and p not in self.plan.homes
+        running = [p for p in sorted(self.current) if p != peer and p not in self.plan.homes and p not in self.leaving
                    and p not in self.plan.adversaries and self.running(p) and self.rows.get(p)
                    and self.rows[p][-1]["time"] >= self.current[p].started]  # its identity of this life
         chosen = random.Random(f"{self.run_id}/{peer}/{len(self.lives)}").sample(
@@ -184,6 +189,12 @@ class Fleet:
         self.hosts.signal(peer, sig)
         self.reap(peer, reason, STOP_GRACE_S)
 
+    def leave(self, peer: str) -> None:
+        """SIGTERM a peer as a volunteer's Ctrl-C does, and go on: `poll` closes its life when it exits, and SIGKILLs
+        it past STOP_GRACE_S. (Waited for here, three leaves at once held the scenario's next events 34 s.)"""
+        self.hosts.signal(peer, signal.SIGTERM)
+        self.leaving[peer] = time.monotonic() + STOP_GRACE_S
+
     def reap(self, peer: str, reason: str, grace_s: float) -> None:
         """Wait for a signalled peer to exit and close its life; past ``grace_s`` it is SIGKILLed."""
         code = wait_exit(self.hosts, peer, grace_s)
@@ -198,17 +209,22 @@ class Fleet:
         life = self.current.pop(peer)
         life.ended, life.exit_code, life.end_reason = time.time(), code, reason
         self.stopped.discard(peer)
+        self.leaving.pop(peer, None)
 
     def pause(self, peer: str, pause: bool) -> None:
         self.hosts.pause(peer, pause)
         (self.stopped.add if pause else self.stopped.discard)(peer)
 
     def poll(self) -> None:
-        """Close the lives of exited peers, reload metrics, and stop peers that are past the last round."""
+        """Close the lives of exited peers, reload metrics, SIGKILL leaving peers past their grace, and stop peers
+        that are past the last round."""
         self._reap_exited()
         for peer in self.rows:
             path = self.workdir / f"{peer}.jsonl"
             self.rows[peer] = read_metrics(path) if path.exists() else []
+        for peer, deadline in list(self.leaving.items()):
+            if peer in self.current and time.monotonic() > deadline:
+                self.reap(peer, "left", grace_s=0.0)
         if self.plan.rounds is None:
             return
         for peer, life in self.current.items():
@@ -227,7 +243,9 @@ class Fleet:
         for peer in list(self.current):
             code = self.hosts.exit_code(peer)
             if code is not None:
-                self._close_life(peer, "finished" if code == 0 else "crashed", code)
+                clean = code in (0, -signal.SIGTERM)  # -SIGTERM: stopped before its handler was installed
+                left = peer in self.leaving and clean
+                self._close_life(peer, "left" if left else "finished" if code == 0 else "crashed", code)
 
     def last_rounds(self) -> dict[str, int]:
         return {peer: rows[-1]["round"] for peer, rows in self.rows.items() if rows}
@@ -238,11 +256,13 @@ class Fleet:
     def stop_all(self) -> None:
         """Wake and SIGTERM every peer once, give them STOP_GRACE_S together to checkpoint, SIGKILL the rest."""
         peers = list(self.current)
+        signalled = {**self.asked_to_stop, **self.leaving}
         for peer in peers:
-            self.hosts.signal(peer, signal.SIGCONT if peer in self.asked_to_stop else signal.SIGTERM)  # 2nd TERM aborts
+            self.hosts.signal(peer, signal.SIGCONT if peer in signalled else signal.SIGTERM)  # 2nd TERM aborts
         deadline = time.monotonic() + STOP_GRACE_S
         for peer in peers:
-            self.reap(peer, "stopped_at_end", max(0.1, deadline - time.monotonic()))
+            reason = "left" if peer in self.leaving else "stopped_at_end"
+            self.reap(peer, reason, max(0.1, deadline - time.monotonic()))
 
 
 def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
@@ -254,8 +274,10 @@ def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
     needs_running = event.action in ("kill", "leave", "stop", "continue")
     if needs_running and not fleet.running(peer):
         return False, f"{peer} is not running"
-    if event.action in ("kill", "leave"):  # leave: SIGTERM, the peer shuts down as a volunteer's Ctrl-C does
-        fleet.end_life(peer, *(("killed",) if event.action == "kill" else ("left", signal.SIGTERM)))
+    if event.action == "kill":
+        fleet.end_life(peer, "killed")
+    elif event.action == "leave":
+        fleet.leave(peer)
     elif event.action in ("stop", "continue"):
         fleet.pause(peer, event.action == "stop")
     elif event.action == "restart":
