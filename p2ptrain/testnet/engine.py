@@ -202,8 +202,8 @@ class Fleet:
             self.hosts.signal(peer, signal.SIGKILL)
             code = wait_exit(self.hosts, peer, STOP_GRACE_S)
             reason = "killed_at_teardown"
-        clean = code in (0, -signal.SIGTERM)  # -SIGTERM: stopped before its handler was installed
-        self._close_life(peer, "crashed" if reason == "stopped_at_end" and not clean else reason, code)
+        signalled_out = reason in ("stopped_at_end", "left")  # asked to exit: an unclean exit is a crash
+        self._close_life(peer, "crashed" if signalled_out and not exited_cleanly(code) else reason, code)
 
     def _close_life(self, peer: str, reason: str, code: int | None) -> None:
         life = self.current.pop(peer)
@@ -243,8 +243,7 @@ class Fleet:
         for peer in list(self.current):
             code = self.hosts.exit_code(peer)
             if code is not None:
-                clean = code in (0, -signal.SIGTERM)  # -SIGTERM: stopped before its handler was installed
-                left = peer in self.leaving and clean
+                left = peer in self.leaving and exited_cleanly(code)
                 self._close_life(peer, "left" if left else "finished" if code == 0 else "crashed", code)
 
     def last_rounds(self) -> dict[str, int]:
@@ -263,6 +262,11 @@ class Fleet:
         for peer in peers:
             reason = "left" if peer in self.leaving else "stopped_at_end"
             self.reap(peer, reason, max(0.1, deadline - time.monotonic()))
+
+
+def exited_cleanly(code: int | None) -> bool:
+    """Exit 0, or SIGTERM's own (-15: stopped before its handler was installed)."""
+    return code in (0, -signal.SIGTERM)
 
 
 def apply_event(fleet: Fleet, event: Event) -> tuple[bool, str]:
