@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import random
 import time
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
 from p2ptrain.net import discovery
-from p2ptrain.net.dht_keys import KEY_BEAM, peers_key, shard_key
+from p2ptrain.net.dht_keys import KEY_BEAM, MAX_SHARD_LEVEL, peers_key, shard_index, shard_key
 from p2ptrain.net.discovery import (
     PROTOCOL_VERSION,
     PeerRecord,
@@ -25,6 +26,7 @@ from p2ptrain.net.discovery import (
     parse_records,
     present,
 )
+from p2ptrain.net.record_shards import LINEAGE_EVERY, RecordShards
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.status import status_document
 from p2ptrain.status_view import format_status_table
@@ -212,8 +214,40 @@ def test_a_lineage_read_waits_for_a_read_with_time_left_instead_of_timing_out(mo
         assert dht.keys == [shard_key("run", *shard) for shard in own] and watcher._lineage_due
         watcher.read_(own, timeout_s=1.0)  # 0.84 s left: the lineage keys come with it
     lineage = [shard_key("run", *shard) for shard in watcher.shards.lineage() if shard not in own]
-    assert dht.keys[2 * len(own):] == lineage and not watcher._lineage_due
+    assert dht.keys[2 * len(own):2 * len(own) + len(lineage)] == lineage and not watcher._lineage_due
+    drawn = dht.keys[2 * len(own) + len(lineage):]  # it found nobody: another shard of every level 1-8 as well
+    assert len(drawn) == MAX_SHARD_LEVEL and not set(drawn) & set(dht.keys[:2 * len(own) + len(lineage)])
     assert "did not answer" not in caplog.text
+
+
+class ShardedDHT:
+    """A DHT holding fresh records of these peers, each in its shard of `level`."""
+
+    def __init__(self, peer_ids: list[str], level: int) -> None:
+        self.results: dict[str, list[SimpleNamespace]] = {}
+        for peer_id in peer_ids:
+            key = shard_key("run", level, shard_index(peer_id, level))
+            self.results.setdefault(key, []).append(entry(peer_id=peer_id, updated=get_dht_time()))
+
+    def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.set_result(dht_result(*self.results[key]) if key in self.results else None)
+        return future
+
+
+def test_a_newcomer_whose_own_shards_are_empty_finds_the_swarm_in_others_of_its_level() -> None:
+    """24 peers at level 3 (3 a shard), none in the newcomer's shard of any level: reading only its own shards, it
+    stayed alone (a CI run: 12 identities over the 4 shards of level 2, none in the reader's)."""
+    newcomer = "newcomer"
+    others = [f"peer{i}" for i in range(200) if shard_index(f"peer{i}", 3) != shard_index(newcomer, 3)][:24]
+    watcher = SwarmWatcher(ShardedDHT(others, level=3), "run", ttl_s=5.0, refresh_s=0.5,  # type: ignore[arg-type]
+                           shards=RecordShards("run", newcomer, target=3, rng=random.Random(0)))
+    assert all(shard_key("run", *shard) not in watcher.dht.results for shard in watcher.shards.lineage())
+    watcher.read_(watcher.shards.refresh_shards())
+    assert watcher.records() and watcher.shards.level == 3  # another shard of level 3, drawn at random
+    for _ in range(LINEAGE_EVERY):  # then it reads its own shard of level 3 and one drawn: it stays with them
+        watcher.read_(watcher.shards.refresh_shards())
+    assert watcher.shards.level == 3 and len(watcher.records()) > 3
 
 
 def test_a_peer_that_left_is_gone_at_once_and_only_a_newer_record_brings_it_back() -> None:

@@ -493,6 +493,7 @@ class SwarmWatcher:
         self._read_once = False
         self._reads = 0
         self._lineage_due = False  # our shard at every level is to be read (LINEAGE_EVERY, or a read found nobody)
+        self._alone = False  # the read that made it due found nobody: it draws another shard of every level too
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="p2ptrain-swarm-watcher", daemon=True)
@@ -514,7 +515,8 @@ class SwarmWatcher:
     def read_(self, shards: list[Shard], timeout_s: float = PATIENCE_S, one_holder: bool = False) -> None:
         """Read `shards` and merge what they hold; tell `self.shards` how many fresh records of others each held.
         Every LINEAGE_EVERY reads, and after a read that found nobody but us, read our shard at every level as well
-        (a swarm that split before we came, or part of which moved to a level we do not read). `one_holder`: each
+        (a swarm that split before we came, or part of which moved to a level we do not read); after one that found
+        nobody, another shard of every level drawn at random too (`RecordShards.lineage`). `one_holder`: each
         shard from one of its holders at random (`fetch_shards`), as background reads do."""
         deadline = time.monotonic() + timeout_s
         found = fetch_shards(self.dht, self.run_id, shards, self.ttl_s, timeout_s, admission=self.admission,
@@ -523,12 +525,13 @@ class SwarmWatcher:
         self._reads += 1
         alone = bool(found) and not any(r.peer_id != me for records in found.values() for r in records)
         self._lineage_due |= alone or self._reads % LINEAGE_EVERY == 0
+        self._alone |= alone
         # within the same wait, when at least half of it is left; else at the next read (with what little was left,
         # its keys timed out and the read warned that the DHT did not answer, though the first keys had)
         lineage = self._lineage_due and deadline - time.monotonic() >= timeout_s / 2
         if lineage:
-            self._lineage_due = False
-            missing = [shard for shard in self.shards.lineage() if shard not in found]
+            missing = [shard for shard in self.shards.lineage(roaming=self._alone) if shard not in found]
+            self._lineage_due = self._alone = False
             found.update(fetch_shards(self.dht, self.run_id, missing, self.ttl_s,
                                       max(0.0, deadline - time.monotonic()), self.admission, one_holder))
         freshest: dict[str, PeerRecord] = {}

@@ -11,8 +11,9 @@ level 0, the single key every record was in before). It publishes at its level a
 shard at its level and the two next to it (peers whose levels differ by one still meet there) and one shard of its
 level drawn at random, keeping each record until its TTL: a view of its own shard and a sample of the rest, which
 gossip needs (random partners, the quorum round's median). Every few reads, and when it finds nobody, a peer reads
-its shard at every level as well and moves to the level that holds most peers (a joiner of a swarm that has split,
-peers split over levels that do not meet). An all-reduce (DiLoCo) reads every shard of its level and of the two next
+its shard at every level as well (after finding nobody, another shard of every level drawn at random too: its own
+may be empty) and moves to the level that holds most peers (a joiner of a swarm that has split, peers split over
+levels that do not meet). An all-reduce (DiLoCo) reads every shard of its level and of the two next
 to it: its exchange is O(n) anyway. docs/design.md ("Records at scale") gives the measured costs
 (benchmarks/discovery_scale.py).
 """
@@ -87,9 +88,15 @@ class RecordShards:
         return [(lvl, index) for lvl in (level, level - 1, level + 1) if 0 <= lvl <= MAX_SHARD_LEVEL
                 for index in range(2**lvl)]
 
-    def lineage(self) -> list[Shard]:
-        """Our shard at every level: where a peer that found nobody looks for a swarm that has split."""
-        return [self.own(level) for level in range(MAX_SHARD_LEVEL + 1)]
+    def lineage(self, roaming: bool = False) -> list[Shard]:
+        """Our shard at every level: where a peer looks for a swarm that has split. With `roaming` (a read that
+        found nobody), another shard of every level drawn at random as well: our own shard at the swarm's level
+        can be empty (a shard holds a quarter to twice the target: at a quarter of 8, about one in 7 holds nobody),
+        and a newcomer reading only its own stayed alone."""
+        own = [self.own(level) for level in range(MAX_SHARD_LEVEL + 1)]
+        if not roaming:
+            return own
+        return own + [(level, (index + self.rng.randrange(1, 2**level)) % 2**level) for level, index in own if level]
 
     def observe_(self, counts: dict[Shard, int], lineage: bool = False,
                  fresh: dict[Shard, int] | None = None) -> None:
