@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.sync.param_gossip import PARAM_CODECS_ADAPTIVE
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
 from benchmarks import loopback_sync  # noqa: E402
@@ -72,11 +74,14 @@ def test_quick_run(tmp_path: Path) -> None:
     # 0.836; 10 rounds: 1.059)
     least = (settings.rounds - 2) / (settings.rounds - 1)
     assert 0.9 * least <= overlap["bytes_ratio"] <= 1.5, overlap["bytes_ratio"]
-    for setup in ("gasloc", "gasloc-overlap"):  # the codec of the exchanges the peers started: GASLoC's fp16
+    # the codec of the exchanges the peers started: GASLoC's adaptive choice, mostly fp16 (int8 where fp16 does not
+    # fit a phase on the link measured: a loaded machine's loopback can be that slow)
+    for setup in ("gasloc", "gasloc-overlap"):
         exchanges = [[(m["round"], [e["codec"] for e in m["exchanges"]], m["failed_exchanges"], m["refused_exchanges"])
                       for m in history]
                      for run in written["runs"] if run["setup"] == setup for history in run["histories"]]
-        assert rows[(setup, 2)]["codec"] == "fp16" and rows[(setup, 2)]["bytes_ratio"] > 0, (setup, exchanges)
+        assert rows[(setup, 2)]["codec"] in PARAM_CODECS_ADAPTIVE and rows[(setup, 2)]["bytes_ratio"] > 0, \
+            (setup, exchanges)
     for run in written["runs"]:  # peers validate in their first (warm-up) and last rounds only: --eval-every 0
         for history in run.get("histories", []) if run["setup"] != loopback_sync.TORCHFT else []:
             assert [m["evaluated"] for m in history] == [True] + [False] * (settings.rounds - 2) + [True], run

@@ -26,13 +26,15 @@ def metrics_exchanges(metrics: RoundMetrics) -> list[ExchangeRecord]:
     return [ExchangeRecord(**e) for e in metrics.exchanges]
 
 
-def run_mode(mode: str, peers: int) -> tuple[list[PeerThread], list]:
-    return run_swarm(tiny_config(f"{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": ROUNDS}, sync={"mode": mode}),
-                     peers)
+def run_mode(mode: str, peers: int, **sync: object) -> tuple[list[PeerThread], list]:
+    return run_swarm(tiny_config(f"{mode}-{uuid.uuid4().hex[:6]}", run={"rounds": ROUNDS},
+                                 sync={"mode": mode, **sync}), peers)
 
 
 def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
-    threads, histories = run_mode("gasloc", peers=4)
+    # fp16 named: the default (adaptive) sent int8 in a CI run, where fp16 did not fit these 5-step phases on the
+    # loaded machine's measured loopback (tests/test_heterogeneous_netns.py covers the choice)
+    threads, histories = run_mode("gasloc", peers=4, param_codec="fp16")
     model_bytes = sum(p.numel() * 4 for p in threads[0].peer.params)
     exchanges = failed = 0
     for thread, history in zip(threads, histories, strict=True):
