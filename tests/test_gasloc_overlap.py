@@ -104,7 +104,8 @@ def test_without_overlap_a_mix_that_outlasts_the_inner_phase_lands_in_a_later_ro
     """A partner behind a cut holds an exchange for its deadline (5 s); an inner phase of the testbed is 1-2 s."""
     sync, params, mixer, loop = gasloc("none")
     stats = play_round(sync, params, 0, 1.0)  # waits its inner phase (1 s) for the mix, held until released
-    assert torch.allclose(params[0], torch.full((3,), 1.0)) and stats.group_size == 1 and sync.pending is not None
+    assert torch.allclose(params[0], torch.full((3,), 1.0)) and stats.group_size == 1 and stats.mix_in_flight
+    assert sync.pending is not None
     stats = play_round(sync, params, 1, 1.0)  # round 0's mix still runs: no second one
     assert len(loop.held) == 1 and len(mixer.mixed_values) == 0 and stats.group_size == 1 and stats.mix_in_flight
     assert "still runs" in why_alone(RoundContext(1, 5, ["p"], 0, 1.0, {}), stats, aligned_rounds=False)

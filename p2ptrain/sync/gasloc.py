@@ -4,8 +4,8 @@ peer takes no step but still mixes, and never sends or applies a non-finite valu
 
 Without overlap a mix blocks training for at most one inner phase (or a tick, or what our own link needs for it):
 one that outlasts it (a partner behind a cut, whose deadline is the set-up floor) goes on in the background, its pull
-joining a later round's proposal, and no second mix starts beside it. At a cut this held each peer 5.2-5.6 s, an
-exchange's deadline, against an inner phase of 1-2 s on the netns testbed.
+joining a later round's proposal, and no second mix starts beside it (waiting for its deadline, a cut held each
+peer 5.2-5.6 s against inner phases of 0.3 s on the netns testbed: docs/design.md).
 
 With `sync.overlap: delayed` the exchanges this peer starts no longer block: DiLoCoX's one-step delay applied to
 GASLoC's mixing. Round r's proposal is mixed in the background during round r + 1's inner phase, and its pull
@@ -94,7 +94,7 @@ class GaslocSync:
             except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
                 logger.info(f"our mix outlasted an inner phase ({budget_s:.1f} s); training on while it ends")
         self.pending = (y, mix)
-        return y, RoundSync()
+        return y, RoundSync(mix_in_flight=not self.overlapped)
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(a, dtype=torch.float32, device="cpu") for a in self.outer.anchor]

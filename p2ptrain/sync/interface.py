@@ -72,7 +72,8 @@ class RoundSync:
     # overlap's first round: no mean was due, and the state moved by nothing but our own unsettled share (none with
     # plain delay), which the next mean takes back; the round leaves us as in step as we were
     nothing_due: bool = False
-    # GASLoC: a mix an earlier round started outlasted its inner phase and still runs; this round started none
+    # GASLoC without overlap: our mix outlasted an inner phase and runs on in the background (started this round, or
+    # an earlier one, and then this round started none)
     mix_in_flight: bool = False
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
@@ -133,7 +134,7 @@ def why_alone(context: RoundContext, result: RoundSync, aligned_rounds: bool = T
         return "no other peer of the run is live"
     if not aligned_rounds:
         if result.mix_in_flight:
-            return "the mix it started in an earlier round still runs (it outlasted an inner phase)"
+            return "its mix outlasted an inner phase and still runs in the background"
         if result.failed or result.refused:
             return (f"of the exchanges it opened with {len(context.live_peers)} live peer(s), {result.failed} "
                     f"failed (timed out or invalid) and {result.refused} were refused (busy or declined)")
