@@ -17,7 +17,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.gasloc import GaslocSync
-from p2ptrain.sync.interface import ExchangeRecord, RoundContext, RoundSync, why_alone
+from p2ptrain.sync.interface import RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.tensor_layout import distance
 
@@ -45,17 +45,12 @@ class ScriptedMixer:
     def take_incoming_stats(self) -> RoundSync:
         return RoundSync(group_size=0)
 
-    def expected_mix_s(self) -> float:
-        return 0.0
-
 
 class HeldLoop:
-    """`BackgroundLoop`'s interface: `run` runs the coroutine at once, `submit` holds it until `release` (with
-    `hold`, else runs it at once too)."""
+    """`BackgroundLoop`'s interface: `run` runs the coroutine at once, `submit` holds it until `release`."""
 
-    def __init__(self, hold: bool = True) -> None:
+    def __init__(self) -> None:
         self.held: list[tuple[concurrent.futures.Future, object]] = []
-        self.hold = hold
 
     def run(self, coro, timeout=None):
         return asyncio.run(coro)
@@ -63,8 +58,6 @@ class HeldLoop:
     def submit(self, coro) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.held.append((future, coro))
-        if not self.hold:
-            self.release()
         return future
 
     def release(self, fail: bool = False) -> None:
@@ -78,9 +71,9 @@ class HeldLoop:
         self.held.clear()
 
 
-def gasloc(overlap: str, hold: bool = True) -> tuple[GaslocSync, list[torch.nn.Parameter], ScriptedMixer, HeldLoop]:
+def gasloc(overlap: str) -> tuple[GaslocSync, list[torch.nn.Parameter], ScriptedMixer, HeldLoop]:
     params = [torch.nn.Parameter(torch.zeros(3))]
-    mixer, loop = ScriptedMixer(), HeldLoop(hold)
+    mixer, loop = ScriptedMixer(), HeldLoop()
     sync = GaslocSync(OuterOptimizer(params, OuterConfig(lr=1.0, momentum=0.0)), mixer, loop,  # type: ignore[arg-type]
                       SyncConfig(mode="gasloc", overlap=overlap))
     return sync, params, mixer, loop
@@ -95,37 +88,9 @@ def play_round(sync: GaslocSync, params: list[torch.nn.Parameter], round_: int, 
 
 
 def test_without_overlap_the_round_applies_its_own_mix():
-    sync, params, _mixer, _loop = gasloc("none", hold=False)
+    sync, params, _mixer, _loop = gasloc("none")
     play_round(sync, params, 0, 1.0)
     assert torch.allclose(params[0], torch.full((3,), 1.0 + PULL))
-
-
-def test_without_overlap_a_mix_that_outlasts_the_inner_phase_lands_in_a_later_round_and_none_starts_beside_it():
-    """A partner behind a cut holds an exchange for its deadline (5 s); an inner phase of the testbed is 1-2 s."""
-    sync, params, mixer, loop = gasloc("none")
-    stats = play_round(sync, params, 0, 1.0)  # waits its inner phase (1 s) for the mix, held until released
-    assert torch.allclose(params[0], torch.full((3,), 1.0)) and stats.group_size == 1 and stats.mix_in_flight
-    assert sync.pending is not None
-    stats = play_round(sync, params, 1, 1.0)  # round 0's mix still runs: no second one
-    assert len(loop.held) == 1 and len(mixer.mixed_values) == 0 and stats.group_size == 1 and stats.mix_in_flight
-    assert "still runs" in why_alone(RoundContext(1, 5, ["p"], 0, 1.0, {}), stats, aligned_rounds=False)
-    assert torch.allclose(params[0], torch.full((3,), 2.0))
-    loop.release()
-    loop.hold = False
-    stats = play_round(sync, params, 2, 1.0)  # round 0's pull joins, and round 2 mixes (at once) on top
-    assert torch.allclose(params[0], torch.full((3,), 3.0 + 2 * PULL)) and stats.group_size == 2
-    assert sync.pending is None
-
-
-def test_a_late_mixs_exchanges_count_beside_the_rounds_own_and_a_partner_counts_once():
-    stats, late = RoundSync(), RoundSync()
-    stats.add_exchange_(ExchangeRecord("a", "fp16", 10, 20, 1.0))
-    late.add_exchange_(ExchangeRecord("a", "int8", 5, 5, 3.0))
-    late.add_exchange_(ExchangeRecord("b", "int8", 5, 5, 3.0))
-    late.failed, late.consensus_distance = 1, [0.1, 0.2]
-    stats.add_late_(late)
-    assert stats.group_size == 3 and stats.partners == ["a", "b"] and len(stats.exchanges) == 3
-    assert (stats.bytes_sent, stats.bytes_received, stats.failed, stats.consensus_distance) == (20, 30, 1, [0.1, 0.2])
 
 
 def test_with_overlap_the_round_ends_before_its_mix_and_the_pull_joins_the_next_proposal():

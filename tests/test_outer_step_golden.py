@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
-import math
 import os
 import random
 import re
@@ -193,9 +192,6 @@ class FakeMixer:
     def take_incoming_stats(self) -> RoundSync:
         stats, self.incoming = self.incoming, RoundSync(group_size=0)
         return stats
-
-    def expected_mix_s(self) -> float:
-        return math.inf  # no link measured: a mix blocks until it ends
 
     async def mix(self, value: Tensors, live_peers: list[str], round_: int, patience_s: float = 0.0,
                   links: dict[str, float] | None = None) -> tuple[Tensors, RoundSync]:

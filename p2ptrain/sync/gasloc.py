@@ -2,11 +2,6 @@
 mixed iterates (docs/algorithms.md §2). A round whose Δ is not finite (a diverged inner phase) proposes θ itself: the
 peer takes no step but still mixes, and never sends or applies a non-finite value.
 
-Without overlap a mix blocks training for at most one inner phase (or a tick, or what our own link needs for it):
-one that outlasts it (a partner behind a cut, whose deadline is the set-up floor) goes on in the background, its pull
-joining a later round's proposal, and no second mix starts beside it (waiting for its deadline, a cut held each
-peer 5.2-5.6 s against inner phases of 0.3 s on the netns testbed: docs/design.md).
-
 With `sync.overlap: delayed` the exchanges this peer starts no longer block: DiLoCoX's one-step delay applied to
 GASLoC's mixing. Round r's proposal is mixed in the background during round r + 1's inner phase, and its pull
 (mixed − y_r) joins round r + 1's proposal, as the corrections of exchanges that others start with us always do."""
@@ -28,7 +23,6 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.interface import RoundContext, RoundSync
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.tensor_layout import distance, norm
-from p2ptrain.timing import TICK_S
 
 logger = logging.getLogger(__name__)
 
@@ -60,50 +54,25 @@ class GaslocSync:
         if not all_finite(proposal):
             logger.warning(f"round {context.round}: the outer gradient is not finite; dropping it (no step this round)")
             proposal = [a.detach().clone() for a in self.outer.anchor]
-        # without overlap, a mix an earlier round started that is still running: no second one beside it
-        mixing = not self.overlapped and self.pending is not None and not self.pending[1].done()
-        late_pull, late = (self._zeros(), RoundSync(mix_in_flight=True)) if mixing else self._collect_pending()
+        late_pull, stats = self._collect_pending()
         y = [t.float().cpu() + c + p for t, c, p in zip(proposal, self.mixer.take_correction_(), late_pull,
                                                         strict=True)]
-        if mixing:
-            x, stats = y, late
+        self.mixer.set_base_(y)  # exchanges others start while we mix see our proposal
+        mix = self.mixer.mix(y, context.live_peers, context.round, links=context.link_bytes_per_s)
+        if self.overlapped:
+            self.pending, x = (y, self.loop.submit(mix)), y
         else:
-            # what our own link explains is waited for, and all of it until exchanges measured the link
-            # (sent to the background, a 2.84 Mbit/s peer's first mixes timed out unseen and left it 6-9 rounds in a
-            # row without one in swarm12); a mix under a tick whatever the phase (toy phases, 0.2-1.5 s on the
-            # testbed, would push many mixes a round late)
-            own_link_s = self.config.exchange_safety_factor * self.mixer.expected_mix_s()
-            budget_s = max(context.inner_phase_s, TICK_S, own_link_s)
-            self.mixer.set_base_(y)  # exchanges others start while we mix see our proposal
-            mix = self.loop.submit(self.mixer.mix(y, context.live_peers, context.round,
-                                                  links=context.link_bytes_per_s))
-            x, stats = self._await_mix(y, mix, budget_s)
-            stats = late if self.overlapped else stats.add_late_(late)
+            mixed, stats = self.loop.run(mix)
+            x = [m + c for m, c in zip(mixed, self.mixer.take_correction_(), strict=True)]
         self.outer.set_params_(self.state.momentum_step(x))
         self.mixer.set_base_(self.outer.anchor)
         return stats.add_incoming_(self.mixer.take_incoming_stats())
 
-    def _await_mix(self, y: list[torch.Tensor], mix: concurrent.futures.Future[Mixed],
-                   budget_s: float) -> tuple[list[torch.Tensor], RoundSync]:
-        """The iterate to step from and the mix's report: the mix's result when it ends within `budget_s` (one inner
-        phase; without overlap), else y, the mix left pending (its pull joins a later round's proposal)."""
-        if not self.overlapped:
-            try:
-                mixed, stats = mix.result(timeout=budget_s if math.isfinite(budget_s) else None)
-                return [m + c for m, c in zip(mixed, self.mixer.take_correction_(), strict=True)], stats
-            except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
-                logger.info(f"our mix outlasted an inner phase ({budget_s:.1f} s); training on while it ends")
-        self.pending = (y, mix)
-        return y, RoundSync(mix_in_flight=not self.overlapped)
-
-    def _zeros(self) -> list[torch.Tensor]:
-        return [torch.zeros_like(a, dtype=torch.float32, device="cpu") for a in self.outer.anchor]
-
     def _collect_pending(self) -> tuple[list[torch.Tensor], RoundSync]:
-        """The pull of the mix started in an earlier round, waiting for it if it is still running, and what it
+        """The pull of the mix started last round (overlap), waiting for it if it is still running, and what it
         did; zeros and an empty report when none is pending (or it failed)."""
         pending, self.pending = self.pending, None
-        zeros = self._zeros()
+        zeros = [torch.zeros_like(a, dtype=torch.float32, device="cpu") for a in self.outer.anchor]
         if pending is None:
             return zeros, RoundSync()
         value, future = pending

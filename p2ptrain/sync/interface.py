@@ -72,9 +72,6 @@ class RoundSync:
     # overlap's first round: no mean was due, and the state moved by nothing but our own unsettled share (none with
     # plain delay), which the next mean takes back; the round leaves us as in step as we were
     nothing_due: bool = False
-    # GASLoC without overlap: our mix outlasted an inner phase and runs on in the background (started this round, or
-    # an earlier one, and then this round started none)
-    mix_in_flight: bool = False
 
     def add_exchange_(self, record: ExchangeRecord) -> None:
         """Count one completed exchange that we started."""
@@ -85,22 +82,6 @@ class RoundSync:
         self.exchange_s += record.seconds
         self.codec = record.codec
         self.exchanges.append(record)
-
-    def add_late_(self, late: RoundSync) -> RoundSync:
-        """Count the exchanges of a mix an earlier round started that ended since (its pull joined this round's
-        proposal) beside this round's own; a peer counts once; returns self."""
-        for record in late.exchanges:
-            if record.partner not in self.partners:
-                self.add_exchange_(record)
-            else:
-                self.exchanges.append(record)
-                self.bytes_sent += record.bytes_sent
-                self.bytes_received += record.bytes_received
-                self.exchange_s += record.seconds
-        self.failed += late.failed
-        self.refused += late.refused
-        self.consensus_distance += late.consensus_distance
-        return self
 
     def add_incoming_(self, incoming: RoundSync) -> RoundSync:
         """Count the exchanges others started with us (and their bytes) beside the ones we started; returns self.
@@ -133,8 +114,6 @@ def why_alone(context: RoundContext, result: RoundSync, aligned_rounds: bool = T
     if not context.live_peers:
         return "no other peer of the run is live"
     if not aligned_rounds:
-        if result.mix_in_flight:
-            return "its mix outlasted an inner phase and still runs in the background"
         if result.failed or result.refused:
             return (f"of the exchanges it opened with {len(context.live_peers)} live peer(s), {result.failed} "
                     f"failed (timed out or invalid) and {result.refused} were refused (busy or declined)")

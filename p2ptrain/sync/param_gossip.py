@@ -33,7 +33,7 @@ from hivemind.p2p import P2P
 from p2ptrain.maths.codecs import choose_codec_for_link, relative_decode, relative_encode
 from p2ptrain.maths.drift_excuse import DriftExcuse
 from p2ptrain.maths.mixing import consensus_distance, pull_toward_, uniform_weight
-from p2ptrain.maths.pacing import OWN_LINK_MIN_PARTNERS, LinkSpeeds
+from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.robust import AdaptiveClip, all_finite, mixing_weight, own_move
 from p2ptrain.net.exchange import Payload
 from p2ptrain.net.reputation import Reputation
@@ -337,13 +337,6 @@ class ParamGossip:
         own = self.own_link_bytes_per_s()
         speed = min(own, partner_bytes_per_s) if partner_bytes_per_s > 0 else own
         return 2 * self.last_payload_bytes / speed
-
-    def expected_mix_s(self) -> float:
-        """Seconds our next mix should take on our own link: its exchanges, opened one after another (inf until
-        exchanges with OWN_LINK_MIN_PARTNERS partners measured it: the prior may be far too fast for us)."""
-        if len(self.links.measured()) < OWN_LINK_MIN_PARTNERS:
-            return math.inf
-        return self.routes.partners_to_open(self.config.gossip_peers) * self.expected_exchange_s()
 
     def partners_worth_waiting_for(self, live_peers: list[str], links: dict[str, float]) -> list[str]:
         """GASLoC's heterogeneity rule (ours): we start exchanges only with peers whose link lets the exchange
