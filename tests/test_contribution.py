@@ -3,6 +3,7 @@ a partner claims are verified only by values that did work; how the exchange dri
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +16,14 @@ from p2ptrain.sync.contribution import (
     IDLE_FRACTION,
     MAX_CLAIM_FACTOR,
     MAX_ROUND_TOKENS,
+    WORK_KEY,
     Contributions,
     OwnWork,
     claimed_tokens,
+    work_sample,
 )
 from p2ptrain.sync.exchange_driver import ExchangeDriver
+from p2ptrain.sync.state_evidence import STATE_SAMPLE
 from p2ptrain.testnet.adversary import FREE_RIDER_SCALE
 
 OWN_NORM, OWN_TOKENS = 2.0, 1000
@@ -138,3 +142,66 @@ def test_the_driver_judges_no_work_without_robust_or_where_values_are_not_outer_
         for round_ in range(4):
             drive.judge_value(rnd, "rider", {"round": round_}, value(1e-9 * (1 + round_)))
         assert reputation.offences() == {} and drive.contributions.work() == {}
+
+
+# ---- GASLoC: values are parameters, and a header shows the work ---------------------------------------------------
+
+
+def gradient(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(shape, generator=generator) for shape in ((40, 30), (30,), (7, 3))]
+
+
+def test_every_peer_samples_its_outer_gradient_at_the_runs_same_coordinates() -> None:
+    ours, theirs = gradient(1), gradient(2)
+    assert len(work_sample(ours, "run")) == STATE_SAMPLE
+    assert work_sample(ours, "run") == work_sample([t.clone() for t in ours], "run")  # the run's coordinates
+    assert work_sample(ours, "run") != work_sample(ours, "other-run")
+    doubled = work_sample([2 * t for t in theirs], "run")  # the same coordinates of another gradient
+    assert doubled == [2 * v for v in work_sample(theirs, "run")]
+
+
+@pytest.mark.parametrize("shown", [None, "text", [1.0] * (STATE_SAMPLE - 1), [math.nan] * STATE_SAMPLE,
+                                   [True] * STATE_SAMPLE, [1e300] * STATE_SAMPLE])
+def test_a_header_without_a_valid_work_sample_shows_no_work(shown: object) -> None:
+    own = OwnWork.of_sample(work_sample(gradient(1), "run"), OWN_TOKENS)
+    header = {} if shown is None else {WORK_KEY: shown}
+    assert own.shown_length(header, gradient(3)) == 0.0  # the parameters themselves are no measure of work
+
+
+def test_the_driver_bans_a_gasloc_free_rider_by_its_samples_and_spares_an_honest_partner() -> None:
+    """Parameters show no work; the header's sample of the round's outer gradient does, judged at the same
+    coordinates as ours: a millionth of a trained Δ (or no sample at all) is idle from the second value on."""
+    drive, reputation = driver()
+    own = OwnWork.of_sample(work_sample(gradient(1), "run"), OWN_TOKENS)
+    rnd = SimpleNamespace(measures_link=True, own_work=own)
+    params = gradient(9)  # what both partners send: near each other, as gossip partners are
+    for round_ in range(4):
+        moved = [p + 0.01 * (round_ + 1) for p in params]  # no replay
+        rider = {"round": round_, "tokens": OWN_TOKENS,
+                 WORK_KEY: work_sample(gradient(10 + round_, FREE_RIDER_SCALE), "run")}
+        drive.judge_value(rnd, "rider", rider, moved)
+        drive.judge_value(rnd, "silent", {"round": round_, "tokens": OWN_TOKENS}, moved)
+        honest = {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: work_sample(gradient(20 + round_), "run")}
+        drive.judge_value(rnd, "honest", honest, moved)
+    assert reputation.offences()["rider"] == {"idle": 3} and reputation.is_banned("rider")
+    assert reputation.offences()["silent"] == {"idle": 3}
+    assert "honest" not in reputation.offences()
+    work = drive.contributions.work()
+    assert work["honest"].tokens_verified == 4 * OWN_TOKENS and work["rider"].tokens_verified == OWN_TOKENS
+
+
+def test_a_work_sample_shown_again_for_a_later_round_is_a_replay_and_verifies_nothing() -> None:
+    """An honest sample stands for two claimed rounds in a row (an answer during the next inner phase shows the
+    last step's); the same bits two rounds on are a stale Δ. Zeros (a round that took no step) are idle instead."""
+    drive, reputation = driver()
+    rnd = SimpleNamespace(measures_link=True, own_work=OwnWork.of_sample(work_sample(gradient(1), "run"), OWN_TOKENS))
+    stale = work_sample(gradient(5), "run")
+    for round_ in range(3):
+        moved = [p + 0.01 * round_ for p in gradient(9)]
+        drive.judge_value(rnd, "stale", {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: stale}, moved)
+        drive.judge_value(rnd, "still", {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: [0.0] * STATE_SAMPLE},
+                          moved)
+    assert reputation.offences()["stale"] == {"replayed": 1}
+    assert drive.contributions.work()["stale"].tokens_verified == 2 * OWN_TOKENS  # rounds 0 and 1, not 2
+    assert reputation.offences()["still"] == {"idle": 2}

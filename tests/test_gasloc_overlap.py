@@ -45,6 +45,9 @@ class ScriptedMixer:
     def take_incoming_stats(self) -> RoundSync:
         return RoundSync(group_size=0)
 
+    def show_work_(self, outer_gradient: Sequence[torch.Tensor], tokens: int) -> None:
+        self.shown = [g.clone() for g in outer_gradient]
+
 
 class HeldLoop:
     """`BackgroundLoop`'s interface: `run` runs the coroutine at once, `submit` holds it until `release`."""

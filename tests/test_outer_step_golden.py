@@ -193,6 +193,9 @@ class FakeMixer:
         stats, self.incoming = self.incoming, RoundSync(group_size=0)
         return stats
 
+    def show_work_(self, outer_gradient: Sequence[torch.Tensor], tokens: int) -> None:
+        pass
+
     async def mix(self, value: Tensors, live_peers: list[str], round_: int, patience_s: float = 0.0,
                   links: dict[str, float] | None = None) -> tuple[Tensors, RoundSync]:
         assert len(live_peers) == PEERS - 1 and self.config.gossip_peers == 1

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from swarm_utils import run_peers, shutdown, start_p2ps, start_peer, tiny_config
+from swarm_utils import replace_section, run_peers, shutdown, start_p2ps, start_peer, tiny_config
 
 from p2ptrain.maths import codecs
 from p2ptrain.maths.codecs import relative_encode
@@ -33,6 +33,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync import build
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import WORK_KEY
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.grad_gossip import GradGossip
@@ -46,6 +47,7 @@ from p2ptrain.sync.param_gossip import (
 )
 from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.round_retry import FIRST_RETRY_S, retry_delay_s
+from p2ptrain.sync.state_evidence import STATE_SAMPLE
 from p2ptrain.tensor_layout import distance, norm
 from p2ptrain.timing import POLL_S
 
@@ -119,6 +121,7 @@ class HonestPeer:
         self.mixer.round = round_
         self.mixer.set_base_(self.x)
         self.y = plus(self.x, step, self.mixer.take_correction_())
+        self.mixer.show_work_(step, tokens=0)
         self.mixer.set_base_(self.y)
         self.mixed = [t.clone() for t in self.y]
 
@@ -163,6 +166,8 @@ async def attacked_rounds(attack: Callable[[Tensors], Tensors], robust: bool, ro
             v.propose_(round_, honest_step(round_, 0))
             h.propose_(round_, honest_step(round_, 1))
             before = public_value(victim)
+            attacker.round = round_
+            attacker.show_work_(honest_step(round_, 2), tokens=0)  # it trains: only the attack's own defence bans it
             await attacker.mix(reference(), [victim.p2p.peer_id.to_base58()], round_)
             moves.append((distance(public_value(victim), before), W * victim.clip_radius(before)))
             moved = await v.mix_with(attacker_id)  # τ as this mix saw it (its own step is known from now on)
@@ -453,6 +458,8 @@ def test_a_non_finite_outer_gradient_is_dropped_and_the_peer_keeps_training(mode
     diverged_inner_phase_(outer)
     sync.finish_round(RoundContext(0, 5, [], 0))
     assert all(torch.equal(p.detach(), a) for p, a in zip(outer.params, anchor, strict=True))  # no step, no NaN
+    if mode == "gasloc":  # its headers show the step it took, none (a finite sample)
+        assert gossip.header_extra()[WORK_KEY] == [0.0] * STATE_SAMPLE
     sync.start_round(RoundContext(1, 0, [], 0))  # the next round runs as usual
     with torch.no_grad():
         outer.params[0].add_(0.01)
@@ -559,3 +566,55 @@ def test_honest_gasloc_peers_keep_training_with_an_attacker_among_them(monkeypat
     for peer in peers[:HONEST]:
         assert not honest_ids & set(peer.reputation.offences()), peer.reputation.offences()  # honest: no offence
     assert sum(p.reputation.offences().get(attacker_id, {}).get("clipped", 0) for p in peers[:HONEST]) >= 2
+
+
+FREE_RIDER_ROUNDS = 10  # each honest peer meets the rider about 2 rounds in 3 (each peer opens to 1 of 3 a round)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_gasloc_free_rider_is_banned_and_its_claimed_tokens_are_not_verified() -> None:
+    """3 honest GASLoC peers and one that trains at a learning rate of 1e-9 (issue 31's free rider): its parameters
+    are a peer's that trains nothing, and its headers' work samples a ~zero outer gradient. It sat in every round
+    with no offence before GASLoC's values showed their work; now each value after its first is `idle` (1.5 of the
+    ban score of 4), so a third bans it, and the tokens it claims verify nothing beyond the value that was spared.
+    The honest peers commit no offence against each other and verify each other's claims."""
+    config = tiny_config(f"rider-{uuid.uuid4().hex[:6]}", run={"rounds": FREE_RIDER_ROUNDS}, sync={"mode": "gasloc"})
+    peers = [start_peer(config)]
+    peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
+    peers.append(start_peer(replace_section(config, "inner", lr=1e-9), peers[0].maddrs))
+    run_peers(peers, attackers=1)
+    rider, honest_ids = peers[HONEST].peer_id, {p.peer_id for p in peers[:HONEST]}
+    idle = [p.reputation.offences().get(rider, {}).get("idle", 0) for p in peers[:HONEST]]
+    assert sum(idle) >= 3 and any(p.reputation.is_banned(rider) for p in peers[:HONEST]), idle
+    for peer in peers[:HONEST]:
+        assert not honest_ids & set(peer.reputation.offences()), peer.reputation.offences()
+        work = peer.contributions.work()
+        if rider in work:  # the first value judged is spared (a joiner's) and verifies its round's claim, no more
+            assert work[rider].worked <= 1, work[rider]
+            assert work[rider].tokens_verified * work[rider].values <= work[rider].tokens_claimed, work[rider]
+        assert any(work[p].tokens_verified > 0 for p in honest_ids - {peer.peer_id} if p in work), work
+
+
+def test_a_gasloc_peer_whose_round_jumped_answers_no_offer_until_its_next_step_shows_its_work() -> None:
+    """Its latest work sample is of the state it left: shown for its new round it would be a replay to partners
+    that saw it before. So it refuses offers as busy (no offence) until its next outer step shows a new one."""
+    gossip = ParamGossip(FakeP2P("a"), RUN, FINGERPRINT, "gasloc", reference(), config(mode="gasloc"),  # type: ignore[arg-type]
+                         seed=0)
+    assert gossip.driver.current.accept_("b", 0, 0.0) is None  # a fresh peer answers in its first round
+    gossip.driver.current.release_("b", outgoing=False)
+    assert gossip.header_extra() == {}  # with no sample yet: partners spare the first value they judge
+    gossip.round = 3  # resumed from a checkpoint: nothing to show yet
+    assert gossip.driver.current.accept_("b", 3, 0.0) == Refusal.BUSY
+    gossip.show_work_(random_direction(1, STEP), tokens=100)
+    shown = gossip.header_extra()
+    assert len(shown[WORK_KEY]) == STATE_SAMPLE and shown["tokens"] == 100
+    gossip.round = 4  # the next round: its sample stands (an answer in round 4 shows round 3's step)
+    assert gossip.driver.current.accept_("b", 4, 0.0) is None
+    gossip.driver.current.release_("b", outgoing=False)
+    gossip.round = 40  # a state adopted
+    assert gossip.driver.current.accept_("b", 40, 0.0) == Refusal.BUSY
+    gossip.show_work_(random_direction(2, STEP), tokens=100)
+    assert gossip.driver.current.accept_("b", 40, 0.0) is None
+    assert gossip.header_extra()[WORK_KEY] != shown[WORK_KEY]

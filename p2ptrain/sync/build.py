@@ -40,8 +40,8 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     """The strategy `config.mode` names, with its transports started (`reference` = the run's θ_0); every
     transport reports partners' offences to the peer's one `reputation` and refuses the peers it bans, opens its
     streams as the peer's `routes` say (directly or through a relay), is served through relays at `entry`, sends
-    what the peer's `conduct` forms, and counts what partners' outer gradients show of their work in the peer's
-    one `contributions`."""
+    what the peer's `conduct` forms, and counts what partners' values show of their work (outer gradients, or GASLoC's
+    samples of one) in the peer's one `contributions`."""
     def averager(prefix: str, group_size: int | None, shows_state: bool = False) -> Averager:
         if config.allreduce_transport == "hivemind":
             return AllReduceAverager(dht, averager_prefix(run_id, prefix), outer.params, config.matchmaking_s,
@@ -64,7 +64,7 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
                         same_round_only=factored, overlapped=factored or config.overlap == "delayed", links=links,
-                        reputation=reputation, routes=routes, conduct=conduct)
+                        reputation=reputation, routes=routes, conduct=conduct, contributions=contributions)
     loop.run(serve_exchanges(p2p, mixer.driver, entry), timeout=PATIENCE_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)

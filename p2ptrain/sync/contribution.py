@@ -12,10 +12,17 @@ What a partner claims: the tokens its round's inner phase trained (`tokens` in i
 A value that is neither idle nor replayed (sync/replay_check.py) verifies its claim, up to MAX_CLAIM_FACTOR × our own
 round's tokens (a faster GPU trains more tokens in the round's time, but not without bound). Judged per partner on
 the exchanges that carry an outer gradient (the exchange all-reduce's all-to-all, gossip Mix2), with `sync.robust`.
-Not judged: parameters (GASLoC, Mix1) and a reduce-scatter's chunks, which show no one partner's whole Δ.
+
+GASLoC's values are parameters, which show no one round's work: each of its headers carries, as `work`, the
+sender's latest outer gradient at STATE_SAMPLE coordinates every peer of the run draws alike (`work_sample`), judged
+as the length of an outer gradient is against ours at the same coordinates; a header without a valid one shows no
+work (idle). Not judged: Factored's Mix1 (its Mix2 judges the round's Δ) and a reduce-scatter's chunks, which show no
+one partner's whole Δ.
 
 What remains: a partner that trains a small fraction of what it claims passes, with its Δ; a copy of another
-member's Δ of the round, or of the last mean, passes unless it is a bit-for-bit replay of the partner's own.
+member's Δ of the round, or of the last mean, passes unless it is a bit-for-bit replay of the partner's own. A GASLoC
+sample is a claim checked for its length and against replay only (the same bits shown for a later round:
+exchange_driver's `work_replays`): one made up (not trained) passes, and it is not what is mixed.
 """
 
 from __future__ import annotations
@@ -24,8 +31,14 @@ import dataclasses
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from p2ptrain.net.discovery import MAX_TOKENS, MAX_VOUCHES, short_id
+from p2ptrain.sync.state_evidence import parse_sample, sample_at
+from p2ptrain.tensor_layout import norm
 
 IDLE_FRACTION = 1e-4  # a Δ shorter than this × ours is no training (see above)
 MAX_CLAIM_FACTOR = 16.0  # a claim verifies at most this × our own round's tokens
@@ -35,10 +48,41 @@ MAX_PARTNERS = 256  # partners remembered (identities are cheap: the one judged 
 
 @dataclasses.dataclass(frozen=True)
 class OwnWork:
-    """Our own outer gradient of a round, as the yardstick of partners': its length and the tokens we claim for it."""
+    """Our own outer gradient of a round, as the yardstick of partners': its length and the tokens we claim for it;
+    `sample`, where values are parameters: the `work_sample` partners show their work by (its length is `norm`)."""
 
     norm: float
     tokens: int
+    sample: tuple[float, ...] | None = None
+
+    @classmethod
+    def of_sample(cls, sample: Sequence[float], tokens: int) -> OwnWork:
+        return cls(sample_length(sample), tokens, tuple(sample))
+
+    def shown_length(self, header: dict[str, Any], theirs: Sequence[torch.Tensor]) -> float:
+        """The length of the work a partner's value shows against ours: its outer gradient's, or where values are
+        parameters its header's sample's (0 without a valid one: no work shown)."""
+        if self.sample is None:
+            return norm(theirs)
+        sample = shown_sample(header)
+        return sample_length(sample) if sample is not None else 0.0
+
+
+WORK_KEY = "work"  # the header field of a GASLoC value's work sample
+
+
+def work_sample(outer_gradient: Sequence[torch.Tensor], run_id: str) -> list[float]:
+    """Our outer gradient at the run's work coordinates (the same every round: we keep only our latest sample)."""
+    return sample_at(outer_gradient, f"{run_id}/work")
+
+
+def shown_sample(header: dict[str, Any]) -> list[float] | None:
+    """The work sample a partner's header shows, if it is a valid one (STATE_SAMPLE finite numbers)."""
+    return parse_sample(header.get(WORK_KEY))
+
+
+def sample_length(sample: Sequence[float]) -> float:
+    return math.sqrt(math.fsum(v * v for v in sample))
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens
+from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens, shown_sample
 from p2ptrain.sync.failed_partners import FailedPartners
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
@@ -41,7 +41,6 @@ from p2ptrain.sync.relay_retries import RelayRetries
 from p2ptrain.sync.replay_check import ReplayCheck
 from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
-from p2ptrain.tensor_layout import norm
 from p2ptrain.timing import SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -309,6 +308,7 @@ class ExchangeDriver:
         self.relay_retries = RelayRetries()  # group members whose relay route fails: asked again in one round only
         self.failed_partners = FailedPartners()  # gossip partners whose exchange failed: not drawn for a few rounds
         self.replays = ReplayCheck()  # partners' values, to tell one sent again for a later round
+        self.work_replays = ReplayCheck()  # and their work samples (GASLoC's headers)
         # what partners' outer gradients showed of their work: the peer's one ledger, where it keeps one
         self.contributions = contributions if contributions is not None else Contributions()
         self.offer_limit, self.holds_offers = offer_limit, holds_offers
@@ -317,10 +317,10 @@ class ExchangeDriver:
     def judge_value(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
                     theirs: Sequence[torch.Tensor]) -> None:
         """With `sync.robust`: a value the partner sent, bit for bit, for an earlier round it claimed is an offence
-        (`replay_check`); an outer gradient far shorter than ours is one too, and otherwise verifies the tokens the
-        partner claims for it (`contribution`). A stage whose payload is a token (an all-reduce's confirmation: the
-        digest is in the header) is not judged. The value is still mixed, clipped, this once: an all-reduce's
-        members must all reduce the same inputs."""
+        (`replay_check`); an outer gradient far shorter than ours (for parameters, the sample of one its header shows)
+        is one too, and otherwise verifies the tokens the partner claims for it (`contribution`). A stage whose
+        payload is a token (an all-reduce's confirmation: the digest is in the header) is not judged. The value is
+        still mixed, clipped, this once: an all-reduce's members must all reduce the same inputs."""
         if not self.config.robust or not rnd.measures_link:
             return
         claimed_round = header.get("round")
@@ -331,11 +331,26 @@ class ExchangeDriver:
         own = rnd.own_work
         if own is None or type(claimed_round) is not int:
             return
-        theirs_norm = norm(theirs)
+        if own.sample is not None:
+            replayed = self._replays_work_sample(partner, claimed_round, header) or replayed
+        theirs_norm = own.shown_length(header, theirs)
         if self.contributions.judge_(partner, claimed_round, claimed_tokens(header), theirs_norm, own.norm,
                                      own.tokens, replayed):
-            self.reputation.penalise(partner, "idle", f"its outer gradient for round {claimed_round} is "
+            shown = "outer gradient" if own.sample is None else "outer gradient's sample"
+            self.reputation.penalise(partner, "idle", f"its {shown} for round {claimed_round} is "
                                                       f"{theirs_norm:.3g} long, ours {own.norm:.3g}: no training")
+
+    def _replays_work_sample(self, partner: str, claimed_round: int, header: dict[str, Any]) -> bool:
+        """Whether the work sample a partner's header shows is, bit for bit, one it showed for an earlier round (an
+        offence, as a replayed value is): a stale Δ. A sample of zeros (a round that took no step) is idle, not this."""
+        sample = shown_sample(header)
+        if sample is None or not any(sample):
+            return False
+        if not self.work_replays.repeats(partner, claimed_round, [torch.tensor(sample, dtype=torch.float64)]):
+            return False
+        self.reputation.penalise(partner, "replayed", f"its work sample for round {claimed_round} is the one it "
+                                                      f"showed for an earlier round, bit for bit")
+        return True
 
     @property
     def current(self) -> Any:  # the latest round (closed once its exchange returned)

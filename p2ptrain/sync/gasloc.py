@@ -50,10 +50,13 @@ class GaslocSync:
         self.mixer.set_base_(self.outer.anchor)
 
     def finish_round(self, context: RoundContext) -> RoundSync:
-        proposal = propose(self.outer.anchor, self.outer.outer_gradient(), self.outer.config.lr)
+        outer_gradient = self.outer.outer_gradient()
+        proposal = propose(self.outer.anchor, outer_gradient, self.outer.config.lr)
         if not all_finite(proposal):
             logger.warning(f"round {context.round}: the outer gradient is not finite; dropping it (no step this round)")
             proposal = [a.detach().clone() for a in self.outer.anchor]
+            outer_gradient = [torch.zeros_like(a) for a in self.outer.anchor]
+        self.mixer.show_work_(outer_gradient, context.tokens)  # what our values show partners of our work
         late_pull, stats = self._collect_pending()
         y = [t.float().cpu() + c + p for t, c, p in zip(proposal, self.mixer.take_correction_(), late_pull,
                                                         strict=True)]

@@ -41,6 +41,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
+from p2ptrain.sync.contribution import WORK_KEY, Contributions, OwnWork, work_sample
 from p2ptrain.sync.exchange_driver import ExchangeDriver, RoundSlots
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.refusals import Refusal
@@ -77,10 +78,10 @@ class ParamOffer:
     """One mix we start (the initiator's side): `sent` offered to up to `degree_cap` partners, and the running mix."""
     keeps_unconfirmed_mix = False  # a mix whose ack was lost is not applied (the partner may not have)
     measures_link = True
-    own_work = None  # parameters show no one round's work (sync/contribution.py)
 
     def __init__(self, gossip: ParamGossip, round_: int, value: list[torch.Tensor], degree_cap: int):
         self.gossip, self.round, self.sent = gossip, round_, value
+        self.own_work = gossip.own_work  # what partners' work samples are judged against (GASLoC), as of this mix
         self.weight = uniform_weight(degree_cap)
         self.slots = RoundSlots(round_, gossip.own_id, degree_cap)
         self.mixed = [v.clone() for v in value]
@@ -114,7 +115,6 @@ class ParamAnswers:
     # theirs): refused, not penalised; a prober pays for its "uncommitted" opens
     extra_offers_offend = False
     measures_link = True  # answers carry parameters
-    own_work = None  # parameters show no one round's work (sync/contribution.py)
 
     def __init__(self, gossip: ParamGossip, round_: int):
         self.gossip, self.round = gossip, round_
@@ -126,6 +126,10 @@ class ParamAnswers:
     def sent(self) -> list[torch.Tensor]:
         return self.public
 
+    @property
+    def own_work(self) -> OwnWork | None:  # our latest round's work, as partners' samples are judged against it
+        return self.gossip.own_work
+
     def agree_weight(self, claimed: object) -> float | None:
         """The smaller of the offer's weight and our own (we answer which): no claim can raise it."""
         return mixing_weight(claimed, uniform_weight(self.gossip.config.gossip_peers))
@@ -135,7 +139,7 @@ class ParamAnswers:
         if gossip.same_round_only and round_ != self.round:
             return Refusal.WRONG_ROUND
         with gossip.lock:
-            if gossip.answering:
+            if gossip.answering or gossip.work_due:
                 return Refusal.BUSY
             if not gossip.offer_limit.accept(sender, self.round):
                 return Refusal.TOO_MANY_OFFERS
@@ -165,12 +169,13 @@ class ParamGossip:
     runs one mix of ours; its `driver` answers offers (`serve_exchanges(p2p, gossip.driver)`) and makes ours.
 
     `links` is the peer's one table of measured links (shared with its gradient gossip, if any); `reputation` the
-    peer's one record of offences (the exchange servicer refuses the peers it bans)."""
+    peer's one record of offences (the exchange servicer refuses the peers it bans); `contributions` its one ledger
+    of the work partners' values showed (GASLoC's, `show_work_`)."""
 
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
                  config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
                  links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None,
-                 conduct: Conduct = HONEST):
+                 conduct: Conduct = HONEST, contributions: Contributions | None = None):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
         self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
         self.overlapped = overlapped  # Mix1: our exchanges run during the inner phase (GASLoC's block training)
@@ -192,9 +197,16 @@ class ParamGossip:
         self.clip = AdaptiveClip(config.param_clip_multiplier, excuse=DriftExcuse()) if config.robust else None
         self.own_scale: float | None = None  # the base's latest move as of our latest mix (see `yardstick`)
         self.offer_limit = OfferLimit(OPENS_PER_ROUND, OFFERS_PER_S, OFFER_BURST)
+        self.own_work: OwnWork | None = None  # our latest round's work, once shown (`show_work_`)
+        self._shown: dict[str, Any] = {}  # what our headers show of it
+        # our round jumped (a state adopted, a checkpoint resumed) since our latest sample, if any: we answer no offer
+        # until our next step shows our work, as an old sample shown for a later round is a replay to partners, and
+        # none at all idle (a fresh peer's first round is spared: partners judge its first value as a joiner's)
+        self.work_due = False
         self.driver = ExchangeDriver(p2p, run_id, fingerprint, kind, config, self, PARAM_CODECS,
                                      self.raw_bytes + 2**20, links, self.reputation, routes,
-                                     offer_limit=self.offer_limit, holds_offers=False)  # any round, or Mix1's only
+                                     offer_limit=self.offer_limit, holds_offers=False,  # any round, or Mix1's only
+                                     contributions=contributions)
         self.own_id, self.links, self.routes = self.driver.own_id, self.driver.links, self.driver.routes
         self.driver.current = ParamAnswers(self, 0)
         self._offer: ParamOffer | None = None  # the latest mix we started
@@ -210,6 +222,7 @@ class ParamGossip:
         if value not in (self._round, self._round + 1):
             with self.lock:
                 self._base_set, self._quiet_until = False, value + JUMP_GRACE_ROUNDS
+                self.work_due = True  # our latest work sample, if any, is of a state we left (`show_work_`)
         if value != self._round:
             self.driver.current = ParamAnswers(self, value)
         self._round = value
@@ -280,10 +293,24 @@ class ParamGossip:
         return self.clip_value(partner, theirs, rnd.sent, header.get("round"))
 
     def note_partner(self, rnd: ParamOffer | ParamAnswers, partner: str, header: dict[str, Any]) -> None:
-        """Nothing of a partner's header is kept (its round claim only excuses drift, `clip_value`)."""
+        """Nothing of a partner's header is kept (its round claim only excuses drift, `clip_value`; its work sample
+        and tokens are judged by the driver)."""
 
     def header_extra(self) -> dict[str, Any]:
-        return {}
+        """The work sample and tokens of our latest round (`show_work_`), if we show one."""
+        with self.lock:
+            return dict(self._shown)
+
+    # ---- the work a value shows (sync/contribution.py) --------------------------------------------------------
+    def show_work_(self, outer_gradient: Sequence[torch.Tensor], tokens: int) -> None:
+        """Our latest round's outer gradient and the tokens it trained: every header we send from now on shows its
+        work sample (as the peer's conduct forms the outer gradients it sends), and partners' samples are judged
+        against our own. GASLoC's round loop calls this; Mix1 shows none (Factored's Mix2 judges the round's Δ)."""
+        own = work_sample(outer_gradient, self.run_id)
+        sent = work_sample(self.conduct.sent_outer_gradient(list(outer_gradient)), self.run_id)
+        with self.lock:
+            self.own_work = OwnWork.of_sample(own, tokens)
+            self._shown, self.work_due = {WORK_KEY: sent, "tokens": tokens}, False
 
     # ---- robust mixing ---------------------------------------------------------------------------------------------
     def outgoing(self, value: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -36,11 +36,16 @@ ALIGNED_MAX_DISTANCE = 1e-3
 
 def state_sample(tensors: Sequence[torch.Tensor], round_: int, run_id: str) -> list[float]:
     """θ at STATE_SAMPLE coordinates of the tensors flattened end to end, drawn from the run and the round."""
+    return sample_at(tensors, f"{run_id}/state/{round_}")
+
+
+def sample_at(tensors: Sequence[torch.Tensor], key: str) -> list[float]:
+    """The tensors flattened end to end, at STATE_SAMPLE coordinates drawn from `key` (every peer draws the same)."""
     sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.long)
     total = int(sizes.sum())
     if total == 0:
         return []
-    seed = int.from_bytes(hashlib.sha256(f"{run_id}/state/{round_}".encode()).digest()[:8], "little")
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
     positions = torch.randint(total, (STATE_SAMPLE,), generator=torch.Generator().manual_seed(seed % 2**63))
     ends = sizes.cumsum(0)
     owners = torch.searchsorted(ends, positions, right=True)

@@ -11,9 +11,9 @@ the protocol perfectly and only its values lie:
 - ``replay``: a stale value: θ_0 for parameters, the outer gradient of the attack's first round for Δ;
 - ``nan``: its value with NaN in it;
 - ``free_rider``: its outer gradient × FREE_RIDER_SCALE, as if it trained at a millionth of the learning rate (the
-  modes that exchange outer gradients; its parameters go out as they are). Like every lie here it shapes only what
-  leaves the peer: its own all-reduce reduces its true Δ, so its digest differs from the members' and it falls out
-  of step each round it is a member;
+  modes that exchange outer gradients, and the work sample GASLoC's headers show; its parameters go out as they
+  are). Like every lie here it shapes only what leaves the peer: its own all-reduce reduces its true Δ, so its
+  digest differs from the members' and it falls out of step each round it is a member;
 - ``state_liar``: announces round +100000 and serves −5 × its anchor as its round-start snapshot.
 """
 
