@@ -7,8 +7,8 @@ their round 2 on:
   aimed       −7 × its value: inside the fixed 10× distance bound, so only the robust mixing and the bans meet it
   replay      a stale value: θ₀ for parameters, its first attacked round's outer gradient for Δ
   sign_flip   −1000 × its value;  scale: +1000 × its value
-  free_rider  its outer gradient × 1e-6 (DiLoCo only: a GASLoC peer sends parameters, which a free rider does not
-              shape)
+  free_rider  its outer gradient × 1e-6 (GASLoC: the sample of it its headers show; its parameters are a trained
+              peer's, so its row measures the time to ban, not a free rider's harm)
   slow        not a lie: the k peers' links at 64 kbit/s (both ways), the others' at the fast rate
 Defences on = the defaults; off = `sync.robust: false` (plain means, no adaptive clip, no distance judgement) and a
 ban score no offence reaches. GASLoC keeps its fixed 10× partner bound either way, which refuses sign_flip and scale
@@ -51,7 +51,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("gasloc", "diloco")
 LIES = ("aimed", "replay", "sign_flip", "scale", "free_rider")
 CLASSES = (*LIES, "slow")
-OUTER_GRADIENT_ONLY = {"free_rider"}  # lies that shape an outer gradient, which GASLoC does not send
 ATTACK_FROM_ROUND = 2
 SLOW_RATE = "64kbit"
 OFF = {"sync": {"robust": False}, "reputation": {"ban_score": 1e9}}
@@ -89,8 +88,6 @@ def rows_to_run(modes: Sequence[str], classes: Sequence[str]) -> list[tuple[str,
     for mode in modes:
         rows += [(mode, None, True), (mode, None, False)]
         for kind in classes:
-            if kind in OUTER_GRADIENT_ONLY and mode == "gasloc":
-                continue
             rows += [(mode, kind, True)] + ([(mode, kind, False)] if kind in LIES else [])
     return rows
 

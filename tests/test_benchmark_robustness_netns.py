@@ -32,10 +32,11 @@ def test_each_rows_scenario_parses_and_its_attackers_are_the_peers_judged_out(ki
         (True, False) if defended else (False, True))
 
 
-def test_rows_pair_each_lie_on_and_off_and_skip_what_a_mode_cannot_carry() -> None:
+def test_rows_pair_each_lie_on_and_off_and_a_slow_member_has_one_row() -> None:
     rows = bench.rows_to_run(["gasloc", "diloco"], ["aimed", "free_rider", "slow"])
     assert rows == [("gasloc", None, True), ("gasloc", None, False), ("gasloc", "aimed", True),
-                    ("gasloc", "aimed", False), ("gasloc", "slow", True),
+                    ("gasloc", "aimed", False), ("gasloc", "free_rider", True), ("gasloc", "free_rider", False),
+                    ("gasloc", "slow", True),
                     ("diloco", None, True), ("diloco", None, False), ("diloco", "aimed", True),
                     ("diloco", "aimed", False), ("diloco", "free_rider", True), ("diloco", "free_rider", False),
                     ("diloco", "slow", True)]
