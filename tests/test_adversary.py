@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from p2ptrain.errors import ConfigError, UserError
-from p2ptrain.testnet.adversary import ATTACKS, Attack, HostileConduct, tampered
+from p2ptrain.tensor_layout import norm
+from p2ptrain.testnet.adversary import ATTACKS, PUSH_STEPS, Attack, HostileConduct, tampered
 from p2ptrain.testnet.plan import plan_run
 from p2ptrain.testnet.report import Life, RunRecord, check_attackers_banned, run_checks
 from p2ptrain.testnet.scenario import parse_scenario
@@ -139,6 +140,31 @@ def test_a_free_rider_sends_a_millionth_of_its_outer_gradient_and_its_parameters
     for sent in (rider.sent_outer_gradient(value), rider.own_outer_gradient(value)):
         assert torch.allclose(sent[0], torch.tensor([1e-6, -2e-6]))
     assert rider.sent_params(value, theta0) is value and rider.announced_round(1) == 1
+
+
+def test_push_adds_a_few_steps_in_one_direction_every_round_and_every_value_of_a_round_alike() -> None:
+    """Beyond τ (2 steps at least) and inside the hard radius (8 typical distances), always the same way."""
+    round_ = [0]
+    push = HostileConduct(Attack("push", 0))
+    push.follow(lambda: round_[0])
+    theta0 = [torch.zeros(3), torch.zeros(2)]
+    start = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0])]
+    assert all(torch.equal(s, v) for s, v in zip(push.sent_params(start, theta0), start, strict=True))  # no step yet
+    pushes = []
+    for r, step in ((1, 0.5), (2, 0.25)):
+        round_[0] = r
+        moved = [v + step / math.sqrt(5) for v in start]  # ‖moved − start‖ = step
+        for _ in range(2):  # every value of a round pushes by that round's step
+            pushed = push.sent_params(moved, theta0)
+            offset = [p - m for p, m in zip(pushed, moved, strict=True)]
+            assert math.isclose(norm(offset), PUSH_STEPS * step, rel_tol=1e-5)
+        pushes.append(offset)
+        start = moved
+    assert math.isclose(sum(float((a * b).sum()) for a, b in zip(*pushes, strict=True)),
+                        norm(pushes[0]) * norm(pushes[1]), rel_tol=1e-5)  # one direction
+    gradient = [torch.tensor([3.0, 4.0])]
+    assert math.isclose(norm([p - g for p, g in zip(push.sent_outer_gradient(gradient), gradient, strict=True)]),
+                        PUSH_STEPS * 5.0, rel_tol=1e-5)
 
 
 def test_replay_sends_theta0_for_parameters_and_the_first_outer_gradient_it_lied_about() -> None:

@@ -9,6 +9,11 @@ the protocol perfectly and only its values lie:
   10 × the victim's norm, which drives undefended GASLoC to a uniform model;
 - ``sign_flip``: −1000 × its value; ``scale``: +1000 × its value;
 - ``replay``: a stale value: θ_0 for parameters, the outer gradient of the attack's first round for Δ;
+- ``push``: its value plus PUSH_STEPS × its typical step in one fixed direction, every time: beyond the clipping
+  radius τ (2 steps or more) but inside the hard radius where an offence starts (8 × the typical distance), so each
+  exchange is clipped to τ without offence and moves its victim by w·τ, always the same way (issue 31's attack
+  "aimed inside the clipping radius, over many rounds"). A step is how far its value moved since the last round it
+  sent one (parameters), or the outer gradient's length;
 - ``nan``: its value with NaN in it;
 - ``free_rider``: its outer gradient × FREE_RIDER_SCALE, as if it trained at a millionth of the learning rate (the
   modes that exchange outer gradients, and the work sample GASLoC's headers show; its parameters go out as they
@@ -22,12 +27,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
+
 from p2ptrain.errors import UserError
 from p2ptrain.sync.interface import NamedTensors, Tensors
+from p2ptrain.tensor_layout import distance, norm
 
-VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "nan")
+VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "nan", "push")
 ATTACKS = (*VALUE_ATTACKS, "free_rider", "state_liar")
 FREE_RIDER_SCALE = 1e-6
+PUSH_STEPS = 3.0  # ``push``'s lie, in typical steps: beyond τ (≥ 2 steps), well inside the hard radius (≥ 8)
+PUSH_SEED = 31
 LIAR_ROUND_LEAD = 100_000
 
 
@@ -73,6 +83,9 @@ class HostileConduct:
         # per channel (sent to partners, handed to hivemind's all-reduce): the outer gradient of the attack's first
         # round, which a replay sends again
         self.first: dict[str, Tensors] = {}
+        self.directions: dict[tuple[tuple[int, ...], ...], Tensors] = {}  # ``push``'s one (unit) direction, per layout
+        # ``push`` on parameters: (the round, the value first sent in it, the step that round pushes by)
+        self.pushed_from: tuple[int, Tensors, float] | None = None
 
     def follow(self, round_of: Callable[[], int]) -> None:
         self.round_of = round_of
@@ -84,7 +97,27 @@ class HostileConduct:
         return self.attack.kind in VALUE_ATTACKS and self.active()
 
     def sent_params(self, value: Tensors, theta0: Tensors) -> Tensors:
+        if self.attack.kind == "push" and self.lies_about_values():
+            return self._pushed(value, self._param_step(value))
         return tampered(self.attack.kind, value, theta0) if self.lies_about_values() else value
+
+    def _param_step(self, value: Tensors) -> float:
+        """How far our parameters moved from the first value we sent in an earlier round to the first in this one;
+        every value sent in one round pushes by the same step."""
+        round_ = self.round_of()
+        if self.pushed_from is not None and self.pushed_from[0] == round_:
+            return self.pushed_from[2]
+        step = distance(value, self.pushed_from[1]) if self.pushed_from is not None else 0.0
+        self.pushed_from = (round_, [v.detach().clone() for v in value], step)
+        return step
+
+    def _pushed(self, value: Tensors, step: float) -> Tensors:
+        shapes = tuple(tuple(v.shape) for v in value)
+        if shapes not in self.directions:
+            generator = torch.Generator().manual_seed(PUSH_SEED)
+            raw = [torch.randn(shape, generator=generator) for shape in shapes]
+            self.directions[shapes] = [r / norm(raw) for r in raw]
+        return [v + PUSH_STEPS * step * d for v, d in zip(value, self.directions[shapes], strict=True)]
 
     def sent_outer_gradient(self, value: Tensors) -> Tensors:
         return self._outer_gradient("sent", value)
@@ -97,6 +130,8 @@ class HostileConduct:
             return [FREE_RIDER_SCALE * v for v in value]
         if not self.lies_about_values():
             return value
+        if self.attack.kind == "push":
+            return self._pushed(value, norm(value))
         first = self.first.setdefault(channel, [v.detach().clone() for v in value])
         return tampered(self.attack.kind, value, first)
 
