@@ -602,7 +602,7 @@ def test_a_gasloc_peer_whose_round_jumped_answers_no_offer_until_its_next_step_s
     """Its latest work sample is of the state it left: shown for its new round it would be a replay to partners
     that saw it before. So it refuses offers as busy (no offence) until its next outer step shows a new one."""
     gossip = ParamGossip(FakeP2P("a"), RUN, FINGERPRINT, "gasloc", reference(), config(mode="gasloc"),  # type: ignore[arg-type]
-                         seed=0)
+                         seed=0, shows_work=True)
     assert gossip.driver.current.accept_("b", 0, 0.0) is None  # a fresh peer answers in its first round
     gossip.driver.current.release_("b", outgoing=False)
     assert gossip.header_extra() == {}  # with no sample yet: partners spare the first value they judge
@@ -619,6 +619,10 @@ def test_a_gasloc_peer_whose_round_jumped_answers_no_offer_until_its_next_step_s
     gossip.show_work_(random_direction(2, STEP), tokens=100)
     assert gossip.driver.current.accept_("b", 40, 0.0) is None
     assert gossip.header_extra()[WORK_KEY] != shown[WORK_KEY]
+    mix1 = ParamGossip(FakeP2P("c"), RUN, FINGERPRINT, "mix1", reference(), config(mode="factored"),  # type: ignore[arg-type]
+                       seed=0, same_round_only=True)  # Factored's Mix1 shows no work: a jump holds nothing back
+    mix1.round = 40
+    assert mix1.driver.current.accept_("b", 40, 0.0) is None and mix1.header_extra() == {}
 
 
 PUSH_ROUNDS = 30

@@ -64,7 +64,8 @@ def build_outer_sync(config: SyncConfig, dht: hivemind.DHT, p2p: P2P, loop: Back
     links = LinkSpeeds()  # one table of measured links for every exchange this peer starts
     mixer = ParamGossip(p2p, run_id, fingerprint, "mix1" if factored else "gasloc", reference, config, seed,
                         same_round_only=factored, overlapped=factored or config.overlap == "delayed", links=links,
-                        reputation=reputation, routes=routes, conduct=conduct, contributions=contributions)
+                        reputation=reputation, routes=routes, conduct=conduct, contributions=contributions,
+                        shows_work=not factored)
     loop.run(serve_exchanges(p2p, mixer.driver, entry), timeout=PATIENCE_S)
     if config.mode == "gasloc":
         return GaslocSync(outer, mixer, loop, config)

@@ -175,8 +175,9 @@ class ParamGossip:
     def __init__(self, p2p: P2P, run_id: str, fingerprint: str, kind: str, reference: Sequence[torch.Tensor],
                  config: SyncConfig, seed: int, same_round_only: bool = False, overlapped: bool = False,
                  links: LinkSpeeds | None = None, reputation: Reputation | None = None, routes: Routes | None = None,
-                 conduct: Conduct = HONEST, contributions: Contributions | None = None):
+                 conduct: Conduct = HONEST, contributions: Contributions | None = None, shows_work: bool = False):
         self.p2p, self.run_id, self.fingerprint, self.kind, self.config = p2p, run_id, fingerprint, kind, config
+        self.shows_work = shows_work  # GASLoC: our values show our work (`show_work_`); Mix1's do not
         self.same_round_only = same_round_only  # Mix1: mix round-t values only (no staleness)
         self.overlapped = overlapped  # Mix1: our exchanges run during the inner phase (GASLoC's block training)
         self.reference = [t.detach().float().cpu().clone() for t in reference]
@@ -222,7 +223,7 @@ class ParamGossip:
         if value not in (self._round, self._round + 1):
             with self.lock:
                 self._base_set, self._quiet_until = False, value + JUMP_GRACE_ROUNDS
-                self.work_due = True  # our latest work sample, if any, is of a state we left (`show_work_`)
+                self.work_due = self.shows_work  # our latest work sample, if any, is of a state we left
         if value != self._round:
             self.driver.current = ParamAnswers(self, value)
         self._round = value
@@ -305,9 +306,12 @@ class ParamGossip:
     def show_work_(self, outer_gradient: Sequence[torch.Tensor], tokens: int) -> None:
         """Our latest round's outer gradient and the tokens it trained: every header we send from now on shows its
         work sample (as the peer's conduct forms the outer gradients it sends), and partners' samples are judged
-        against our own. GASLoC's round loop calls this; Mix1 shows none (Factored's Mix2 judges the round's Δ)."""
-        own = work_sample(outer_gradient, self.run_id)
-        sent = work_sample(self.conduct.sent_outer_gradient(list(outer_gradient)), self.run_id)
+        against our own. GASLoC's round loop calls this (`shows_work`); Mix1 shows none (Factored's Mix2 judges
+        the round's Δ)."""
+        own_gradient = list(outer_gradient)
+        own = work_sample(own_gradient, self.run_id)
+        sent_gradient = self.conduct.sent_outer_gradient(own_gradient)
+        sent = own if sent_gradient is own_gradient else work_sample(sent_gradient, self.run_id)
         with self.lock:
             self.own_work = OwnWork.of_sample(own, tokens)
             self._shown, self.work_due = {WORK_KEY: sent, "tokens": tokens}, False
