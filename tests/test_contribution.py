@@ -20,6 +20,7 @@ from p2ptrain.sync.contribution import (
     Contributions,
     OwnWork,
     claimed_tokens,
+    shown_sample,
     work_sample,
 )
 from p2ptrain.sync.exchange_driver import ExchangeDriver
@@ -164,9 +165,9 @@ def test_every_peer_samples_its_outer_gradient_at_the_runs_same_coordinates() ->
 @pytest.mark.parametrize("shown", [None, "text", [1.0] * (STATE_SAMPLE - 1), [math.nan] * STATE_SAMPLE,
                                    [True] * STATE_SAMPLE, [1e300] * STATE_SAMPLE])
 def test_a_header_without_a_valid_work_sample_shows_no_work(shown: object) -> None:
-    own = OwnWork.of_sample(work_sample(gradient(1), "run"), OWN_TOKENS)
     header = {} if shown is None else {WORK_KEY: shown}
-    assert own.shown_length(header, gradient(3)) == 0.0  # the parameters themselves are no measure of work
+    assert shown_sample(header) is None  # and the parameters themselves are no measure of work: idle (below)
+    assert shown_sample({WORK_KEY: work_sample(gradient(1), "run")}) == work_sample(gradient(1), "run")
 
 
 def test_the_driver_bans_a_gasloc_free_rider_by_its_samples_and_spares_an_honest_partner() -> None:

@@ -38,7 +38,6 @@ import torch
 
 from p2ptrain.net.discovery import MAX_TOKENS, MAX_VOUCHES, short_id
 from p2ptrain.sync.state_evidence import parse_sample, sample_at
-from p2ptrain.tensor_layout import norm
 
 IDLE_FRACTION = 1e-4  # a Δ shorter than this × ours is no training (see above)
 MAX_CLAIM_FACTOR = 16.0  # a claim verifies at most this × our own round's tokens
@@ -58,14 +57,6 @@ class OwnWork:
     @classmethod
     def of_sample(cls, sample: Sequence[float], tokens: int) -> OwnWork:
         return cls(sample_length(sample), tokens, tuple(sample))
-
-    def shown_length(self, header: dict[str, Any], theirs: Sequence[torch.Tensor]) -> float:
-        """The length of the work a partner's value shows against ours: its outer gradient's, or where values are
-        parameters its header's sample's (0 without a valid one: no work shown)."""
-        if self.sample is None:
-            return norm(theirs)
-        sample = shown_sample(header)
-        return sample_length(sample) if sample is not None else 0.0
 
 
 WORK_KEY = "work"  # the header field of a GASLoC value's work sample

@@ -33,7 +33,7 @@ from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.wire import payload_bytes
 from p2ptrain.sync.config import SyncConfig
-from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens, shown_sample
+from p2ptrain.sync.contribution import Contributions, OwnWork, claimed_tokens, sample_length, shown_sample
 from p2ptrain.sync.failed_partners import FailedPartners
 from p2ptrain.sync.interface import ExchangeRecord, RoundSync
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
@@ -41,6 +41,7 @@ from p2ptrain.sync.relay_retries import RelayRetries
 from p2ptrain.sync.replay_check import ReplayCheck
 from p2ptrain.sync.round_gate import RoundGate, offered_hold_s
 from p2ptrain.sync.round_retry import retry_delay_s
+from p2ptrain.tensor_layout import norm
 from p2ptrain.timing import SETUP_FLOOR_S
 
 logger = logging.getLogger(__name__)
@@ -331,19 +332,21 @@ class ExchangeDriver:
         own = rnd.own_work
         if own is None or type(claimed_round) is not int:
             return
-        if own.sample is not None:
-            replayed = self._replays_work_sample(partner, claimed_round, header) or replayed
-        theirs_norm = own.shown_length(header, theirs)
+        if own.sample is None:
+            theirs_norm = norm(theirs)
+        else:  # parameters: the sample of an outer gradient the header shows (none valid: no work shown)
+            sample = shown_sample(header)
+            replayed = self._replays_work_sample(partner, claimed_round, sample) or replayed
+            theirs_norm = sample_length(sample) if sample is not None else 0.0
         if self.contributions.judge_(partner, claimed_round, claimed_tokens(header), theirs_norm, own.norm,
                                      own.tokens, replayed):
             shown = "outer gradient" if own.sample is None else "outer gradient's sample"
             self.reputation.penalise(partner, "idle", f"its {shown} for round {claimed_round} is "
                                                       f"{theirs_norm:.3g} long, ours {own.norm:.3g}: no training")
 
-    def _replays_work_sample(self, partner: str, claimed_round: int, header: dict[str, Any]) -> bool:
+    def _replays_work_sample(self, partner: str, claimed_round: int, sample: list[float] | None) -> bool:
         """Whether the work sample a partner's header shows is, bit for bit, one it showed for an earlier round (an
         offence, as a replayed value is): a stale Δ. A sample of zeros (a round that took no step) is idle, not this."""
-        sample = shown_sample(header)
         if sample is None or not any(sample):
             return False
         if not self.work_replays.repeats(partner, claimed_round, [torch.tensor(sample, dtype=torch.float64)]):
