@@ -58,15 +58,17 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
             failed += metrics.failed_exchanges
     assert exchanges >= 2 * (ROUNDS - 1), "peers hardly ever found a partner"
     sent = [sum(m.bytes_sent for m in h) for h in histories]
-    received = [sum(m.bytes_received for m in h) for h in histories]
     opened = [sum(r.bytes_sent for m in h for r in metrics_exchanges(m)) for h in histories]
     # The rounds' bytes are measured on the streams (net/stream_bytes.py): each peer sent at least the payloads of
-    # the exchanges it opened; the answers count too (each committed exchange carries a payload back: 0.9 allows
-    # for answers sent after their peer's last round); what one peer's streams sent, another's received (two runs:
-    # 9,402,366 sent / 9,402,350 received; 10,342,832 / 10,375,850)
+    # the exchanges it opened in its rounds ...
     assert all(s >= o > 0 for s, o in zip(sent, opened, strict=True)), (sent, opened)
-    assert sum(sent) >= 0.9 * 2 * sum(opened), (sent, opened)
-    assert abs(sum(sent) - sum(received)) <= 0.05 * sum(sent), (sent, received)  # (2 payloads: the last rounds)
+    # ... and its streams count the answers too: each committed exchange carries a payload back, and what one peer's
+    # streams sent, another's received. On the counters' totals, not the rounds' sum: an answer sent after its
+    # sender's last round is in no round (a quarter of them under a CI run's load: 8.0 MB against 2 × 4.7 MB)
+    totals = [thread.peer.traffic.counter.totals() for thread in threads]
+    all_sent, all_received = sum(t[0] for t in totals), sum(t[1] for t in totals)
+    assert all_sent >= 0.95 * 2 * sum(opened), (totals, opened)
+    assert abs(all_sent - all_received) <= 0.05 * all_sent, totals
     # Exchanges between live peers on loopback complete (they failed about 1 in 25 while the responder closed its
     # end too early and p2pd reset the stream: gossip._drain). One is allowed to run out its deadline on a loaded
     # CI machine; a timed-out exchange leaves the initiator unchanged (tests/test_gossip.py).

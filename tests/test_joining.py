@@ -901,6 +901,17 @@ def test_a_download_cut_short_says_so_rather_than_blaming_the_layout():
 
 
 @pytest.mark.network
+def test_a_download_cut_inside_its_last_tensor_says_so_rather_than_blaming_the_donor_for_corrupt_data():
+    """A donor cuts a download at its deadline (a reader too slow under load, a CI run): the stream ends inside the
+    last tensor, whose parts combine to fewer bytes than its shape needs. That is a cut, not an undecodable tensor."""
+    whole = served(7)
+    short = whole.tensors[-1].flatten()[: whole.tensors[-1].numel() * 3 // 4].clone()
+    cut = StateSnapshot(whole.metadata, whole.names, (*whole.tensors[:-1], short))
+    downloaded, _ = asyncio.run(asyncio.wait_for(serve_and_fetch(cut, banned=False, seed=1, wanted=whole), 60))
+    assert isinstance(downloaded, WireError) and "ended inside tensor 2 of 2: cut off" in str(downloaded), downloaded
+
+
+@pytest.mark.network
 def test_metadata_with_round_x_is_refused_in_the_download_before_anything_is_applied():
     downloaded, _ = asyncio.run(asyncio.wait_for(serve_and_fetch(served("x"), banned=False, seed=1), 60))
     assert isinstance(downloaded, SnapshotRefused) and downloaded.offence == "malformed"
@@ -963,7 +974,9 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
         c, d = [await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                  nat_port_map=False, auto_nat=False, use_relay=False) for _ in range(2)]
         reputation = Reputation()
-        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=0.5)
+        # downloads are capped at 4 × 2 s = 8 s here (download_deadline_s); at 0.5 s (2 s) the donor cut c's honest
+        # 8 MiB download itself in a CI run, its reads slowed by the loaded machine
+        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=2.0)
         await server.add_p2p_handlers(a, namespace="run")
         try:
             assert DOWNLOADS_AT_ONCE == 2  # one stalled stream from each of b and d
@@ -977,9 +990,9 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
                                         return_exceptions=True)
             assert isinstance(second[0], SnapshotRefused) and "while its first is served" in str(second[0]), second
             started = time.monotonic()
-            # each stalled stream is cut at its deadline: 0.5 + 8 MiB at 64 KiB/s, capped at 4 × 0.5 = 2 s
+            # each stalled stream is cut at its deadline: its next message at 64 KiB/s, at most 4 × 2 = 8 s
             downloaded = await download_state(c, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED) \
-                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 10) else None
+                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 30) else None
             waited = time.monotonic() - started
             small = StateServer(lambda: served(7), reputation.refuses, reputation.penalise)
             await small.add_p2p_handlers(c, namespace="small")
@@ -997,7 +1010,8 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
 
     busy, downloaded, waited, offences, served_count, b_id, d_id = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert isinstance(busy, SnapshotRefused) and "busy" in str(busy), busy  # both slots taken: refused, saying so
-    assert isinstance(downloaded, StateSnapshot) and downloaded.round == 7 and waited < 5.0
+    # the stalled streams were cut at their deadline (not held for good, as for 85 s before), then c got the state
+    assert isinstance(downloaded, StateSnapshot) and downloaded.round == 7, (downloaded, waited)
     assert DOWNLOAD_BURST <= served_count <= DOWNLOAD_BURST + 1  # a token may come back meanwhile
     assert offences == {b_id.to_base58(): {"slow_send": 1, "too_many_requests": DOWNLOAD_BURST + 2 - served_count},
                         d_id.to_base58(): {"slow_send": 1, "too_many_opens": 1}}, offences
@@ -1020,7 +1034,7 @@ def test_a_donor_serves_one_state_download_at_a_time_to_each_host_and_charges_no
         other_host = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.3/tcp/0"],
                                       **options)
         reputation = Reputation()
-        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=0.5,
+        server = StateServer(lambda: big, reputation.refuses, reputation.penalise, chunk_timeout_s=2.0,
                              host_of=RemoteHosts(a).host_of)
         await server.add_p2p_handlers(a, namespace="run")
         try:
@@ -1033,7 +1047,7 @@ def test_a_donor_serves_one_state_download_at_a_time_to_each_host_and_charges_no
                 download_state(other_host, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED), return_exceptions=True)
             # once the stalled stream is cut (at its deadline), the host's second identity is served
             later = await download_state(one_host[1], a.peer_id, "run", layout, 2**24, 5.0, EXPECTED) \
-                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 10) else None
+                if await wait_until_async(lambda: not any(not t.done() for t in server._serving), 30) else None
             return refused, other, later, reputation.offences()
         finally:
             for p2p in (*one_host, other_host, a):

@@ -375,9 +375,13 @@ async def download_state(
     check_snapshot_metadata(metadata, expected_metadata)
     if [list(x) for x in metadata.get("layout", [])] != [[n, list(s), d] for n, s, d in expected]:
         raise StateMismatchError(f"peer {peer_id} serves a state of another layout (a different model or config)")
-    if len(serialized) < len(expected):  # the layout matched: the stream was cut (the donor stopped, a link dropped)
+    # the layout matched: a stream that ends early was cut (the donor's deadline, a link dropped), not corrupt
+    if len(serialized) < len(expected):
         raise WireError(f"the state download from {peer_id} ended after {len(serialized)} of {len(expected)} "
                         f"tensors: cut off")
+    if serialized and len(serialized) == len(expected) and ends_inside(serialized[-1], expected[-1]):
+        raise WireError(f"the state download from {peer_id} ended inside tensor {len(expected)} of {len(expected)}: "
+                        f"cut off")
     try:
         tensors = [deserialize_torch_tensor(t) for t in serialized]
     except Exception as e:  # corrupt buffers surface as assorted numpy/torch errors
@@ -385,6 +389,16 @@ async def download_state(
     check_tensors(expected, tensors, what=f"state from {peer_id}")
     names = tuple(name for name, _, _ in expected)
     return StateSnapshot(metadata, names, tuple(tensors))
+
+
+def ends_inside(tensor: runtime_pb2.Tensor, layout: tuple[str, tuple[int, ...], str]) -> bool:
+    """Whether an uncompressed serialized tensor (what a donor serves) holds fewer bytes than its layout needs: the
+    stream ended inside it. Other compressions are left to deserialization to judge."""
+    _, shape, dtype = layout
+    element = getattr(torch, dtype.removeprefix("torch."), None)
+    if tensor.compression != runtime_pb2.CompressionType.NONE or not isinstance(element, torch.dtype):
+        return False
+    return len(tensor.buffer) < math.prod(shape) * element.itemsize
 
 
 class MalformedSketch(WireError):
