@@ -1,0 +1,134 @@
+"""net/holder_read.py on a node whose holders answer as the test says: a holder that does not answer costs a read
+HEDGE_S (one holder) or GRACE_S (all holders), not hivemind's request timeout, and is drawn last for a while.
+The real-node reads are in tests/test_records.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
+
+from p2ptrain.net import holder_read
+from p2ptrain.net.holder_read import (
+    GRACE_S,
+    HEDGE_S,
+    MAX_REMEMBERED,
+    SILENT_S,
+    SilentHolders,
+    read_from_holders,
+    read_from_one_holder,
+)
+
+KEY = "records"
+REQUEST_TIMEOUT_S = 3.0  # hivemind's: what a silent holder held a read for before
+
+
+def copy_of(entries: dict[str, tuple[int, float]]) -> ValueWithExpiration:
+    """A holder's copy of a dictionary key: subkey → (value, expires in s)."""
+    now, value = get_dht_time(), DictionaryDHTValue()
+    for subkey, (number, expires_in_s) in entries.items():
+        value.store(subkey, MSGPackSerializer.dumps(number), now + expires_in_s)
+    return ValueWithExpiration(value, value.latest_expiration_time)
+
+
+class Holders:
+    """A node and the holders it knows: `copies` maps a holder's name to its copy (None: it has none), `silent`
+    names those that answer only after the request timeout, with nothing."""
+
+    def __init__(self, copies: dict[str, ValueWithExpiration | None], silent: set[str], own: ValueWithExpiration | None
+                 = None):
+        self.ids = {name: DHTID.generate(source=name) for name in copies}
+        self.copies, self.silent, self.asked = copies, silent, []
+        self.node_id, self.own = DHTID.generate(source="reader"), own
+        self.protocol = self
+        self.routing_table, self.storage = self, self
+        self.record_validator, self.serializer = None, MSGPackSerializer
+
+    def get_nearest_neighbors(self, key_id: DHTID, k: int, exclude: DHTID) -> list[tuple[DHTID, str]]:
+        return sorted(((i, name) for name, i in self.ids.items()), key=lambda x: key_id.xor_distance(x[0]))[:k]
+
+    def get(self, key_id: DHTID) -> ValueWithExpiration | None:
+        return self.own
+
+    async def call_find(self, peer: str, keys: list[DHTID]) -> dict[DHTID, Any] | None:
+        self.asked.append(peer)
+        if peer in self.silent:
+            await asyncio.sleep(REQUEST_TIMEOUT_S)
+            return None
+        return {keys[0]: (self.copies[peer], {})}
+
+
+def timed(read: Any, holders: Holders) -> tuple[Any, float]:
+    started = time.monotonic()
+    found = asyncio.run(read(None, holders, KEY))
+    return found, time.monotonic() - started
+
+
+@pytest.fixture(autouse=True)
+def fresh_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(holder_read, "SILENT_HOLDERS", SilentHolders())
+
+
+def test_a_one_holder_read_asks_another_holder_when_the_first_is_silent_and_draws_it_last_next_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = copy_of({"a": (1, 60)})
+    holders = Holders({"slow": copy, "fast": copy}, silent={"slow"})
+    # the nearest holder other than the reader (whose own storage has no copy: a holder without the key ends a read)
+    monkeypatch.setattr(holder_read.random, "choice",
+                        lambda candidates: next((c for c in candidates if c != holders.node_id), candidates[0]))
+    first = holders.get_nearest_neighbors(DHTID.generate(source=KEY), 5, holders.node_id)[0][1]
+    holders.silent = {first}  # the holder drawn first is the silent one
+    found, took = timed(read_from_one_holder, holders)
+    assert found is not None and found.value["a"].value == 1
+    assert holders.asked[0] == first and len(holders.asked) == 2
+    assert HEDGE_S <= took < REQUEST_TIMEOUT_S  # asked beside it after HEDGE_S, not after the request timeout
+    # it did not answer within the read: drawn last from now on
+    holders.asked.clear()
+    found, took = timed(read_from_one_holder, holders)
+    assert found is not None and holders.asked == [next(n for n in holders.ids if n != first)] and took < HEDGE_S
+
+
+def test_a_read_of_every_holder_merges_their_copies_and_waits_for_a_silent_one_only_its_grace() -> None:
+    holders = Holders({"h1": copy_of({"a": (1, 60), "b": (2, 30)}), "h2": copy_of({"b": (3, 90)}),
+                       "h3": copy_of({"c": (4, 60)}), "h4": None}, silent={"h4"}, own=copy_of({"a": (5, 10)}))
+    found, took = timed(read_from_holders, holders)
+    assert found is not None
+    # each subkey's latest entry of any copy (ours included): "a" from h1 (60 s against our 10), "b" from h2
+    assert {k: v.value for k, v in found.value.items()} == {"a": 1, "b": 3, "c": 4}
+    assert sorted(holders.asked) == ["h1", "h2", "h3", "h4"]
+    assert took < GRACE_S + 1.0 < REQUEST_TIMEOUT_S  # most answered at once: the silent one had its grace
+    holders.asked.clear()
+    found, took = timed(read_from_holders, holders)  # silent lately: asked, but not waited for
+    assert found is not None and len(found.value) == 3 and "h4" in holders.asked and took < GRACE_S
+
+
+def test_a_read_of_every_holder_waits_for_more_than_half_and_says_none_when_none_has_the_key() -> None:
+    holders = Holders({"h1": None, "h2": None, "h3": None, "h4": None}, silent={"h3", "h4"})
+    found, took = timed(read_from_holders, holders)
+    # we and two of four answered, 3 of 5: more than half; the two silent ones had GRACE_S
+    assert found is None and took < GRACE_S + 1.0
+    holders = Holders({"h1": None, "h2": copy_of({"a": (1, 60)}), "h3": None, "h4": None}, silent={"h1", "h3", "h4"})
+    found, took = timed(read_from_holders, holders)
+    # 2 of 5 answered: not more than half, so the read waits for the silent ones' requests to end
+    assert found is not None and found.value["a"].value == 1 and took >= REQUEST_TIMEOUT_S
+
+
+def test_silent_holders_are_drawn_last_for_a_time_that_doubles_and_an_answer_forgets_it() -> None:
+    silent, now = SilentHolders(), 1000.0
+    slow, fast = DHTID.generate(source="slow"), DHTID.generate(source="fast")
+    silent.silent_(slow, now)
+    assert {silent.draw([slow, fast], now + SILENT_S - 1) for _ in range(20)} == {fast}
+    assert silent.draw([slow], now) == slow  # the only one: drawn anyway
+    assert fast in {silent.draw([slow, fast], now + SILENT_S + 1) for _ in range(50)}
+    silent.silent_(slow, now)
+    assert {silent.draw([slow, fast], now + 2 * SILENT_S - 1) for _ in range(20)} == {fast}  # the second: twice
+    silent.answered_(slow)
+    assert slow not in silent.silences
+    for i in range(MAX_REMEMBERED + 10):  # identities are free: the table stays bounded
+        silent.silent_(DHTID.generate(source=f"sybil-{i}"), now)
+    assert len(silent.silences) == MAX_REMEMBERED
