@@ -5,6 +5,7 @@ The real-node reads are in tests/test_records.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -116,6 +117,21 @@ def test_a_read_of_every_holder_waits_for_more_than_half_and_says_none_when_none
     found, took = timed(read_from_holders, holders)
     # 2 of 5 answered: not more than half, so the read waits for the silent ones' requests to end
     assert found is not None and found.value["a"].value == 1 and took >= REQUEST_TIMEOUT_S
+
+
+@pytest.mark.parametrize("own", [None, copy_of({"ours": (1, 60)})])
+def test_a_read_of_every_holder_ends_when_no_other_holder_answers(own: ValueWithExpiration | None) -> None:
+    """Every other holder silent (our own link saturated, as a 64 kbit/s member's): the read ends once their requests
+    do, with what our own storage holds. It once spun on, holding the DHT process's loop, whose pipe then filled and
+    blocked the peer's main thread for good (a netns run of issue 31's slow member)."""
+    holders = Holders({"h1": None, "h2": None}, silent={"h1", "h2"}, own=own)
+    result: list[Any] = []
+    reading = threading.Thread(target=lambda: result.append(timed(read_from_holders, holders)), daemon=True)
+    reading.start()
+    reading.join(REQUEST_TIMEOUT_S + 10)
+    assert result, "the read did not end"
+    found, _ = result[0]
+    assert (found is None) if own is None else (found is not None and found.value["ours"].value == 1)
 
 
 def test_silent_holders_are_drawn_last_for_a_time_that_doubles_and_an_answer_forgets_it() -> None:

@@ -178,6 +178,8 @@ async def read_from_holders(_dht: object, node: Any, key: str) -> ValueWithExpir
                 if own is not None:
                     answered += 1
                     found += [own[0]] if own[0] is not None else []
+            if not read.asking:
+                break  # every holder asked has answered, or ended without an answer
             now = time.monotonic()
             # the holders still asked are silent lately: their answers would come late if at all, once another node
             # answered (our own storage alone is no read of the swarm's records)
