@@ -19,6 +19,7 @@ from p2ptrain.net.holder_read import (
     GRACE_S,
     HEDGE_S,
     MAX_REMEMBERED,
+    MIN_GRACE_S,
     SILENT_S,
     SilentHolders,
     read_from_holders,
@@ -42,9 +43,10 @@ class Holders:
     names those that answer only after the request timeout, with nothing."""
 
     def __init__(self, copies: dict[str, ValueWithExpiration | None], silent: set[str], own: ValueWithExpiration | None
-                 = None):
+                 = None, late: dict[str, float] | None = None):
         self.ids = {name: DHTID.generate(source=name) for name in copies}
         self.copies, self.silent, self.asked = copies, silent, []
+        self.late = late or {}  # holder → seconds it takes to answer
         self.node_id, self.own = DHTID.generate(source="reader"), own
         self.protocol = self
         self.routing_table, self.storage = self, self
@@ -61,6 +63,7 @@ class Holders:
         if peer in self.silent:
             await asyncio.sleep(REQUEST_TIMEOUT_S)
             return None
+        await asyncio.sleep(self.late.get(peer, 0.0))
         return {keys[0]: (self.copies[peer], {})}
 
 
@@ -117,6 +120,31 @@ def test_a_read_of_every_holder_waits_for_more_than_half_and_says_none_when_none
     found, took = timed(read_from_holders, holders)
     # 2 of 5 answered: not more than half, so the read waits for the silent ones' requests to end
     assert found is not None and found.value["a"].value == 1 and took >= REQUEST_TIMEOUT_S
+
+
+def test_a_holder_that_answers_late_costs_a_read_a_short_grace_then_nothing():
+    """A holder behind a saturated 64 kbit/s link answers, in 1-2 s: waited for a fixed second after the others, it
+    slowed every DiLoCo read by that much. The grace is as long as the others took (at least MIN_GRACE_S); the late
+    holder's copy is missed, the others' hold every record, and the next read does not wait for it at all."""
+    copy = copy_of({"a": (1, 60)})
+    holders = Holders({"h1": copy, "h2": copy, "h3": copy, "late": copy}, silent=set(), own=copy, late={"late": 2.0})
+    found, took = timed(read_from_holders, holders)
+    assert found is not None and list(found.value) == ["a"] and took < 2.0 - MIN_GRACE_S
+    holders.late["late"] = 0.6  # faster now, but still silent lately: asked, not waited for
+    found, took = timed(read_from_holders, holders)
+    assert found is not None and holders.asked.count("late") == 2 and took < 0.6
+
+
+def test_holders_silent_lately_are_waited_for_until_most_holders_answered():
+    """Under a loaded start, holders cut short by earlier reads were all silent lately, and a read ended with our own
+    copy and one other's: a DiLoCo peer that had just seen its 3 partners began round 0 seeing none of them."""
+    holders = Holders({"h1": copy_of({"a": (1, 60)}), "h2": copy_of({"b": (2, 60)}), "h3": copy_of({"c": (3, 60)}),
+                       "h4": copy_of({"d": (4, 60)})}, silent=set(), own=copy_of({"ours": (5, 60)}),
+                      late={"h2": 0.3, "h3": 0.3, "h4": 0.3})
+    for name in ("h2", "h3", "h4"):
+        holder_read.SILENT_HOLDERS.silent_(holders.ids[name], time.monotonic())
+    found, _ = timed(read_from_holders, holders)
+    assert found is not None and len(found.value) >= 3, found  # a majority of our 5 holders answered, not 2
 
 
 @pytest.mark.parametrize("own", [None, copy_of({"ours": (1, 60)})])

@@ -11,8 +11,8 @@ lacks comes in with a read of another.
 A holder on a slow link answers late, and hivemind waits for it up to its request timeout (3 s, a DiLoCo read's
 whole patience): with one DiLoCo member on 64 kbit/s among a key's holders, every read of that key timed out on the
 fast members (issue 31). Here a holder that has not answered within HEDGE_S is asked beside another (one holder),
-a read of all holders ends GRACE_S after most of them answered (every holder keeps every record of its key), and a
-holder that did not answer is drawn after the others for a while (`SilentHolders`).
+a read of all holders ends a grace after most of them answered (every holder keeps every record of its key), and a
+holder that did not answer in time is drawn after the others, and not waited for, for a while (`SilentHolders`).
 
 Both run in the DHT's own process (`hivemind.DHT.run_coroutine`), on its node's routing table and protocol.
 """
@@ -38,8 +38,10 @@ MAX_ASKED = 12
 # a holder that has not answered a one-holder read by then is asked beside another: a loopback or home-link holder
 # answers in milliseconds, a loaded 2-core machine's within about a second (the request timeout stays hivemind's)
 HEDGE_S = 1.0
-# a read of every holder waits this long for the rest once more than half of those asked answered
-GRACE_S = 1.0
+# a read of every holder waits for the rest, once more than half of those asked answered, as long again as that
+# took, within these bounds: a holder that answers late every time (a 64 kbit/s member's, answering in 1-2 s) held
+# each DiLoCo read for all of a fixed 1 s (rounds of 0.7 s took 1.5-2.5 s on the netns testnet)
+MIN_GRACE_S, GRACE_S = 0.25, 1.0
 # a holder that did not answer is drawn after the others for this long, twice as long for each silence in a row
 SILENT_S, MAX_SILENT_S = 10.0, 300.0
 MAX_REMEMBERED = 256  # silent holders remembered at most (node ids are free): the oldest are forgotten first
@@ -165,12 +167,13 @@ async def read_from_one_holder(_dht: object, node: Any, key: str) -> ValueWithEx
 async def read_from_holders(_dht: object, node: Any, key: str) -> ValueWithExpiration | None:
     """`key`'s value merged from all its holders (a dictionary's entries, each the latest of any holder's, as
     hivemind's `get(latest=True)` merges them); None when no holder has it. Every holder is asked at once (and nodes
-    their answers name nearer to the key, up to MAX_ASKED); the read ends when all answered but those silent lately
-    (`SilentHolders`), or GRACE_S after more than half of those asked did: a silent or slow holder costs the read
-    GRACE_S once, not the request timeout, and nothing while it stays silent."""
-    read = HolderRead(node, key)
+    their answers name nearer to the key, up to MAX_ASKED); once more than half of those asked answered, the read
+    ends after a grace (as long again as that took, within MIN_GRACE_S and GRACE_S), at once if those left are silent
+    lately (`SilentHolders`): a silent or slow holder costs the read that grace, not the request timeout, and
+    nothing while it stays silent."""
+    read, started = HolderRead(node, key), time.monotonic()
     found: list[ValueWithExpiration] = []
-    answered, others_answered, most_at = 0, 0, None
+    answered, most_at, grace_s = 0, None, GRACE_S
     try:
         while True:
             for holder in read.unasked():
@@ -181,17 +184,17 @@ async def read_from_holders(_dht: object, node: Any, key: str) -> ValueWithExpir
             if not read.asking:
                 break  # every holder asked has answered, or ended without an answer
             now = time.monotonic()
-            # the holders still asked are silent lately: their answers would come late if at all, once another node
-            # answered (our own storage alone is no read of the swarm's records)
-            if others_answered and all(SILENT_HOLDERS.lately(holder, now) for holder in read.asking.values()):
-                break
             if most_at is None and 2 * answered > len(read.asked):
-                most_at = now
-            if most_at is not None and now >= most_at + GRACE_S:
+                most_at, grace_s = now, min(GRACE_S, max(MIN_GRACE_S, now - started))
+            # once most answered, holders silent lately get no grace: their answers would come late if at all (before
+            # that, every holder is waited for: holders cut short under a loaded start had reads end with our own
+            # storage's copy and one other, and a peer begin its first round alone)
+            if most_at is not None and (now >= most_at + grace_s or all(
+                    SILENT_HOLDERS.lately(holder, now) for holder in read.asking.values())):
                 break
-            for _, answer in await read.answers(None if most_at is None else most_at + GRACE_S - now):
+            for _, answer in await read.answers(None if most_at is None else most_at + grace_s - now):
                 if answer is not None:
-                    answered, others_answered = answered + 1, others_answered + 1
+                    answered += 1
                     found += [answer[0]] if answer[0] is not None else []
     finally:
         read.close()
