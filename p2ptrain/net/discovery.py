@@ -437,12 +437,9 @@ class Announcer:
             for shard in targets:
                 self._stored_at[shard] = now
                 with DHT_CALL_LOCK:
-                    # done once one holder stored it (ourselves, where we are one); hivemind carries it to the
-                    # others in the background. Waiting for all, a DiLoCo peer's two blocking publishes a round
-                    # each waited 2 s on a holder behind a saturated 64 kbit/s link (issue 31)
                     futures.append(self.dht.store(shard_key(self.run_id, *shard), subkey=self.subkey, value=value,
                                                   expiration_time=now + self.ttl_s, beam_size=KEY_BEAM,
-                                                  await_all_replicas=False, return_future=True))
+                                                  return_future=True))
             deadline = time.monotonic() + timeout_s
             return all([bool(f.result(timeout=max(0.0, deadline - time.monotonic()))) for f in futures])
         except Exception:  # a late store, or the DHT process shutting down: the next heartbeat tries again
