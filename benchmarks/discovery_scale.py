@@ -42,7 +42,6 @@ from hivemind.utils import MSGPackSerializer
 from p2ptrain.net import discovery
 from p2ptrain.net.dht_keys import KEY_BEAM, shard_key
 from p2ptrain.net.discovery import PeerRecord, SwarmWatcher
-from p2ptrain.net.holder_read import read_from_holders
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import SHARD_TARGET, RecordShards
 
@@ -85,11 +84,8 @@ class MemoryDHT:
         return self._read(key, self.holders_of(key))
 
     def run_coroutine(self, coro: functools.partial[Any], return_future: bool) -> concurrent.futures.Future[object]:
-        """A read of net/holder_read.py (the only coroutines the watcher runs): one holder's copy for a background
-        read, every holder's for a read of them all (what `get` was)."""
+        """A background read (net/holder_read.py's, the only coroutine the watcher runs): one holder's copy."""
         key = coro.keywords["key"]
-        if coro.func is read_from_holders:
-            return self.get(key, latest=True, return_future=True)
         return self._read(key, [self.rng.choice(self.holders_of(key))] if self.node_ids else [])
 
     def _read(self, key: str, holders: list[str]) -> concurrent.futures.Future[object]:

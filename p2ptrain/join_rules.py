@@ -124,9 +124,9 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     counting us, is more than the lead behind us. A peer that averaged alone (it started before the others could
     see it) races ahead; to the others it is a suspect, never a donor, and to itself in step, since no peer is
     in its round: it would train alone for the whole run. It takes the majority's state. Every
-    mode: a `fresh` process (round 0, never joined) takes a trusted peer's state. The quorum, the majority and the
-    peers ahead are those of the partners whose work we verified, where there are any (`vouched`, `split_by_quorum`),
-    and they come first among donors.
+    mode: a `fresh` process (round 0, never joined) takes a trusted peer's state. The quorum and the majority are
+    those of the partners whose work we verified, where there are any (`vouched`, `split_by_quorum`), and they come
+    first among donors of one round.
 
     `last_round_syncing_s` (DiLoCo without overlap; 0: none): a synced peer of the last round that is syncing, for
     at most that long since the end of its inner phase as it announced it (`now`, DHT time), is a donor too.
@@ -141,10 +141,7 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
     first's state, which makes them synced; the first takes theirs once they are.
     """
     quorum, trusted, suspects = split_by_quorum(others, max_lead, is_banned, vouched)
-    # a peer ahead sends us after a state only if its round counts (`voters`): a member that averaged alone ahead of
-    # the swarm (one on a 64 kbit/s link, which the others left out of their rounds) sent each fast member after its
-    # state, 67 s for a download that never came (issue 31)
-    ahead = [r for r in voters(trusted, vouched) if r.round > own_round] if aligned else []
+    ahead = [r for r in trusted if r.round > own_round] if aligned else []
     counted = voters(trusted + suspects, vouched)
     behind = [r for r in counted if r.round < own_round - max_lead]
     ran_ahead = aligned and not fresh and 2 * len(behind) > len(counted) + 1
@@ -162,9 +159,9 @@ def choose_donors(others: Sequence[PeerRecord], own_round: int, in_step: bool, f
             return DonorChoice(quorum, trusted, suspects, candidates, False, ranked)
     else:
         candidates = []
-    # partners whose work we verified first, then the most advanced; among equals, the fastest announced link (a
-    # download from a slow home uplink can take much of a joiner's first minute)
-    donors = sorted(candidates, key=lambda r: (not vouched(r.peer_id), -r.round, not r.synced, -r.bandwidth_bps,
+    # the most advanced first; among equals, the fastest announced link (a download from a slow home uplink can
+    # take much of a joiner's first minute)
+    donors = sorted(candidates, key=lambda r: (-r.round, not vouched(r.peer_id), not r.synced, -r.bandwidth_bps,
                                                r.peer_id))
     return DonorChoice(quorum, trusted, suspects, donors, ran_ahead and bool(donors))
 

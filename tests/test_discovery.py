@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import logging
 import math
@@ -16,7 +15,7 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.join_rules import choose_donors
 from p2ptrain.net import discovery
-from p2ptrain.net.dht_keys import MAX_SHARD_LEVEL, peers_key, shard_index, shard_key
+from p2ptrain.net.dht_keys import KEY_BEAM, MAX_SHARD_LEVEL, peers_key, shard_index, shard_key
 from p2ptrain.net.discovery import (
     PROTOCOL_VERSION,
     PeerRecord,
@@ -107,15 +106,7 @@ def test_the_status_shows_each_peers_claimed_tokens_and_the_median_its_partners_
     assert "12.35M" in big and "2.5e+12" in big
 
 
-class ReadsByGet:
-    """A fake DHT's answer to the reads fetch_shards runs in a DHT's process (net/holder_read.py): its `get`."""
-
-    def run_coroutine(self, read: functools.partial, return_future: bool) -> concurrent.futures.Future[object]:
-        assert return_future, "a blocking read would hang the training loop"
-        return self.get(read.keywords["key"], latest=True, return_future=True)  # type: ignore[attr-defined]
-
-
-class SilentDHT(ReadsByGet):
+class SilentDHT:
     """A DHT whose reads never come back (a reply lost inside hivemind's DHT process)."""
 
     def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
@@ -129,7 +120,7 @@ def test_a_dht_that_never_answers_yields_no_peers_instead_of_a_hang() -> None:
     assert time.monotonic() - started < 5
 
 
-class ScriptedDHT(ReadsByGet):
+class ScriptedDHT:
     """A DHT whose reads of the run's peers key return these results in turn (the last one from then on); its
     shards are empty."""
 
@@ -137,6 +128,7 @@ class ScriptedDHT(ReadsByGet):
         self.results, self.reads = list(results), 0
 
     def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
+        assert beam_size == KEY_BEAM, "a read asks the key's nearest nodes, not hivemind's default 20"
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         if key != peers_key("run"):
             future.set_result(None)
@@ -192,7 +184,7 @@ def test_expired_records_stay_recently_seen_for_a_few_lifetimes_and_a_peer_that_
     assert context(needs_current_swarm=True) == []  # an all-reduce's members are those of the records that stand
 
 
-class SlowDHT(ReadsByGet):
+class SlowDHT:
     """A DHT whose reads answer nothing, each key `delay_s` after it was asked on a clock of its own (the watcher's,
     patched in), and that counts the keys it was asked for."""
 
@@ -228,7 +220,7 @@ def test_a_lineage_read_waits_for_a_read_with_time_left_instead_of_timing_out(mo
     assert "did not answer" not in caplog.text
 
 
-class ShardedDHT(ReadsByGet):
+class ShardedDHT:
     """A DHT holding fresh records of these peers, each in its shard of `level`."""
 
     def __init__(self, peer_ids: list[str], level: int) -> None:

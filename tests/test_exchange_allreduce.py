@@ -231,27 +231,6 @@ def test_a_member_that_shuts_down_refuses_the_offer_it_holds_and_the_opener_goes
 
 
 @pytest.mark.network
-def test_a_member_whose_value_misses_two_rounds_in_a_row_is_left_out_of_the_others_groups_for_a_while():
-    """d is in every view but its value never comes (a 64 kbit/s member: issue 31): a, b and c waited for it every
-    round. After its second miss they leave it out for 1 round, then (another miss) 2, all alike, and average as
-    three meanwhile."""
-    async def scenario(transports: list[ExchangeAllReduce]) -> None:
-        fast, d = transports[:3], transports[3].own_id
-        ids = [t.own_id for t in transports]
-        views = [[p for p in ids if p != t.own_id] for t in fast]
-        expected = []
-        for round_ in range(6):
-            expected.append([d in (t.our_group(view, round_) or []) for t, view in zip(fast, views, strict=True)])
-            results = await asyncio.gather(*(t.gather(deltas(i + 10 * round_), view, round_, patience_s=1.5)
-                                             for i, (t, view) in enumerate(zip(fast, views, strict=True))))
-            assert [r.group_size for r in results] == [3, 3, 3] and not any(r.discarded for r in results), round_
-        # expected in rounds 0 and 1 (the grace), left out in 2, asked again in 3 (a miss), left out in 4 and 5
-        assert expected == [[True] * 3, [True] * 3, [False] * 3, [True] * 3, [False] * 3, [False] * 3], expected
-
-    with_transports(4, scenario)
-
-
-@pytest.mark.network
 def test_members_whose_views_differ_apply_nothing_and_stay_in_step():
     """a sees b and c; b and c each see only a: b and c refuse each other. Three different input sets: all three
     confirm, find no majority, and keep the round's anchor (a discarded round), whatever they reduced."""

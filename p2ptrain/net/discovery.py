@@ -44,7 +44,7 @@ from p2ptrain.net.dht_keys import (
     shard_key,
     shard_key_ids,
 )
-from p2ptrain.net.holder_read import read_from_holders, read_from_one_holder
+from p2ptrain.net.holder_read import read_from_one_holder
 from p2ptrain.net.identity import peer_id_of_signer
 from p2ptrain.net.record_shards import FRESH_HEARTBEATS, LINEAGE_EVERY, SHARD_TARGET, RecordShards, Shard
 from p2ptrain.net.routing_refill import REFILL_EVERY_S, initial_peer_ids, refill_routing_table
@@ -333,22 +333,21 @@ def fetch_shards(dht: hivemind.DHT, run_id: str, shards: Iterable[Shard], ttl_s:
                  one_holder: bool = False) -> dict[Shard, list[PeerRecord]]:
     """The live records (`parse_records`) of each shard whose read the DHT answered within `timeout_s`, all read at
     once (hivemind's own `get` waits without a bound, and a training loop must not hang on one lost reply); a
-    warning when none answered. Each shard as its holders have it (all that answer within the read's grace), or with
-    `one_holder` as one holder drawn at random has it (net/holder_read.py)."""
+    warning when none answered. Each shard as every one of its holders has it, or with `one_holder` as one holder
+    drawn at random has it (net/holder_read.py)."""
     futures = {}
     for shard in dict.fromkeys(shards):
         key = shard_key(run_id, *shard)
         with DHT_CALL_LOCK:
-            read = read_from_one_holder if one_holder else read_from_holders
-            futures[shard] = dht.run_coroutine(functools.partial(read, key=key), return_future=True)
+            futures[shard] = dht.run_coroutine(functools.partial(read_from_one_holder, key=key), return_future=True) \
+                if one_holder else dht.get(key, latest=True, beam_size=KEY_BEAM, return_future=True)
     deadline = time.monotonic() + timeout_s
     found = {}
     for shard, future in futures.items():
         try:
             raw = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11
-            # not cancelled: the read ends on its own (net/holder_read.py), and hivemind's DHT process logs an
-            # error when a coroutine's future was cancelled before its result came
+            future.cancel()
             continue
         found[shard] = parse_records(raw, ttl_s, get_dht_time(), admission)
     if futures and not found:

@@ -64,7 +64,6 @@ from p2ptrain.sync.allreduce_agreement import (
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
 from p2ptrain.sync.contribution import Contributions, OwnWork
 from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots, same_round
-from p2ptrain.sync.failed_partners import MAX_SKIPPED_MEMBER_ROUNDS, FailedPartners
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
 from p2ptrain.sync.refusals import ASK_AGAIN, Refusal
@@ -240,9 +239,6 @@ class ExchangeAllReduce:
                                      contributions=contributions)
         self.links = self.driver.links  # the peer's one table of measured links
         self.group_size = group_size
-        # members whose value did not reach us in rounds in a row: left out of our group for a few rounds
-        self.missed = FailedPartners(grace=1, max_skipped=MAX_SKIPPED_MEMBER_ROUNDS)
-        self.misses_counted = -1  # the round whose misses `missed` holds last
         self.own_tokens = 0  # what the round in flight's inner phase trained, claimed to the members
         self.previous: Reduction | None = None  # what our latest all-reduce reduced (None: alone, out of step)
         self._residual_before: list[torch.Tensor] | None = None  # error feedback before the latest round's commit
@@ -273,11 +269,8 @@ class ExchangeAllReduce:
         return payload, sent
 
     def our_group(self, round_peers: Sequence[str], round_: int) -> list[str] | None:
-        """Our group of the round (sorted; ourselves included), or None when NAT leaves us out of it. Members we
-        refuse are left out, and so are those whose value missed our last rounds (`missed`: a member on a link too
-        slow for the round, whose members all see it miss; it sees them all miss, and averages alone)."""
-        live = [p for p in round_peers if not self.reputation.refuses(p)]
-        members = self.missed.drawable(live, round_) + [self.own_id]
+        """Our group of the round (sorted; ourselves included), or None when NAT leaves us out of it."""
+        members = [p for p in round_peers if not self.reputation.refuses(p)] + [self.own_id]
         group = next(g for g in round_groups(members, round_, self.group_size, self.run_id) if self.own_id in g)
         group = self.routes.connected_group(group, f"{self.run_id}/{round_}")  # every pair can meet (NAT)
         if self.own_id not in group:  # behind NAT with another outbound-only member: left out of this round
@@ -296,7 +289,6 @@ class ExchangeAllReduce:
         if self.config.robust:  # the members' values are judged for their work against ours
             rnd.own_work = OwnWork(norm(sent), self.own_tokens)
         rnd = await self.run_stage(rnd, patience_s, stats)
-        self.count_misses_(group, rnd.done, round_)
         out_of_step = self.judge_previous_(rnd)[0] if judge else False
         inputs = rnd.inputs()
         result = functools.partial(self.round_result, stats=stats, started=started, state=state,
@@ -325,18 +317,6 @@ class ExchangeAllReduce:
         # round split two and two apart from all the others, netns testnet), and the next round's states show
         # whether we are behind (sync/state_evidence.py)
         return kept()
-
-    def count_misses_(self, group: list[str], done: list[str], round_: int) -> None:
-        """Members of our group whose value reached us in round `round_`, and those whose value missed it; once a
-        round (a reduce-scatter's chunks stage counts, and its fallback to the all-to-all, later, does not)."""
-        if round_ == self.misses_counted:
-            return
-        self.misses_counted = round_
-        for member in group:
-            if member in done:
-                self.missed.reached_(member)
-            elif member != self.own_id:
-                self.missed.failed_(member, round_)
 
     def commit_(self, sent: list[torch.Tensor]) -> None:
         """The round's mean is applied: what the codec left out of our s is sent in later rounds (none with

@@ -9,11 +9,6 @@ MAX_SKIPPED_ROUNDS: what a dead partner costs us falls geometrically, and a live
 many rounds. Its own offers to us are answered as ever, and an exchange that ends well either way forgets its
 failures. Not an offence (`Reputation`): an honest peer behind a cut looks the same.
 
-An all-reduce's members (sync/exchange_allreduce.py) are left out the same way, by whether their value reached us
-in a round, after a second miss in a row (`grace`: one late round on a loaded machine is no pattern) and for up to
-MAX_SKIPPED_MEMBER_ROUNDS: a member on 64 kbit/s cost each of the three fast members of its round an exchange
-deadline every round it was expected (issue 31), and the round's members all see it miss, so all leave it out.
-
 Nor is one time-out taken for a slow link (`ExchangeDriver.exchange_with`'s `slow_if_timed_out`): it bounded the
 link's speed, and so grew the next deadline by the safety factor (5 s, then 20 s), which two peers whose connection
 went stale at a cut then both waited out after the heal. A second time-out in a row is.
@@ -22,23 +17,18 @@ went stale at a cut then both waited out after the heal. A second time-out in a 
 from __future__ import annotations
 
 MAX_SKIPPED_ROUNDS = 4  # rounds a partner is left out of our draws at most: a partition healed is mixed across soon
-# rounds an all-reduce member is left out at most: it costs the round a deadline each time it is expected again
-MAX_SKIPPED_MEMBER_ROUNDS = 16
 
 
 class FailedPartners:
-    """Per partner: its failures in a row, and the first round it may be drawn again. The first `grace` failures in
-    a row skip nothing; each after them skips 1, 2, 4 ... rounds, at most `max_skipped`."""
+    """Per partner: its failures in a row, and the first round it may be drawn again."""
 
-    def __init__(self, grace: int = 0, max_skipped: int = MAX_SKIPPED_ROUNDS) -> None:
-        self.grace, self.max_skipped = grace, max_skipped
+    def __init__(self) -> None:
         self.failed: dict[str, tuple[int, int]] = {}  # partner → (failed exchanges we opened in a row, next round)
 
     def failed_(self, partner: str, round_: int) -> None:
-        """An exchange with `partner` in round `round_` failed: skip it for 1, 2, 4 ... rounds (after the grace)."""
+        """An exchange we opened with `partner` in round `round_` failed: skip it for 1, 2, 4 ... rounds."""
         failures = self.failed.get(partner, (0, 0))[0] + 1
-        skipped = 0 if failures <= self.grace else min(self.max_skipped, 2 ** (failures - self.grace - 1))
-        self.failed[partner] = failures, round_ + 1 + skipped
+        self.failed[partner] = failures, round_ + 1 + min(MAX_SKIPPED_ROUNDS, 2 ** (failures - 1))
 
     def reached_(self, partner: str) -> None:
         """An exchange with `partner` (opened by either side) ended well: its failures are forgotten."""

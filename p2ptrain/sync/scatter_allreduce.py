@@ -237,7 +237,6 @@ class ScatterAllReduce:
                           self.feedback.codec.name, set(group), payloads=payloads)
         rnd.state = state
         rnd = await fallback.run_stage(rnd, patience_s, stats)
-        fallback.count_misses_(group, rnd.done, round_)
         out_of_step, cheats = fallback.judge_previous_(rnd)
         result = functools.partial(fallback.round_result, stats=stats, started=started, state=state,
                                    shown={peer: rnd.states[peer] for peer in rnd.done if peer in rnd.states})
