@@ -71,3 +71,30 @@ def test_partners_remembered_are_bounded():
 @pytest.mark.parametrize("gap", [0.5, 3.0, HARD])
 def test_within_the_hard_radius_nothing_is_an_offence_and_a_run_ends(gap: float):
     assert offences([(gap, (0, 0)), (gap, (1, 1))]) == [False, False]
+
+
+def test_a_partner_that_started_late_is_excused_by_the_rounds_since_round_0_while_it_closes_in():
+    """CI on 6331488: an honest peer whose round 0 ran while we trained 8 rounds is first met far away. Both values
+    began as the run's initial state, so its drift counts from round 0 on both sides (it paid from the first clip,
+    5 times: banned)."""
+    late = [(HARD + 3, (8, 0)), (HARD + 2, (9, 1)), (HARD + 1, (10, 2)), (2.0, (11, 3))]
+    assert offences(late) == [False] * 4
+    assert offences([(HARD + 3, (0, 8)), (HARD + 2, (1, 9))]) == [False, False]  # from its side
+    assert offences([(HARD + 3, (0, 0)), (HARD + 2, (1, 1))]) == [True, True]  # far at round 0: nothing explains it
+
+
+def test_a_clipped_exchange_is_no_new_start_for_the_drift():
+    """The rounds count from the latest exchange in step: one clipped hard since then moved neither side back."""
+    assert offences([(1.0, (0, 0)), (HARD + 5, (1, 10)), (1.0, (2, 11))]) == [False] * 3
+    # excused at (1, 10) by its 10 rounds; after in step again at (2, 11), a new gap counts from there
+    assert offences([(1.0, (0, 0)), (HARD + 5, (1, 10)), (1.0, (2, 11)), (HARD + 5, (3, 12))]) == [False] * 3 + [True]
+
+
+def test_a_clip_before_we_have_a_yardstick_is_no_offence_and_leaves_no_record():
+    """Our round 0 (no own step to measure τ by): a far partner is clipped, judged nothing, and the run of clips it
+    would begin does not make the next, judged, clip an offence."""
+    excuse = DriftExcuse()
+    clip = AdaptiveClip(multiplier=1.0, excuse=excuse)
+    assert clip.clip("p", at(HARD + 3), OWN, own_scale=1.0, rounds=(0, 8), judged=False)[2] is False
+    assert not excuse._runs and not excuse._rounds
+    assert clip.clip("p", at(HARD + 2), OWN, own_scale=1.0, rounds=(1, 9))[2] is False  # 10 rounds explain it

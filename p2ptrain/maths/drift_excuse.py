@@ -7,13 +7,16 @@ refused (too many per the stalled peer's round) and it trains alone for many rou
 far apart and clip each other hard several times; counted as offences, those clips would ban honest peers.
 
 The excuse: a run of hard clips with one partner is excused when its first gap is explained by drift, the rounds
-both sides took since their previous exchange (ours, counted here; theirs, as the partner's header claims, capped
-at MAX_DRIFT_ROUNDS, since a claim is unverified) times the typical honest distance. While the run lasts, each
-further clip is excused only if the partner came CLOSING_MARGIN × τ closer than the run's closest so far:
-clipped mixing pulls honest partners together by about τ per exchange. So:
-- a partner met far away with no drift to explain it (a first exchange, or one in step) pays from the first clip,
-  and for every clip of that run, closing in or not (an attacker that follows our value from afar, −7 × ours,
-  closes in as we move);
+both sides took since their latest exchange in step (within the hard radius), or since round 0 if they never had
+one: every peer's value began as the run's initial state (ours, counted here; theirs, as the partner's header
+claims, capped at MAX_DRIFT_ROUNDS, since a claim is unverified), times the typical honest distance. A clipped
+exchange is no new start: it moves each side by w·τ at most, so a peer that started late (its round 0 ran while
+the others trained eight rounds) is still as far as those rounds made it when it next meets them. While the run
+lasts, each further clip is excused only if the partner came CLOSING_MARGIN × τ closer than the run's closest so
+far: clipped mixing pulls honest partners together by about τ per exchange. So:
+- a partner met far away with no drift to explain it (in step at our previous exchange, or met at round 0) pays
+  from the first clip, and for every clip of that run, closing in or not (an attacker that follows our value from
+  afar, −7 × ours, closes in as we move);
 - a partner that holds its distance, grows it, or wanders pays;
 - a drifted partner closing in steadily is clipped each time and is not banned for it. It moves us by at most
   w·τ per exchange, as any partner just inside the offence threshold can, unbanned, every time.
@@ -36,7 +39,7 @@ class _Run:
 
 
 class DriftExcuse:
-    """Per partner: the rounds of our previous exchange, and the current run of hard clips."""
+    """Per partner: the rounds of our latest exchange in step, and the current run of hard clips."""
 
     def __init__(self, max_partners: int = 64):
         self.max_partners = max_partners
@@ -44,28 +47,27 @@ class DriftExcuse:
         self._runs: OrderedDict[str, _Run] = OrderedDict()
 
     def drift_rounds(self, partner_id: str, rounds: tuple[int, object] | None) -> int:
-        """Rounds both sides took since our previous exchange with `partner_id` (0 for a first one, or a claim
-        that is no round); records `rounds` (ours, the partner's claim) for the next."""
-        previous = self._rounds.get(partner_id)
+        """Rounds both sides took since our latest exchange in step with `partner_id`, or since round 0 if none
+        (0 for a claim that is no round)."""
         claimed = claimed_round(rounds[1]) if rounds is not None else None
         if rounds is None or claimed is None:
             return 0
-        rounds = (rounds[0], claimed)
-        _remember(self._rounds, partner_id, rounds, self.max_partners)
-        if previous is None:
-            return 0
-        ours = min(max(0, rounds[0] - previous[0]), MAX_DRIFT_ROUNDS)
-        theirs = min(max(0, rounds[1] - previous[1]), MAX_DRIFT_ROUNDS)
+        ours_then, theirs_then = self._rounds.get(partner_id, (0, 0))
+        ours = min(max(0, rounds[0] - ours_then), MAX_DRIFT_ROUNDS)
+        theirs = min(max(0, claimed - theirs_then), MAX_DRIFT_ROUNDS)
         return ours + theirs
 
     def excused(self, partner_id: str, gap: float, hard_radius: float, radius: float, typical: float,
                 rounds: tuple[int, object] | None) -> bool:
         """Whether this exchange's clip is no offence (one within `hard_radius` never is one)."""
-        drift = self.drift_rounds(partner_id, rounds)
         run = self._runs.pop(partner_id, None)
         if gap <= hard_radius:
+            claimed = claimed_round(rounds[1]) if rounds is not None else None
+            if rounds is not None and claimed is not None:
+                _remember(self._rounds, partner_id, (rounds[0], claimed), self.max_partners)
             return True
         if run is None:
+            drift = self.drift_rounds(partner_id, rounds)
             run = _Run(gap, excused=gap <= hard_radius + drift * typical)
             _remember(self._runs, partner_id, run, self.max_partners)
             return run.excused

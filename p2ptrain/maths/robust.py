@@ -76,20 +76,26 @@ class AdaptiveClip:
         return HARD_CLIP_FACTOR * self.spread * self.typical(own_scale)
 
     def clip(self, partner_id: str, theirs: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
-             own_scale: float, rounds: tuple[int, object] | None = None) -> tuple[list[torch.Tensor], float, bool]:
+             own_scale: float, rounds: tuple[int, object] | None = None,
+             judged: bool = True) -> tuple[list[torch.Tensor], float, bool]:
         """(own + clip(theirs − own, τ), the distance before clipping, whether it was clipped hard: an offence).
 
         The returned value stands in for the partner's in any mix: an exchange then moves us by at most w·τ.
-        `rounds`: (our round, the partner's claimed round), for the `excuse`. Raises ValueError for a non-finite
-        partner value (nothing to clip toward).
+        `rounds`: (our round, the partner's claimed round), for the `excuse`. `judged` False: no clip can be an
+        offence yet (we have no yardstick), and the excuse keeps no record of it (a run of clips it began would
+        stay unexcused once we have one). Raises ValueError for a non-finite partner value (nothing to clip toward).
         """
         radius, hard_radius, typical = self.radius(own_scale), self.hard_radius(own_scale), self.typical(own_scale)
         gap = distance(theirs, own)
         if not math.isfinite(gap):
             raise ValueError("partner's value is not finite")
         self._remember(partner_id, min(gap, self.spread * own_scale))
-        excused = self.excuse.excused(partner_id, gap, hard_radius, radius, typical, rounds) \
-            if self.excuse is not None else gap <= hard_radius
+        if not judged:
+            excused = True
+        elif self.excuse is not None:
+            excused = self.excuse.excused(partner_id, gap, hard_radius, radius, typical, rounds)
+        else:
+            excused = gap <= hard_radius
         if gap <= radius:
             return [t.clone() for t in theirs], gap, False
         scale = radius / gap

@@ -342,8 +342,9 @@ class ParamGossip:
             return theirs
         known = self.yardstick()
         scale = max(known or 0.0, MIN_OWN_SCALE * norm(own))
-        clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale, (self._round, their_round))
-        if hard and known is not None and self._round >= self._quiet_until:
+        judged = known is not None and self._round >= self._quiet_until
+        clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale, (self._round, their_round), judged)
+        if hard:
             self.reputation.penalise(partner_id, "clipped",
                                      f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
             return [o.clone() for o in own]
