@@ -228,8 +228,10 @@ class ShardedDHT:
         for peer_id in peer_ids:
             key = shard_key("run", level, shard_index(peer_id, level))
             self.results.setdefault(key, []).append(entry(peer_id=peer_id, updated=get_dht_time()))
+        self.keys_read: list[str] = []
 
     def get(self, key: str, latest: bool, return_future: bool, beam_size: int = 0) -> concurrent.futures.Future[object]:
+        self.keys_read.append(key)
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         future.set_result(dht_result(*self.results[key]) if key in self.results else None)
         return future
@@ -352,3 +354,19 @@ def test_peers_of_another_protocol_are_left_out_and_told_apart_once_each(caplog:
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and "12D3KooGpt trains another model (fingerprint ffffffffffff, ours )" in lines[2]
     assert "same model settings" in lines[2]
+
+
+
+def test_status_lists_a_level_whose_first_shard_is_empty() -> None:
+    """`fetch_peers` read the first shard of each level only: 12 records over level 2's 4 shards left it empty one
+    time in 30, and `status` listed nobody. Records in every shard of level 2 but the first, and in 3 of level 5's
+    32 shards, one among the 4 probed: a level is read whole once a shard it probes holds a record."""
+    ids = [f"12D3Koo{i}" for i in range(400)]
+    level2 = [p for p in ids if shard_index(p, 2) != 0][:12]
+    level5 = [p for p in ids if shard_index(p, 5) in (2, 9, 30)][:6]
+    assert len(level2) == 12 and len(level5) == 6 and {shard_index(p, 5) for p in level5} & {2}
+    dht = ShardedDHT(level2, 2)
+    assert [r.peer_id for r in fetch_peers(dht, "run", ttl_s=5.0)] == sorted(level2)  # type: ignore[arg-type]
+    dht = ShardedDHT(level5, 5)
+    assert [r.peer_id for r in fetch_peers(dht, "run", ttl_s=5.0)] == sorted(level5)  # type: ignore[arg-type]
+    assert len(dht.keys_read) == len(set(dht.keys_read)) == 1 + 2 + 4 * (MAX_SHARD_LEVEL - 1) + 32 - 4
