@@ -274,11 +274,9 @@ def test_only_a_transfer_that_ran_out_of_time_bounds_the_links_speed(monkeypatch
                                                                      lost: str) -> None:
     """A missing ack after both payloads crossed says nothing of the link (taken for a bound, one lost ack made two
     fast peers look slow to each other for good); a transfer that missed its deadline twice in a row bounds it (once
-    is as likely a partner gone: `FailedPartners`), and the partner sits out the round after the first. A partner
-    that completed an exchange with us before: a stranger's time-outs bound nothing (test_failed_partners.py)."""
+    is as likely a partner gone: `FailedPartners`), and the partner sits out the round after the first."""
     gossip = GradGossip(FakeP2P("a"), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)  # type: ignore[arg-type]
     partner = PeerID(b"b").to_base58()
-    gossip.driver.failed_partners.reached_(partner)
 
     async def failing_push_pull(*_args: Any, **_kwargs: Any) -> ExchangeOutcome:
         if lost == "ack":

@@ -431,7 +431,7 @@ class ExchangeDriver:
                     continue
                 started = time.monotonic()
                 outcome = await self.exchange_with(rnd, partner, stats,
-                                                   slow_if_timed_out=self.failed_partners.slow_if_timed_out(partner))
+                                                   slow_if_timed_out=self.failed_partners.failed_before(partner))
                 if outcome in ASK_AGAIN:
                     later.append(partner)
                 elif outcome == Outcome.FAILED:
