@@ -49,12 +49,12 @@ class DriftExcuse:
     def drift_rounds(self, partner_id: str, rounds: tuple[int, object] | None) -> int:
         """Rounds both sides took since our latest exchange in step with `partner_id`, or since round 0 if none
         (0 for a claim that is no round)."""
-        claimed = claimed_round(rounds[1]) if rounds is not None else None
-        if rounds is None or claimed is None:
+        now = _both_rounds(rounds)
+        if now is None:
             return 0
         ours_then, theirs_then = self._rounds.get(partner_id, (0, 0))
-        ours = min(max(0, rounds[0] - ours_then), MAX_DRIFT_ROUNDS)
-        theirs = min(max(0, claimed - theirs_then), MAX_DRIFT_ROUNDS)
+        ours = min(max(0, now[0] - ours_then), MAX_DRIFT_ROUNDS)
+        theirs = min(max(0, now[1] - theirs_then), MAX_DRIFT_ROUNDS)
         return ours + theirs
 
     def excused(self, partner_id: str, gap: float, hard_radius: float, radius: float, typical: float,
@@ -62,9 +62,8 @@ class DriftExcuse:
         """Whether this exchange's clip is no offence (one within `hard_radius` never is one)."""
         run = self._runs.pop(partner_id, None)
         if gap <= hard_radius:
-            claimed = claimed_round(rounds[1]) if rounds is not None else None
-            if rounds is not None and claimed is not None:
-                _remember(self._rounds, partner_id, (rounds[0], claimed), self.max_partners)
+            if (now := _both_rounds(rounds)) is not None:
+                _remember(self._rounds, partner_id, now, self.max_partners)
             return True
         if run is None:
             drift = self.drift_rounds(partner_id, rounds)
@@ -75,6 +74,12 @@ class DriftExcuse:
         run.closest = min(run.closest, gap)
         _remember(self._runs, partner_id, run, self.max_partners)
         return run.excused and closing
+
+
+def _both_rounds(rounds: tuple[int, object] | None) -> tuple[int, int] | None:
+    """(our round, the partner's claimed round), or None if we were given none or its claim is no round."""
+    claimed = claimed_round(rounds[1]) if rounds is not None else None
+    return None if rounds is None or claimed is None else (rounds[0], claimed)
 
 
 def claimed_round(value: object) -> int | None:
