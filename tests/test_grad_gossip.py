@@ -293,6 +293,22 @@ def test_only_a_transfer_that_ran_out_of_time_bounds_the_links_speed(monkeypatch
     assert (partner in gossip.driver.links.measured()) == (lost == "payload")
 
 
+def test_a_partner_that_says_it_holds_what_we_granted_no_hold_is_banned_and_its_link_not_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`UngrantedHold` (net/exchange.py): an offence that bans at once, not a time-out of the link."""
+    gossip = GradGossip(FakeP2P("a"), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=0)  # type: ignore[arg-type]
+    partner = PeerID(b"b").to_base58()
+
+    async def holding_push_pull(*_args: Any, **_kwargs: Any) -> ExchangeOutcome:
+        raise exchange.UngrantedHold("partner said it holds an offer we granted no hold")
+
+    monkeypatch.setattr(exchange_driver, "push_pull", holding_push_pull)
+    _, stats = asyncio.run(gossip.mix(deltas(1), [partner], 0, patience_s=0.0))
+    assert stats.failed == 1 and stats.group_size == 1
+    assert gossip.reputation.is_banned(partner) and partner not in gossip.driver.links.measured()
+    assert asyncio.run(gossip.mix(deltas(1), [partner], 5, patience_s=0.0))[1].failed == 0  # banned: not drawn
+
+
 def test_a_round_gap_is_for_gossip_mix2_only() -> None:
     with pytest.raises(ConfigError, match="mix2_round_gap"):
         SyncConfig(mode="factored", mix2_round_gap=1)

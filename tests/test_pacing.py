@@ -182,6 +182,30 @@ def test_time_outs_with_two_different_partners_bound_our_own_link_for_partners_n
     assert links.estimate_bytes_per_s("d") == pytest.approx(200_000)
 
 
+def test_a_partners_time_outs_grow_its_deadline_to_what_its_claimed_speed_needs_and_no_further() -> None:
+    """An identity announcing 1 Gbit/s that took each offer and never answered grew its deadline by each time-out
+    (5 s, 20 s, then the cap). Until an exchange on the link completes, a time-out bounds it no slower than the
+    partner's claim: a fast claim costs the set-up floor a draw, a slow one the deadline it needs; with no claim,
+    or once an exchange completed (its measurement is the yardstick), a time-out bounds the link as before."""
+    links = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    for _ in range(3):
+        links.timed_out_("liar", 500_000, links.deadline_s("liar", 500_000, 4.0), bounds_link=True,
+                         claimed_bytes_per_s=125e6)
+    assert links.deadline_s("liar", 500_000, 4.0) == 5.0  # the floor, time-out after time-out
+    links.timed_out_("slow", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=10_000)
+    assert links.estimate_bytes_per_s("slow") == pytest.approx(100_000)  # bounded by the time-out: 10 kB/s is slower
+    links.timed_out_("slow", 500_000, 20.0, bounds_link=True, claimed_bytes_per_s=50_000)
+    assert links.estimate_bytes_per_s("slow") == pytest.approx(50_000)  # down to its claim, and no further
+    links.timed_out_("slow", 500_000, 40.0, bounds_link=True, claimed_bytes_per_s=50_000)
+    assert links.estimate_bytes_per_s("slow") == pytest.approx(50_000)
+    links = LinkSpeeds(prior_bytes_per_s=2.5e6)  # (time-outs with two partners bounded our own link above)
+    links.timed_out_("unclaimed", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=None)
+    assert links.estimate_bytes_per_s("unclaimed") == pytest.approx(100_000)
+    links.completed_("known", 500_000, 0.1)
+    links.timed_out_("known", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=125e6)
+    assert links.estimate_bytes_per_s("known") < 2.5e6  # measured: the claim no longer counts
+
+
 def test_a_peer_slower_to_compute_than_the_swarm_takes_fewer_steps_down_to_half() -> None:
     """The round-time rule for compute: the target round is H steps at the swarm's pace (the median of the step
     times others announce). Within PACE_SLACK of it, or faster, or with the pace unknown, a peer keeps H; at most

@@ -50,6 +50,7 @@ from p2ptrain.sync.round_retry import FIRST_RETRY_S, retry_delay_s
 from p2ptrain.sync.state_evidence import STATE_SAMPLE
 from p2ptrain.tensor_layout import distance, norm
 from p2ptrain.testnet.adversary import Attack, HostileConduct
+from p2ptrain.testnet.sybils import StallingIdentities
 from p2ptrain.timing import POLL_S
 
 Tensors = list[torch.Tensor]
@@ -599,6 +600,47 @@ def test_a_gasloc_free_rider_is_banned_and_its_claimed_tokens_are_not_verified()
             assert work[rider].worked <= 1, work[rider]
             assert work[rider].tokens_verified * work[rider].values <= work[rider].tokens_claimed, work[rider]
         assert any(work[p].tokens_verified > 0 for p in honest_ids - {peer.peer_id} if p in work), work
+
+
+STALL_ROUNDS = 12
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_identities_that_take_offers_and_never_answer_are_banned_or_cost_a_set_up_floor() -> None:
+    """Issue 31: 3 honest GASLoC peers beside identities that announce a 1 Gbit/s link and take every offer: two
+    say they hold it (gossip grants no hold), one says nothing; none answers. Each cost a peer that drew it a
+    deadline every fifth round, each longer than the last (5 s, 20 s, then the cap): 12 rounds took 62-148 s a peer
+    with 3 of them, 3 s without. Now one that says it holds is banned at its first draw, and a silent one's
+    time-outs bound its link no slower than it claimed (the prior here), so its deadline stays the set-up floor."""
+    config = tiny_config(f"stall-{uuid.uuid4().hex[:6]}", run={"rounds": STALL_ROUNDS, "min_peers": HONEST},
+                         sync={"mode": "gasloc"})
+    peers = [start_peer(config)]
+    peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
+    identities = [StallingIdentities(config.network, peers[0].maddrs, config.run.run_id, count,
+                                     peers[0].fingerprint, config.network.record_ttl_s, config.network.heartbeat_s,
+                                     claims={"bandwidth_bps": 1e9}, says_held=says_held)
+                  for count, says_held in ((2, True), (1, False))]
+    try:
+        _threads, histories = run_peers(peers)
+    finally:
+        for group in identities:
+            group.stop()
+    holding, (silent,) = identities[0].peer_ids, identities[1].peer_ids
+    for peer, history in zip(peers, histories, strict=True):
+        assert len(history) == STALL_ROUNDS and history[-1].val_loss < history[0].val_loss
+        assert sum(m.peers_averaged > 1 for m in history) >= STALL_ROUNDS // 2, [m.peers_averaged for m in history]
+        driver = peer.sync.mixer.driver
+        offences = driver.reputation.offences()
+        for identity in holding:  # banned at a draw for a minute at least: drawn once in so short a run
+            assert offences.get(identity, {}).get("held_ungranted", 0) <= 1, offences
+        link = driver.links.by_partner.get(silent)  # bounded by a second time-out in a row: no slower than claimed
+        assert link is None or link.bytes_per_s >= driver.links.prior_bytes_per_s, link.bytes_per_s
+        assert silent not in offences  # silence is no offence: a peer behind a cut is silent too
+    offended = [peer.sync.mixer.driver.reputation.offences() for peer in peers]
+    assert all(any(identity in seen for seen in offended) for identity in holding), offended
+    assert any(silent in peer.sync.mixer.driver.failed_partners.failed for peer in peers)
 
 
 def test_a_gasloc_peer_whose_round_jumped_answers_no_offer_until_its_next_step_shows_its_work() -> None:

@@ -127,3 +127,24 @@ def test_a_held_offer_is_answered_after_its_deadline_and_a_silent_partner_is_dro
             await shutdown([a, b, c])
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+@pytest.mark.network
+def test_a_partner_that_says_it_holds_an_offer_granted_no_hold_is_dropped_at_once_for_an_offence():
+    """Gossip grants no hold (an honest responder then judges an offer at once). An identity that said 'held' anyway,
+    then nothing, cost each initiator the whole deadline; it breaks a rule no honest peer does, and is dropped the
+    moment it says it. With a hold granted, the same answer is waited for, as before."""
+    async def scenario() -> None:
+        a, b = await start_p2ps(2)
+        try:
+            await serve_exchanges(b, LateResponder(30.0))  # holds whatever it was granted
+            started = time.monotonic()
+            with pytest.raises(exchange.UngrantedHold):
+                await offer_to(a, b, deadline_s=20.0, hold_s=0.0)
+            assert time.monotonic() - started < 10.0  # not the 20 s deadline
+            with pytest.raises(asyncio.TimeoutError):  # granted 0.5 s: waited for up to the deadline and the hold
+                await offer_to(a, b, deadline_s=1.0, hold_s=0.5)
+        finally:
+            await shutdown([a, b])
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

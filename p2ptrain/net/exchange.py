@@ -6,7 +6,8 @@ Protocol, all in one bidirectional stream of `DownloadData` messages (JSON metad
 2. the responder refuses at once (busy, wrong run, wrong model) or reads the whole payload, decodes and validates
    it, and answers with its own header and payload; an offer for a round the responder is a moment from reaching
    may first be held, its payload unread, for at most the offer's `hold_s` (the handler's `hold`): the responder
-   then says 'held' at once, so an initiator that hears nothing within its deadline still knows its partner gone;
+   then says 'held' at once, so an initiator that hears nothing within its deadline still knows its partner gone
+   (a 'held' for an offer granted no hold is `UngrantedHold`: an offence);
 3. the initiator reads and validates that payload and sends `commit`; the responder applies its mix and acks;
 4. the initiator applies its mix when the ack arrives.
 The last message can be lost where the first three were not (the partner applied, its ack did not come): the
@@ -66,6 +67,11 @@ Apply = Callable[[], None]
 
 class ExchangeRefused(Exception):
     """The partner said no at once (busy, another run or model, or it found our payload invalid)."""
+
+
+class UngrantedHold(WireError):
+    """The responder said it holds an offer we gave no `hold_s`: no honest peer does (its `hold` holds only what it
+    was granted), and one that does then keeps us waiting for nothing."""
 
 
 class UnconfirmedMix(WireError):
@@ -308,7 +314,7 @@ async def push_pull(
     try:
         outcome = await asyncio.wait_for(
             _initiate(p2p, peer_id, namespace, requests(), decision, validate, max_payload_bytes, deadline_s, route,
-                      committed),
+                      committed, hold_s > 0),
             deadline_s + hold_s)
     except (asyncio.TimeoutError, TimeoutError, UnconfirmedMix) as e:
         if not committed:
@@ -329,7 +335,7 @@ async def push_pull(
 async def _initiate(
     p2p: P2P, peer_id: PeerID, namespace: str, requests: AsyncIterator[averaging_pb2.DownloadData],
     decision: "asyncio.Future[bool]", validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int,
-    chunk_timeout_s: float, route: Route | None, committed: list[ExchangeOutcome],
+    chunk_timeout_s: float, route: Route | None, committed: list[ExchangeOutcome], hold_granted: bool,
 ) -> ExchangeOutcome:
     if route is None:
         stream = await GossipServicer.get_stub(p2p, peer_id, namespace=namespace).rpc_exchange(requests)
@@ -338,16 +344,19 @@ async def _initiate(
     # closed on the way out, whatever the outcome: hivemind would otherwise go on sending the rest of our payload
     # (to a partner that refused it) until the stream is garbage-collected, holding one of the partner's slots
     async with contextlib.aclosing(stream) as responses:
-        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s, committed)
+        return await _exchange(responses, decision, validate, max_payload_bytes, chunk_timeout_s, committed,
+                               hold_granted)
 
 
 async def _exchange(
     responses: AsyncIterator[averaging_pb2.DownloadData], decision: "asyncio.Future[bool]",
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, chunk_timeout_s: float,
-    committed: list[ExchangeOutcome],
+    committed: list[ExchangeOutcome], hold_granted: bool,
 ) -> ExchangeOutcome:
     first, answer = await _answer_of(responses, chunk_timeout_s)
     if answer.get("status") == HELD:  # it is alive and will answer once in our round: `push_pull`'s deadline rules
+        if not hold_granted:
+            raise UngrantedHold("partner said it holds an offer we granted no hold")
         first, answer = await _answer_of(responses, None)
     if answer.get("status") != "ok":
         raise ExchangeRefused(str(answer.get("reason", "refused")))

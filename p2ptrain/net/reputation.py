@@ -59,6 +59,9 @@ OFFENCES: dict[str, float] = {
     # a state neither held nor outvoted by witnesses, worse than ours on our batches but short of a lie's loss: what
     # an honest peer that averaged alone a few rounds serves; the third within a half-life bans
     "worse_state": 1.5,
+    # said it holds an offer we granted no hold, then kept us waiting (net/exchange.py's `UngrantedHold`): a rule of
+    # the protocol no honest peer breaks
+    "held_ungranted": 4.0,
     "forged_record": 4.0,  # a DHT record for a peer id that is not its signer's, or beyond the time bounds
     "equivocated": 4.0,  # sent members of one all-reduce different values (their reports disagree, no majority)
     # a reduce-scatter's chunk mean that is not the CenteredClip of the inputs its owner reduced, or a sketch of a

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +27,15 @@ from hivemind.p2p import P2P, PeerID
 
 from p2ptrain.maths.pacing import LinkSpeeds
 from p2ptrain.maths.topology import draw_partners
-from p2ptrain.net.exchange import Apply, ExchangeRefused, OpenExchange, Payload, UnconfirmedMix, push_pull
+from p2ptrain.net.exchange import (
+    Apply,
+    ExchangeRefused,
+    OpenExchange,
+    Payload,
+    UnconfirmedMix,
+    UngrantedHold,
+    push_pull,
+)
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
@@ -411,13 +419,15 @@ class ExchangeDriver:
 
     # ---- initiator ------------------------------------------------------------------------------------------------
     async def open_in_turn(self, rnd: OfferingRound, live_peers: list[str], patience_s: float, stats: RoundSync,
-                           rng: random.Random) -> None:
+                           rng: random.Random, announced: Mapping[str, float] | None = None) -> None:
         """Offer our payload to random live peers, one after another, until the round's slots are taken or nobody
         is left to ask: those we reach directly first, then those behind relays; peers nobody can reach offer
         theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`, or
         until `rnd.slots.give_up_at` if the round's owner moves it. Peers whose last exchanges we opened failed sit
         out a few rounds (`FailedPartners`), and once failed exchanges took `SETUP_FLOOR_S` of this round, it opens
-        no more: at a cut, the first dead partner costs the round its deadline, a second one nothing."""
+        no more: at a cut, the first dead partner costs the round its deadline, a second one nothing. `announced`:
+        partners' announced link speeds, what their time-outs may bound their links to at the slowest
+        (`LinkSpeeds.timed_out_`)."""
         rnd.slots.give_up_at, attempt, failing_s = time.monotonic() + patience_s, 0, 0.0
         candidates = self.failed_partners.drawable([p for p in live_peers if not self.reputation.is_banned(p)],
                                                    rnd.round)
@@ -431,7 +441,8 @@ class ExchangeDriver:
                     continue
                 started = time.monotonic()
                 outcome = await self.exchange_with(rnd, partner, stats,
-                                                   slow_if_timed_out=self.failed_partners.failed_before(partner))
+                                                   slow_if_timed_out=self.failed_partners.failed_before(partner),
+                                                   claimed_bytes_per_s=(announced or {}).get(partner))
                 if outcome in ASK_AGAIN:
                     later.append(partner)
                 elif outcome == Outcome.FAILED:
@@ -476,10 +487,12 @@ class ExchangeDriver:
         return outcome
 
     async def exchange_with(self, rnd: OfferingRound, partner: str, stats: RoundSync,
-                            slow_if_timed_out: bool = True) -> str:
+                            slow_if_timed_out: bool = True, claimed_bytes_per_s: float | None = None) -> str:
         """One exchange we start (its slot is reserved); returns OK, FAILED, NO_VALUE or the partner's refusal.
         `slow_if_timed_out`: a time-out bounds the link's speed (the next deadline grows). Gossip takes only a second
-        time-out in a row for that: one is as likely a partner gone or a connection gone stale at a cut."""
+        time-out in a row for that: one is as likely a partner gone or a connection gone stale at a cut.
+        `claimed_bytes_per_s`: the partner's announced speed, below which a time-out on a direct route does not
+        bound its link (`LinkSpeeds.timed_out_`); a relay's route is as slow as the relay, whatever it says."""
         try:
             codec, ours = rnd.value_for(partner, None)
         except ValueError as e:  # what the conduct formed is not finite
@@ -517,6 +530,10 @@ class ExchangeDriver:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
             stats.refused += int(str(e) not in ASK_AGAIN)
             return str(e)
+        except UngrantedHold as e:
+            self.reputation.penalise(partner, "held_ungranted", str(e))
+            stats.failed += 1
+            return Outcome.FAILED
         except Exception as e:  # WireError, ValueError, timeouts, P2P errors: nothing was applied here
             logger.info(f"{self.kind} exchange with {partner} failed: {e!r}")
             stats.failed += 1
@@ -524,7 +541,9 @@ class ExchangeDriver:
             # a bound, one lost ack made two fast peers look slow to each other for good (neither asked again)
             timed_out = getattr(e, "timed_out", isinstance(e, (asyncio.TimeoutError, TimeoutError)))
             if timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
-                self.links.timed_out_(partner, 2 * nbytes, deadline_s, bounds_link=slow_if_timed_out)
+                claimed = claimed_bytes_per_s if self.routes.route_to(partner) is None else None
+                self.links.timed_out_(partner, 2 * nbytes, deadline_s, bounds_link=slow_if_timed_out,
+                                      claimed_bytes_per_s=claimed)
             return Outcome.FAILED
         finally:
             rnd.release_(partner, outgoing=True)

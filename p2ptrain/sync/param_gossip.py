@@ -406,7 +406,8 @@ class ParamGossip:
         k = self.routes.partners_to_open(self.config.gossip_peers)
         offer = self._offer = ParamOffer(self, round_, value, k)
         stats = RoundSync(group_size=1)
-        await self.driver.open_in_turn(offer, self._eligible(live_peers, links, round_), patience_s, stats, self.rng)
+        await self.driver.open_in_turn(offer, self._eligible(live_peers, links, round_), patience_s, stats, self.rng,
+                                       announced=links)
         stats.consensus_distance.extend(offer.distances)
         if offer.slots.done:
             self._remember_shift_(offer.mixed, value)

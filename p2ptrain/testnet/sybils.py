@@ -5,21 +5,35 @@ Identities cost an RSA key each and nothing else: every record is well formed an
 so every node stores it and every reader counts it. The records announce a round of the attacker's choice with a
 heartbeat that keeps them live; behind them is no endpoint (a dial to one fails). Issue 31 measured 20 of them,
 announcing a stale round, moving the quorum round of every honest DiLoCo peer (join_rules.py says what now counts).
+
+`StallingIdentities` put a libp2p node behind each: it takes every gossip offer, says it holds it for its next
+round, and never answers, so each costs an initiator that draws it the exchange's deadline
+(sync/failed_partners.py says what that now comes to).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2ptrain.net.dht import SwarmDHT
+from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht
 from p2ptrain.net.dht_keys import shard_index, shard_key
 from p2ptrain.net.discovery import PROTOCOL_VERSION, PeerRecord, add_record_validators
-from p2ptrain.net.identity import peer_id_of_signer
+from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.exchange import GossipServicer
+from p2ptrain.net.identity import fresh_identity_path, load_identity_key, peer_id_of_signer
+from p2ptrain.net.inbound_exchange import InboundExchange
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.responder_limits import ResponderLimits
 
 # keys handed to the DHT's process in one call: hivemind's pipe to it is read without blocking, so a message over
 # PIPE_BUF (4 KiB, what Linux writes at once) can be read half-written and stops the process ("Resource temporarily
@@ -52,10 +66,13 @@ class SybilRecords:
     (net/record_shards.py; 0: the one peers key)."""
 
     def __init__(self, dht: SwarmDHT, run_id: str, count: int, round_: int, fingerprint: str, ttl_s: float,
-                 heartbeat_s: float, level: int = 0):
+                 heartbeat_s: float, level: int = 0, keys: list[RSAPrivateKey] | None = None,
+                 claims: dict[str, object] | None = None):
+        """`keys`: the identities' own (of libp2p nodes that answer as them); fresh ones if None, behind which is
+        no endpoint. `claims`: other fields of their records (a link speed, a reach)."""
         self.dht, self.run_id, self.round, self.ttl_s, self.heartbeat_s = dht, run_id, round_, ttl_s, heartbeat_s
-        self.level = level
-        keys = [RSAPrivateKey() for _ in range(count)]
+        self.level, self.claims = level, dict(claims or {})
+        keys = keys if keys is not None else [RSAPrivateKey() for _ in range(count)]
         self.subkeys = [RSASignatureValidator(key).local_public_key for key in keys]
         self.peer_ids = [peer_id_of_signer(subkey) or "" for subkey in self.subkeys]
         add_record_validators(dht, run_id, ttl_s)
@@ -77,7 +94,8 @@ class SybilRecords:
                                   expiration_time=now + self.ttl_s,
                                   value=PeerRecord(peer_id=peer_id, round=self.round, inner_step=0, phase="inner",
                                                    round_eta=now + 60.0, fingerprint=self.fingerprint,
-                                                   protocol=PROTOCOL_VERSION, updated=now).dict(),
+                                                   protocol=PROTOCOL_VERSION, updated=now,
+                                                   **self.claims).dict(),  # type: ignore[arg-type]
                                   return_future=True)
                    for peer_id, subkey in zip(self.peer_ids, self.subkeys, strict=True)]
         return sum(bool(future.result(timeout=30)) for future in futures)
@@ -89,3 +107,84 @@ class SybilRecords:
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             self.publish()
+
+
+# how long a stalling identity holds an offer: past any initiator's deadline, and the stream is then closed
+STALL_S = 600.0
+# what it grants initiators at once: no responder's limits (an attacker keeps none), but a bound for this process
+UNLIMITED = ResponderLimits(per_peer=10**6, per_host=10**6, total=10**6)
+
+
+class _Stall:
+    """An `ExchangeHandler` that holds every offer and never opens one."""
+
+    def __init__(self, namespace: str):
+        self.namespace, self.max_payload_bytes, self.chunk_timeout_s = namespace, 1 << 30, STALL_S
+        self.reputation = Reputation()
+
+    def hold(self, header: dict[str, Any]) -> Awaitable[Any] | None:
+        return asyncio.sleep(STALL_S)
+
+    def open(self, header: dict[str, Any]) -> str:
+        return "busy"
+
+
+class _SilentServicer(GossipServicer):
+    """Takes an offer's stream and says nothing on it: not 'held', not a refusal."""
+
+    async def _respond(self, inbound: InboundExchange) -> AsyncIterator[averaging_pb2.DownloadData]:
+        await asyncio.sleep(STALL_S)
+        return
+        yield  # an async generator, as the servicer's
+
+
+_SilentServicer.__name__ = GossipServicer.__name__  # hivemind names a handler by its class: dialled as the peers'
+
+
+class StallingIdentities:
+    """`count` libp2p nodes of run `run_id` (through `initial_peers`, as `network` says to listen) that take
+    gossip offers of each of `kinds` and never answer, and their records (`SybilRecords`: `claims`, e.g. a fast
+    link, so that the slow-link rule does not leave them out) through a DHT node of their own, until `stop()`.
+    `says_held`: they say they hold each offer (the protocol's 'held') before they fall silent."""
+
+    def __init__(self, network: NetworkConfig, initial_peers: Sequence[str], run_id: str, count: int,
+                 fingerprint: str, ttl_s: float, heartbeat_s: float, kinds: Sequence[str] = ("gasloc",),
+                 claims: dict[str, object] | None = None, round_: int = 0, says_held: bool = True):
+        self.loop = BackgroundLoop("p2ptrain-stalling")
+        self.p2ps: list[P2P] = []
+        self.dht: SwarmDHT | None = None
+        self.records: SybilRecords | None = None
+        try:
+            paths = [fresh_identity_path() for _ in range(count)]
+            for path in paths:
+                self.p2ps.append(self.loop.run(self._node(network, initial_peers, path, run_id, kinds, says_held),
+                                               timeout=60))
+            self.dht = start_dht(network, initial_peers)
+            self.records = SybilRecords(self.dht, run_id, count, round_, fingerprint, ttl_s, heartbeat_s,
+                                        keys=[load_identity_key(path) for path in paths], claims=claims).start()
+        except BaseException:
+            self.stop()
+            raise
+        self.peer_ids = [p2p.peer_id.to_base58() for p2p in self.p2ps]
+
+    @staticmethod
+    async def _node(network: NetworkConfig, initial_peers: Sequence[str], identity_path: str, run_id: str,
+                    kinds: Sequence[str], says_held: bool) -> P2P:
+        p2p = await P2P.create(identity_path=identity_path, initial_peers=list(initial_peers),
+                               host_maddrs=list(network.host_maddrs), nat_port_map=network.nat_port_map,
+                               auto_nat=network.auto_nat, use_relay=network.use_relay)
+        servicer_type = GossipServicer if says_held else _SilentServicer
+        for kind in kinds:
+            stall = _Stall(f"{run_id}.{kind}")
+            await servicer_type(stall, stall.max_payload_bytes, STALL_S, limits=UNLIMITED).add_p2p_handlers(
+                p2p, namespace=stall.namespace)
+        return p2p
+
+    def stop(self) -> None:
+        if self.records is not None:
+            self.records.stop()
+        if self.dht is not None:
+            self.dht.shutdown()
+        for p2p in self.p2ps:
+            self.loop.run(p2p.shutdown(), timeout=30)
+        self.loop.stop()
