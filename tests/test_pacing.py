@@ -186,24 +186,51 @@ def test_a_partners_time_outs_grow_its_deadline_to_what_its_claimed_speed_needs_
     """An identity announcing 1 Gbit/s that took each offer and never answered grew its deadline by each time-out
     (5 s, 20 s, then the cap). Until an exchange on the link completes, a time-out bounds it no slower than the
     partner's claim: a fast claim costs the set-up floor a draw, a slow one the deadline it needs; with no claim,
-    or once an exchange completed (its measurement is the yardstick), a time-out bounds the link as before."""
-    links = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    or once an exchange completed (its measurement is the yardstick), a time-out bounds the link as before. What
+    time-outs with two partners say of our own link is unchanged."""
+    liar = LinkSpeeds(prior_bytes_per_s=2.5e6)
     for _ in range(3):
-        links.timed_out_("liar", 500_000, links.deadline_s("liar", 500_000, 4.0), bounds_link=True,
-                         claimed_bytes_per_s=125e6)
-    assert links.deadline_s("liar", 500_000, 4.0) == 5.0  # the floor, time-out after time-out
-    links.timed_out_("slow", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=10_000)
-    assert links.estimate_bytes_per_s("slow") == pytest.approx(100_000)  # bounded by the time-out: 10 kB/s is slower
-    links.timed_out_("slow", 500_000, 20.0, bounds_link=True, claimed_bytes_per_s=50_000)
-    assert links.estimate_bytes_per_s("slow") == pytest.approx(50_000)  # down to its claim, and no further
-    links.timed_out_("slow", 500_000, 40.0, bounds_link=True, claimed_bytes_per_s=50_000)
-    assert links.estimate_bytes_per_s("slow") == pytest.approx(50_000)
-    links = LinkSpeeds(prior_bytes_per_s=2.5e6)  # (time-outs with two partners bounded our own link above)
-    links.timed_out_("unclaimed", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=None)
-    assert links.estimate_bytes_per_s("unclaimed") == pytest.approx(100_000)
-    links.completed_("known", 500_000, 0.1)
-    links.timed_out_("known", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=125e6)
-    assert links.estimate_bytes_per_s("known") < 2.5e6  # measured: the claim no longer counts
+        liar.timed_out_("liar", 500_000, liar.deadline_s("liar", 500_000, 4.0), bounds_link=True,
+                        claimed_bytes_per_s=125e6)
+    assert liar.deadline_s("liar", 500_000, 4.0) == 5.0  # the floor, time-out after time-out
+    slow = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    slow.timed_out_("slow", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=10_000)
+    assert slow.estimate_bytes_per_s("slow") == pytest.approx(100_000)  # bounded by the time-out: 10 kB/s is slower
+    slow.timed_out_("slow", 500_000, 20.0, bounds_link=True, claimed_bytes_per_s=50_000)
+    assert slow.estimate_bytes_per_s("slow") == pytest.approx(50_000)  # down to its claim, and no further
+    slow.timed_out_("slow", 500_000, 40.0, bounds_link=True, claimed_bytes_per_s=50_000)
+    assert slow.estimate_bytes_per_s("slow") == pytest.approx(50_000)
+    plain = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    plain.timed_out_("unclaimed", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=None)
+    assert plain.estimate_bytes_per_s("unclaimed") == pytest.approx(100_000)
+    plain.completed_("known", 500_000, 0.1)
+    plain.timed_out_("known", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=125e6)
+    assert plain.estimate_bytes_per_s("known") == pytest.approx(100_000)  # measured: the claim no longer counts
+    own = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    own.timed_out_("a", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=125e6)
+    own.timed_out_("b", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=125e6)
+    assert own.estimate_bytes_per_s("new") == pytest.approx(100_000)  # two partners in a row: our own link
+
+
+def test_an_exchange_a_partner_opened_with_us_that_completed_is_a_floor_under_our_own_link() -> None:
+    """Time-outs with two silent identities in a row took our own link for slow; an honest partner's exchange with
+    us, our payload included, completing fast says otherwise, as one we opened does: the streak ends and unmeasured
+    links get their deadline back."""
+    links = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    links.timed_out_("a", 500_000, 5.0, bounds_link=False)
+    links.timed_out_("b", 500_000, 5.0, bounds_link=False)
+    assert links.deadline_s("new", 500_000, 4.0) == pytest.approx(20.0)
+    links.answered_(500_000, 0.1)  # 5 MB/s: above the prior
+    assert links.deadline_s("new", 500_000, 4.0) == 5.0 and links.timed_out_with == set()
+    links.timed_out_("c", 500_000, 5.0, bounds_link=False)  # one partner: no new streak yet
+    assert links.deadline_s("new", 500_000, 4.0) == 5.0
+    links.answered_(0, 0.1)  # nothing moved: nothing learnt
+    assert links.timed_out_with == {"c"}
+    links.answered_(500_000, 1.0)  # 0.5 MB/s: a floor, not a cap
+    assert links.estimate_bytes_per_s("new") == 2.5e6
+    links.timed_out_("d", 500_000, 5.0, bounds_link=False)
+    links.timed_out_("e", 500_000, 5.0, bounds_link=False)  # two partners since the answer: a streak again
+    assert links.estimate_bytes_per_s("new") == pytest.approx(100_000)
 
 
 def test_a_peer_slower_to_compute_than_the_swarm_takes_fewer_steps_down_to_half() -> None:

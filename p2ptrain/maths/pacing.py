@@ -101,22 +101,34 @@ class LinkSpeeds:
             self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s,
                                               max(self.unmeasured_bytes_per_s, link.bytes_per_s))
 
+    def answered_(self, exchange_bytes: int, elapsed_s: float) -> None:
+        """An exchange a partner opened with us completed, moving `exchange_bytes` (both directions, ours included:
+        the partner committed once it had our payload) within `elapsed_s`: a floor under our own link, as an exchange
+        we opened gives one (`completed_`). Three silent identities' time-outs, two in a row with different ones,
+        bounded our own link and grew every unmeasured deadline to 10-30 s, while honest partners' exchanges with us
+        completed in a tenth of a second."""
+        if exchange_bytes <= 0 or not elapsed_s > 0.0 or not math.isfinite(elapsed_s):
+            return
+        self.timed_out_with.clear()
+        self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s,
+                                          max(self.unmeasured_bytes_per_s, exchange_bytes / elapsed_s))
+
     def timed_out_(self, partner: str, exchange_bytes: int, deadline_s: float, bounds_link: bool,
                    claimed_bytes_per_s: float | None = None) -> None:
         """An exchange with `partner` moving `exchange_bytes` missed its `deadline_s`. `bounds_link`: the link
         to it is taken to be at most that fast (a caller may not take one time-out for that: the partner may be
         gone), but no slower than `claimed_bytes_per_s` (the speed it announced) while no exchange on it has
         completed: a partner's own time-outs then grow its deadline to what its claim needs and no further (an
-        identity announcing 1 Gbit/s that took each offer and never answered grew it to the cap: 5 s, 20 s, then it).
+        identity announcing 1 Gbit/s that took each offer and never answered grew it 5 s, 20 s, then to the cap).
         Time-outs with OWN_LINK_TIMEOUT_PARTNERS different partners in a row bound our own link: it is what they
         share, and a slow uplink whose every exchange with a partner never measured got the prior's deadline (the
         set-up floor) would otherwise time out forever (a 1.7 Mbit/s peer of a 32-peer swarm: all 25 of its
         exchanges, each with a partner it had not tried)."""
         if bounds_link:
-            link = self.to(partner)
+            link, bound_s = self.to(partner), deadline_s
             if claimed_bytes_per_s and claimed_bytes_per_s > 0 and not link.num_completed and exchange_bytes > 0:
-                deadline_s = min(deadline_s, exchange_bytes / claimed_bytes_per_s)
-            link.update_timeout_(exchange_bytes, deadline_s)
+                bound_s = min(deadline_s, exchange_bytes / claimed_bytes_per_s)
+            link.update_timeout_(exchange_bytes, bound_s)
         self.timed_out_with.add(partner)
         if len(self.timed_out_with) >= OWN_LINK_TIMEOUT_PARTNERS and exchange_bytes > 0 and deadline_s > 0:
             self.unmeasured_bytes_per_s = min(self.unmeasured_bytes_per_s, exchange_bytes / deadline_s)

@@ -274,6 +274,7 @@ class Incoming:
 
     def __init__(self, driver: ExchangeDriver, rnd: AnsweringRound, sender: str, codec: str, weight: float):
         self.driver, self.rnd, self.sender, self.weight = driver, rnd, sender, weight
+        self.opened = time.monotonic()
         codec, self.payload = rnd.value_for(sender, codec)
         self.header = {"codec": codec, "round": rnd.round, "weight": weight, **driver.policy.header_extra()}
 
@@ -285,7 +286,13 @@ class Incoming:
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
         self.driver.failed_partners.reached_(self.sender)  # its whole payload reached us: it is not cut off
-        return lambda: self.rnd.apply_(self.sender, theirs, outgoing=False, weight=self.weight)
+        exchange_bytes = payload_bytes(partner_payload) + payload_bytes(self.payload)
+
+        def apply() -> None:  # on its commit, once it had our payload too
+            self.rnd.apply_(self.sender, theirs, outgoing=False, weight=self.weight)
+            if self.rnd.measures_link:
+                self.driver.links.answered_(exchange_bytes, time.monotonic() - self.opened)
+        return apply
 
     def close(self) -> None:
         self.rnd.release_(self.sender, outgoing=False)
