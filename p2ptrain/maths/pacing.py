@@ -97,9 +97,7 @@ class LinkSpeeds:
         link = self.to(partner)
         link.update_(exchange_bytes, elapsed_s)
         if link.num_completed:
-            self.timed_out_with.clear()
-            self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s,
-                                              max(self.unmeasured_bytes_per_s, link.bytes_per_s))
+            self._own_link_at_least_(link.bytes_per_s)
 
     def answered_(self, exchange_bytes: int, elapsed_s: float) -> None:
         """An exchange a partner opened with us completed, moving `exchange_bytes` (both directions, ours included:
@@ -107,11 +105,14 @@ class LinkSpeeds:
         we opened gives one (`completed_`). Three silent identities' time-outs, two in a row with different ones,
         bounded our own link and grew every unmeasured deadline to 10-30 s, while honest partners' exchanges with us
         completed in a tenth of a second."""
-        if exchange_bytes <= 0 or not elapsed_s > 0.0 or not math.isfinite(elapsed_s):
-            return
+        if exchange_bytes > 0 and elapsed_s > 0.0 and math.isfinite(elapsed_s):
+            self._own_link_at_least_(exchange_bytes / elapsed_s)
+
+    def _own_link_at_least_(self, bytes_per_s: float) -> None:
+        """An exchange completed at `bytes_per_s`: the time-outs before it no longer say our link is slow, and links
+        not measured yet are taken to carry that much at least (the prior at most)."""
         self.timed_out_with.clear()
-        self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s,
-                                          max(self.unmeasured_bytes_per_s, exchange_bytes / elapsed_s))
+        self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s, max(self.unmeasured_bytes_per_s, bytes_per_s))
 
     def timed_out_(self, partner: str, exchange_bytes: int, deadline_s: float, bounds_link: bool,
                    claimed_bytes_per_s: float | None = None) -> None:
