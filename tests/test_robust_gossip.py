@@ -613,7 +613,8 @@ def test_identities_that_take_offers_and_never_answer_are_banned_or_cost_a_set_u
     say they hold it (gossip grants no hold), one says nothing; none answers. Each cost a peer that drew it a
     deadline every fifth round, each longer than the last (5 s, 20 s, then the cap): 12 rounds took 62-148 s a peer
     with 3 of them, 3 s without. Now one that says it holds is banned at its first draw, and a silent one's
-    time-outs bound its link no slower than it claimed (the prior here), so its deadline stays the set-up floor."""
+    time-outs bound its link no slower than it claimed: the link stays at the prior, its deadline at the floor
+    (unless time-outs with two partners in a row take our own link for slow, `LinkSpeeds.timed_out_`)."""
     config = tiny_config(f"stall-{uuid.uuid4().hex[:6]}", run={"rounds": STALL_ROUNDS, "min_peers": HONEST},
                          sync={"mode": "gasloc"})
     peers = [start_peer(config)]

@@ -7,8 +7,8 @@ heartbeat that keeps them live; behind them is no endpoint (a dial to one fails)
 announcing a stale round, moving the quorum round of every honest DiLoCo peer (join_rules.py says what now counts).
 
 `StallingIdentities` put a libp2p node behind each: it takes every gossip offer, says it holds it for its next
-round, and never answers, so each costs an initiator that draws it the exchange's deadline
-(sync/failed_partners.py says what that now comes to).
+round or says nothing, and never answers, so each costs an initiator that draws it the exchange's deadline
+(docs/threat-model.md says what that now comes to: a 'held' nobody granted is banned, silence costs a set-up floor).
 """
 
 from __future__ import annotations
