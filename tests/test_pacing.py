@@ -212,6 +212,23 @@ def test_a_partners_time_outs_grow_its_deadline_to_what_its_claimed_speed_needs_
     assert own.estimate_bytes_per_s("new") == pytest.approx(100_000)  # two partners in a row: our own link
 
 
+def test_a_time_out_held_at_a_fast_partners_claim_does_not_make_a_slow_peer_take_its_link_for_fast() -> None:
+    """A time-out bounds a link from above; held at a fast partner's claim it stays at the prior, and a 1 Mbit/s peer
+    that took it for a measure of its own link ran all its steps and announced the prior (CI: half its steps where
+    the exchange's time was worth all but the fewest)."""
+    slow = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    slow.completed_("fast", 250_000, 2.0)  # 125 kB/s: our link
+    slow.timed_out_("also-fast", 500_000, 5.0, bounds_link=True, claimed_bytes_per_s=6.25e6)
+    announced = {"fast": 6.25e6, "also-fast": 6.25e6}
+    assert slow.own_bytes_per_s(announced) == pytest.approx(125_000)
+    assert slow.fastest_measured_bytes_per_s() == pytest.approx(125_000)
+    only_time_outs = LinkSpeeds(prior_bytes_per_s=2.5e6)  # nothing completed: the bounds are all there is
+    only_time_outs.timed_out_("a", 500_000, 5.0, bounds_link=True)
+    only_time_outs.timed_out_("b", 500_000, 10.0, bounds_link=True)
+    assert only_time_outs.own_bytes_per_s({"a": 6.25e6}) == pytest.approx(100_000)
+    assert only_time_outs.fastest_measured_bytes_per_s() == 0.0  # announce "unknown", not a bound
+
+
 def test_an_exchange_a_partner_opened_with_us_that_completed_is_a_floor_under_our_own_link() -> None:
     """Time-outs with two silent identities in a row took our own link for slow; an honest partner's exchange with
     us, our payload included, completing fast says otherwise, as one we opened does: the streak ends and unmeasured

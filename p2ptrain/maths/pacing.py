@@ -151,14 +151,17 @@ class LinkSpeeds:
         measured = self.measured()
         # a partner that announced a much faster link than we got with it shows that we were the bottleneck
         we_are_the_bottleneck = any(announced.get(peer, 0.0) > 1.5 * speed for peer, speed in measured.items())
+        # a time-out only bounds a link from above, so it speaks for our link only while nothing completed
+        fastest = self.fastest_measured_bytes_per_s() or max(measured.values(), default=self.prior_bytes_per_s)
         if len(measured) < OWN_LINK_MIN_PARTNERS and not we_are_the_bottleneck:
-            return max([*measured.values(), self.prior_bytes_per_s])
-        return max(measured.values(), default=self.prior_bytes_per_s)
+            return max(fastest, self.prior_bytes_per_s)
+        return fastest
 
     def fastest_measured_bytes_per_s(self) -> float:
-        """What we announce: the fastest exchange throughput measured, 0 before any (never the prior: a slow peer
-        announcing the prior would look fast to everyone)."""
-        return max(self.measured().values(), default=0.0)
+        """What we announce: the fastest completed exchange's throughput, 0 before any (never the prior: a slow peer
+        announcing the prior would look fast to everyone). A time-out's bound is no measure: one held at a fast
+        partner's claim (`timed_out_`) stays at the prior, and a 1 Mbit/s peer took itself for a 20 Mbit/s one."""
+        return max((link.bytes_per_s for link in self.by_partner.values() if link.num_completed), default=0.0)
 
 
 def inner_steps_for_link(round_time_s: float, step_time_s: float, comm_time_s: float, h_min: int, h_max: int) -> int:
