@@ -356,7 +356,7 @@ class Joiner:
                 peer.p2p, PeerID.from_base58(donor.peer_id), peer.config.run.run_id, peer.state.layout(),
                 max_bytes=2 * nbytes + 2**20, chunk_timeout_s=timeout_s,
                 expected_metadata=SnapshotExpectation(peer.config.run.run_id, peer.fingerprint, low, high),
-                route=peer.routes.route_to(donor.peer_id)), timeout=deadline_s)
+                route=peer.routes.route_to(donor.peer_id), ticket=peer.routes.ticket), timeout=deadline_s)
         except SnapshotRefused as e:
             logger.warning(f"refused the state of {donor.peer_id}: {e}")
             if e.offence is not None:
@@ -413,7 +413,7 @@ class Joiner:
 
         async def ask(record: PeerRecord) -> Sketch:
             return await request_sketch(peer.p2p, PeerID.from_base58(record.peer_id), peer.config.run.run_id,
-                                        seed, timeout_s, peer.routes.route_to(record.peer_id))
+                                        seed, timeout_s, peer.routes.route_to(record.peer_id), peer.routes.ticket)
 
         async def ask_all() -> list[Sketch | BaseException]:
             return await answers_with_patience([ask(w) for w in witnesses], timeout_s)

@@ -166,7 +166,7 @@ class TrainingPeer:
             self.dht.shutdown()
             raise
         # one record of offences for every transport of this peer; it also refuses peers the run does not admit
-        self.reputation = Reputation(cfg.reputation, admitted=self.admission.allows)
+        self.reputation = Reputation(cfg.reputation, admits=self.admission.admits_)
         self.contributions = Contributions()  # what partners' outer gradients showed of their work
         self.tokens_trained = 0  # by our inner phases since this process started: what our record claims
         self._snapshot: StateSnapshot | None = None

@@ -6,6 +6,7 @@ the `Admission.allows` check that servers ask, and a real swarm on loopback wher
 
 from __future__ import annotations
 
+import asyncio
 import stat
 import sys
 from pathlib import Path
@@ -13,13 +14,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from test_cli_errors import UNREACHABLE_PEER, Outcome, assert_one_line_user_error
+from test_limits import NS, Handler, serve, swarm, tensors
 from test_records import stored_subkeys
 
 from p2ptrain.cli import main
 from p2ptrain.errors import UserError
+from p2ptrain.net import exchange
 from p2ptrain.net.admission import (
     Admission,
     AdmissionPolicy,
@@ -35,10 +40,23 @@ from p2ptrain.net.admission import (
 from p2ptrain.net.bootstrap import BootstrapNode
 from p2ptrain.net.dht import NetworkConfig, SwarmDHT, start_dht, visible_maddrs
 from p2ptrain.net.discovery import Announcer, PeerRecord, fetch_peers, parse_records
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.net.state_sharing import (
+    SnapshotExpectation,
+    SnapshotRefused,
+    StateServer,
+    StateSnapshot,
+    download_state,
+    request_sketch,
+)
+from p2ptrain.net.wire import WireError
 
 RUN, TTL_S = "signed-test", 8.0
 PEER_A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PEER_B = "12D3KooWD7zMSytpc5uPkJPRcM54GhnyBLrL5YDa6L4AAJqde25w"
+PEER_C = "QmTiRThMuMkByxxdRgNga71yNSUACBT2PrdTyH92oEe8V7"
+LAYOUT = [("param:w", (5, 4), "torch.float32")]
+EXPECTED = SnapshotExpectation(run_id=NS, fingerprint="fp", min_round=7, max_round=8)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +148,58 @@ def test_allows_is_true_in_an_open_run_and_in_a_signed_one_only_for_peers_read_w
     assert not reader.allows(PEER_A)
     assert [r.peer_id for r in parse_records(raw, TTL_S, now, reader)] == [PEER_A]
     assert reader.allows(PEER_A) and not reader.allows(PEER_B)
+
+    assert reader.admits_(PEER_B, sign_ticket(signing_key, RUN, PEER_B)) and reader.allows(PEER_B)  # by a request's
+    assert not reader.admits_(PEER_C, sign_ticket(signing_key, RUN, PEER_A)) and not reader.allows(PEER_C)
+    assert not reader.admits_(PEER_C, None) and not reader.admits_(PEER_C, ["not", "a", "ticket"])
+
+
+@pytest.mark.network
+def test_a_peer_whose_record_was_not_read_yet_is_admitted_by_the_ticket_its_requests_carry(
+        keys: SimpleNamespace) -> None:
+    """A signed run's peer serves those whose ticketed records it read; a record reaches it a read or more after
+    its peer asks (at scale a read covers a few shards), and a volunteer whose record its partner had not read was
+    refused every exchange and its state, and trained alone (CI). Gossip offers, state downloads and sketch
+    requests carry the asker's ticket: a valid one admits it, another peer's or none does not."""
+    signing_key = load_signing_key(keys.key)
+
+    async def scenario() -> None:
+        async with swarm(3) as (responder, volunteer, intruder):
+            admission = Admission(AdmissionPolicy(RUN, load_organiser_key(keys.pub)))
+            handler = Handler()
+            handler.reputation = Reputation(admits=admission.admits_)
+            await serve(responder, handler)
+            server = StateServer(lambda: snapshot, refuses=handler.reputation.refuses)
+            await server.add_p2p_handlers(responder, namespace=NS)
+            volunteer_id, intruder_id = volunteer.peer_id.to_base58(), intruder.peer_id.to_base58()
+            ticket = sign_ticket(signing_key, RUN, volunteer_id)
+
+            async def offer_from(p2p: P2P, ticket: str) -> str:
+                try:
+                    outcome = await exchange.push_pull(p2p, responder.peer_id, NS, {}, tensors(16),
+                                                       lambda h, p: lambda: None, 2**22, deadline_s=20, ticket=ticket)
+                except exchange.ExchangeRefused as e:
+                    return str(e)
+                return str(outcome.partner_header["status"])
+
+            assert await offer_from(intruder, ticket) == "banned or not admitted"  # the volunteer's ticket
+            with pytest.raises(WireError, match="refused a sketch"):
+                await request_sketch(intruder, responder.peer_id, NS, 1, 10.0, ticket=ticket)
+            with pytest.raises(SnapshotRefused, match="not served here"):
+                await download_state(intruder, responder.peer_id, NS, LAYOUT, 2**20, 5.0, EXPECTED, ticket=ticket)
+            assert await offer_from(volunteer, "") == "banned or not admitted"  # no record read, no ticket
+            with pytest.raises(SnapshotRefused, match="not served here"):
+                await download_state(volunteer, responder.peer_id, NS, LAYOUT, 2**20, 5.0, EXPECTED)
+            assert handler.opened == [] and not admission.allows(volunteer_id)
+            assert (await request_sketch(volunteer, responder.peer_id, NS, 1, 10.0, ticket=ticket)).round == 7
+            assert admission.allows(volunteer_id) and not admission.allows(intruder_id)
+            assert await offer_from(volunteer, "") == "ok"  # admitted now, as if its record had been read
+            assert handler.opened == [volunteer_id] == handler.applied
+
+    torch.manual_seed(3)
+    snapshot = StateSnapshot.capture({"round": 7, "run_id": NS, "fingerprint": "fp"},
+                                     [("param:w", torch.randn(5, 4))])
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------------------

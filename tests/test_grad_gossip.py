@@ -170,7 +170,7 @@ def fake_network(monkeypatch: pytest.MonkeyPatch, peers: dict[str, GradGossip]) 
     async def fake_push_pull(_p2p: Any, peer_id: PeerID, _namespace: str, header: dict[str, Any], payload: Any,
                              validate: Any, _max_bytes: int, _deadline_s: float,
                              _route: Any = None, _hold_s: float = 0.0,
-                             keep_unconfirmed: bool = False) -> ExchangeOutcome:
+                             keep_unconfirmed: bool = False, ticket: str = "") -> ExchangeOutcome:
         await asyncio.sleep(0)  # let the other peers run, as a real exchange would
         opened = peers[peer_id.to_base58()].driver.open(dict(header, nbytes=payload_bytes(payload)))
         if isinstance(opened, str):

@@ -864,7 +864,7 @@ async def serve_and_fetch(snapshot: StateSnapshot, banned: bool, seed: int,
     a, b = await start_pair()
     wanted = wanted or snapshot
     try:
-        server = StateServer(lambda: snapshot, refuses=lambda peer: banned and peer == b.peer_id.to_base58())
+        server = StateServer(lambda: snapshot, refuses=lambda peer, _ticket: banned and peer == b.peer_id.to_base58())
         await server.add_p2p_handlers(a, namespace="run")
         layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in zip(wanted.names, wanted.tensors, strict=True)]
         results = []
@@ -981,7 +981,7 @@ def test_a_donor_serves_few_snapshots_at_once_cuts_off_a_stalled_reader_and_rate
         try:
             assert DOWNLOADS_AT_ONCE == 2  # one stalled stream from each of b and d
             stalled = [await StateServer.get_stub(p2p, a.peer_id, namespace="run").rpc_download_state(
-                averaging_pb2.DownloadRequest()) for p2p in (b, d)]
+                averaging_pb2.DownloadData()) for p2p in (b, d)]
             for stream in stalled:
                 await stream.__anext__()  # one message read, then nothing: the donor's writes back up
             second = await asyncio.gather(download_state(d, a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),
@@ -1040,7 +1040,7 @@ def test_a_donor_serves_one_state_download_at_a_time_to_each_host_and_charges_no
         try:
             assert DOWNLOADS_PER_HOST == 1 < DOWNLOADS_AT_ONCE
             stalled = await StateServer.get_stub(one_host[0], a.peer_id, namespace="run").rpc_download_state(
-                averaging_pb2.DownloadRequest())
+                averaging_pb2.DownloadData())
             await stalled.__anext__()  # one message read, then nothing: its slot stays held until its deadline
             refused, other = await asyncio.gather(
                 download_state(one_host[1], a.peer_id, "run", layout, 2**24, 5.0, EXPECTED),

@@ -248,7 +248,7 @@ class Admission:
 
     def allows(self, peer_id: str) -> bool:
         """Whether to serve `peer_id`: always in an open run; in a signed run, once a record of it with a valid
-        ticket has been read (a peer not yet seen is refused until the next read of the swarm)."""
+        ticket has been read, or a request of it carried one (`admits_`)."""
         if not self.policy.signed:
             return True
         with self._lock:
@@ -258,6 +258,17 @@ class Admission:
         """Record that a valid ticket of `peer_id` was seen (discovery calls this for each record it accepts)."""
         with self._lock:
             self._admitted.add(peer_id)
+
+    def admits_(self, peer_id: str, ticket: object = "") -> bool:
+        """Whether to serve `peer_id`, admitting it when the `ticket` its request carries is valid. A peer's record
+        reaches us a read or more after the peer asks (at scale, a read covers a few shards of the swarm): a
+        volunteer whose record we had not read yet was refused every exchange and state, and trained alone."""
+        if self.allows(peer_id):
+            return True
+        if not isinstance(ticket, str) or self.policy.ticket_problem(peer_id, ticket) is not None:
+            return False
+        self.admit_(peer_id)
+        return True
 
 
 def load_own_ticket(policy: AdmissionPolicy, path: str, peer_id: str) -> str:

@@ -174,7 +174,8 @@ class GossipServicer(ServicerBase):
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         peer = context.remote_id.to_base58()  # what libp2p authenticated, never what the offer claims
         host = await self.host_of(peer) if self.host_of is not None else None
-        why_not = self._admit(peer, host)
+        requests, why_not = await self._admitted(peer, requests)
+        why_not = why_not or self._admit(peer, host)
         if why_not is not None:  # no slot: the offer is not read, the refusal is all we send
             yield refusal(why_not)
             await self._drain_refused(requests)
@@ -198,11 +199,34 @@ class GossipServicer(ServicerBase):
             finally:
                 self.slots.refused_draining -= 1
 
+    async def _admitted(self, peer: str, requests: AsyncIterator[averaging_pb2.DownloadData]
+                        ) -> tuple[AsyncIterator[averaging_pb2.DownloadData], str | None]:
+        """Why `peer` is refused (banned, or not admitted to a signed run), or None; and `requests` as they were.
+        A peer whose record we have not read yet is admitted by the ticket its offer's header carries: its first
+        message is read for it (a message at most, within `message_timeout_s`, one of the `limits.total` refused
+        streams we read at once) and put back in front of the others."""
+        refused = "banned or not admitted"
+        if self.reputation.is_banned(peer):
+            return requests, refused
+        if not self.reputation.refuses(peer):
+            return requests, None
+        if self.slots.refused_draining >= self.limits.total:
+            return requests, refused
+        self.slots.refused_draining += 1
+        try:
+            first = await asyncio.wait_for(requests.__anext__(), timeout=self.message_timeout_s)
+            ticket = decode_metadata(first.metadata).get("ticket", "")
+        except (StopAsyncIteration, asyncio.TimeoutError, WireError):
+            return requests, refused
+        finally:
+            self.slots.refused_draining -= 1
+        if self.reputation.refuses(peer, ticket):
+            return requests, refused
+        return _ahead(first, requests), None
+
     def _admit(self, peer: str, host: str | None) -> str | None:
-        """Take a slot for an offer from `peer` (connecting from `host`), or say why not (a ban, no admission, too
-        many open exchanges: of this peer, an offence; in all or from its host, none)."""
-        if self.reputation.refuses(peer):
-            return "banned or not admitted"
+        """Take a slot for an offer from `peer` (connecting from `host`), or say why not (too many open exchanges:
+        of this peer, an offence; in all or from its host, none)."""
         why_not = self.slots.take(peer, host)
         if why_not is not None and not why_not.startswith("busy"):
             self.reputation.penalise(peer, "too_many_opens", why_not)
@@ -287,10 +311,18 @@ class GossipServicer(ServicerBase):
             yield averaging_pb2.DownloadData(metadata=encode_metadata({"applied": True}))
 
 
+async def _ahead(first: averaging_pb2.DownloadData, rest: AsyncIterator[averaging_pb2.DownloadData]
+                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    """`first`, then the messages of `rest`."""
+    yield first
+    async for message in rest:
+        yield message
+
+
 async def push_pull(
     p2p: P2P, peer_id: PeerID, namespace: str, header: dict[str, Any], payload: Payload,
     validate: Callable[[dict[str, Any], Payload], Apply], max_payload_bytes: int, deadline_s: float,
-    route: Route | None = None, hold_s: float = 0.0, keep_unconfirmed: bool = False,
+    route: Route | None = None, hold_s: float = 0.0, keep_unconfirmed: bool = False, ticket: str = "",
 ) -> ExchangeOutcome:
     """Offer `payload` to `peer_id` (directly, or through `route`'s relay) and take its payload back; raises
     ExchangeRefused, WireError or TimeoutError.
@@ -298,11 +330,12 @@ async def push_pull(
     `hold_s`: how long the partner may hold the offer before it judges it (while it has not reached our round),
     on top of the exchange's `deadline_s`. The returned outcome's `apply` mixes on our side; the partner mixes when
     it reads our commit. `keep_unconfirmed`: a payload we committed to whose ack did not come is returned (its
-    outcome not `confirmed`) instead of raising `UnconfirmedMix`.
+    outcome not `confirmed`) instead of raising `UnconfirmedMix`. `ticket`: ours, in a signed run (a partner that
+    has not read our record yet admits us by it).
     """
     started = time.monotonic()
     decision: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    offer = dict(header, nbytes=payload_bytes(payload), hold_s=hold_s)
+    offer = dict(header, nbytes=payload_bytes(payload), hold_s=hold_s, **({"ticket": ticket} if ticket else {}))
     committed: list[ExchangeOutcome] = []  # what we validated, once we committed to it
 
     async def requests() -> AsyncIterator[averaging_pb2.DownloadData]:

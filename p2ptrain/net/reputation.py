@@ -108,10 +108,10 @@ class Reputation:
     MAX_TRACKED = 10_000  # peers remembered at once: identities are free, memory is not
 
     def __init__(self, config: ReputationConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 admitted: Callable[[str], bool] = lambda _peer: True):
+                 admits: Callable[[str, object], bool] = lambda _peer, _ticket: True):
         self.config = config or ReputationConfig()
         self.clock = clock
-        self.admitted = admitted  # the run's admission (net/admission.py): a signed run refuses peers without ticket
+        self.admits = admits  # the run's admission (net/admission.py): a signed run refuses peers without ticket
         self.round_s = 0.0  # our rounds' typical wall time (`note_round_s`; 0: none yet)
         self._standing: dict[str, _Standing] = {}
         self._lock = threading.Lock()
@@ -146,9 +146,10 @@ class Reputation:
         ban (`reputation.ban_s`), at least 1."""
         return max(1.0, ROUNDS_PER_BAN * self.round_s / self.config.ban_s)
 
-    def refuses(self, peer: str) -> bool:
-        """Whether to refuse `peer` anything (an exchange, our state): banned, or not admitted to the run."""
-        return self.is_banned(peer) or not self.admitted(peer)
+    def refuses(self, peer: str, ticket: object = "") -> bool:
+        """Whether to refuse `peer` anything (an exchange, our state): banned, or not admitted to the run (nor by
+        the `ticket` its request carries)."""
+        return self.is_banned(peer) or not self.admits(peer, ticket)
 
     def is_banned(self, peer: str) -> bool:
         with self._lock:

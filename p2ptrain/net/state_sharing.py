@@ -213,7 +213,7 @@ class StateServer(ServicerBase):
     `penalise` (peer, offence, detail), usually `Reputation.penalise`."""
 
     def __init__(self, get_snapshot: Callable[[], StateSnapshot | None],
-                 refuses: Callable[[str], bool] = lambda _peer: False,
+                 refuses: Callable[[str, object], bool] = lambda _peer, _ticket: False,
                  penalise: Callable[[str, str, str], object] = lambda _peer, _offence, _detail: None,
                  chunk_timeout_s: float = TRANSFER_PATIENCE_S,
                  host_of: Callable[[str], Awaitable[str | None]] | None = None):
@@ -229,12 +229,14 @@ class StateServer(ServicerBase):
         self._serving: dict[asyncio.Task[Any], tuple[str, str | None]] = {}
 
     async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, context: P2PContext
+        self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Request metadata {"ticket": str} in a signed run (admits a peer whose record we have not read), or
+        none."""
         peer = context.remote_id.to_base58()
         host = await self.host_of(peer) if self.host_of is not None else None
         snapshot = self.get_snapshot()
-        why_not = ("no snapshot yet" if snapshot is None else "not served here" if self.refuses(peer)
+        why_not = ("no snapshot yet" if snapshot is None else "not served here" if self.refuses(peer, _ticket(request))
                    else self._why_no_download(peer, host))
         if why_not is not None:  # the caller logs why and tries another peer
             yield averaging_pb2.DownloadData(metadata=refusal(why_not).metadata)
@@ -293,7 +295,8 @@ class StateServer(ServicerBase):
     async def rpc_state_sketch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
-        """Request metadata {"seed": int in [0, 2**64)}; answer {"round": int, "sketch": [SKETCH_SIZE floats],
+        """Request metadata {"seed": int in [0, 2**64), "ticket": str (signed runs)}; answer {"round": int,
+        "sketch": [SKETCH_SIZE floats],
         "norm": float, "outer": [SKETCH_SIZE floats], "outer_norm": float} or {"status": "refused", "reason": str}."""
         snapshot = self.get_snapshot()
         try:
@@ -301,7 +304,7 @@ class StateServer(ServicerBase):
         except WireError:
             seed = None
         peer = context.remote_id.to_base58()
-        if snapshot is None or self.refuses(peer):
+        if snapshot is None or self.refuses(peer, _ticket(request)):
             return refusal("no snapshot to sketch")
         if not self.sketch_limit.take(peer):
             self.penalise(peer, "too_many_requests", f"more than {SKETCH_BURST:g} sketch requests at once or "
@@ -324,14 +327,16 @@ class StateServer(ServicerBase):
 
     def serve_relayed(self, entry: RelayEntry, namespace: str) -> None:
         """Serve snapshots and sketches to peers that reach us through a relay, too."""
-        async def state(_requests: AsyncIterator[averaging_pb2.DownloadData],
+        async def state(requests: AsyncIterator[averaging_pb2.DownloadData],
                         context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-            async for message in self.rpc_download_state(averaging_pb2.DownloadRequest(), context):
+            # a relayed stream that ends before its request asks as one that carries nothing
+            async for message in self.rpc_download_state(await anext(requests, averaging_pb2.DownloadData()),
+                                                         context):
                 yield message
 
         async def sketch(requests: AsyncIterator[averaging_pb2.DownloadData],
                          context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-            yield await self.rpc_state_sketch(await requests.__anext__(), context)
+            yield await self.rpc_state_sketch(await anext(requests, averaging_pb2.DownloadData()), context)
 
         entry.add_service(f"state:{namespace}", state)
         entry.add_service(f"sketch:{namespace}", sketch)
@@ -344,8 +349,21 @@ async def _call(p2p: P2P, peer_id: PeerID, namespace: str, method: str, request:
         return await open_relayed(p2p, route, peer_id, f"{method}:{namespace}", _once(request))
     stub = StateServer.get_stub(p2p, peer_id, namespace=namespace)
     if method == "state":
-        return await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        return await stub.rpc_download_state(request)
     return _once(await stub.rpc_state_sketch(request))
+
+
+def _ticket(request: averaging_pb2.DownloadData) -> object:
+    """The ticket a request carries ("" if none, or if its metadata is malformed)."""
+    try:
+        return decode_metadata(request.metadata).get("ticket", "") if request.metadata else ""
+    except WireError:
+        return ""
+
+
+def _with_ticket(metadata: dict[str, Any], ticket: str) -> averaging_pb2.DownloadData:
+    """A request of `metadata`, carrying our `ticket` in a signed run."""
+    return averaging_pb2.DownloadData(metadata=encode_metadata({**metadata, **({"ticket": ticket} if ticket else {})}))
 
 
 async def _once(message: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -354,17 +372,18 @@ async def _once(message: averaging_pb2.DownloadData) -> AsyncIterator[averaging_
 
 async def download_state(
     p2p: P2P, peer_id: PeerID, namespace: str, expected: TensorLayout, max_bytes: int, chunk_timeout_s: float,
-    expected_metadata: SnapshotExpectation, route: Route | None = None,
+    expected_metadata: SnapshotExpectation, route: Route | None = None, ticket: str = "",
 ) -> StateSnapshot:
     """Download (directly or through `route`'s relay) and fully validate a peer's snapshot; raises WireError /
-    StateMismatchError / SnapshotRefused on anything wrong (the metadata is checked before any tensor is decoded)."""
+    StateMismatchError / SnapshotRefused on anything wrong (the metadata is checked before any tensor is decoded).
+    `ticket`: ours, in a signed run."""
     metadata_parts: list[bytes] = []
 
     def keep_metadata(message: averaging_pb2.DownloadData) -> None:
         if message.metadata:
             metadata_parts.append(message.metadata)
 
-    stream = await _call(p2p, peer_id, namespace, "state", averaging_pb2.DownloadData(), route)
+    stream = await _call(p2p, peer_id, namespace, "state", _with_ticket({}, ticket), route)
     serialized = await read_tensors(stream, lambda m: m.tensor_part, max_bytes, chunk_timeout_s,
                                     on_message=keep_metadata)
     if len(metadata_parts) != 1:
@@ -406,10 +425,11 @@ class MalformedSketch(WireError):
 
 
 async def request_sketch(p2p: P2P, peer_id: PeerID, namespace: str, seed: int, timeout_s: float,
-                         route: Route | None = None) -> Sketch:
+                         route: Route | None = None, ticket: str = "") -> Sketch:
     """Ask `peer_id` (directly or through `route`'s relay) for the sketch of its snapshot under `seed`; raises
-    WireError on a refusal or a malformed answer, and P2P errors or TimeoutError when it does not answer."""
-    request = averaging_pb2.DownloadData(metadata=encode_metadata({"seed": seed}))
+    WireError on a refusal or a malformed answer, and P2P errors or TimeoutError when it does not answer.
+    `ticket`: ours, in a signed run."""
+    request = _with_ticket({"seed": seed}, ticket)
     answers = await asyncio.wait_for(_call(p2p, peer_id, namespace, "sketch", request, route), timeout_s)
     try:
         answer = decode_metadata((await asyncio.wait_for(answers.__anext__(), timeout_s)).metadata)

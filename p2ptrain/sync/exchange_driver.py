@@ -531,7 +531,7 @@ class ExchangeDriver:
                 raise RuntimeError("this driver has no P2P: it makes no exchanges")
             outcome = await push_pull(self.p2p, PeerID.from_base58(partner), self.namespace, header, ours,
                                       validate, self.max_payload_bytes, deadline_s, self.routes.route_to(partner),
-                                      hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix)
+                                      hold_s, keep_unconfirmed=rnd.keeps_unconfirmed_mix, ticket=self.routes.ticket)
             outcome.apply()
         except ExchangeRefused as e:
             logger.debug(f"{partner} refused round {rnd.round}'s {self.kind}: {e}")
