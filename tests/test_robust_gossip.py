@@ -619,11 +619,13 @@ def test_identities_that_take_offers_and_never_answer_are_banned_or_cost_a_set_u
                          sync={"mode": "gasloc"})
     peers = [start_peer(config)]
     peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
-    identities = [StallingIdentities(config.network, peers[0].maddrs, config.run.run_id, count,
-                                     peers[0].fingerprint, config.network.record_ttl_s, config.network.heartbeat_s,
-                                     claims={"bandwidth_bps": 1e9}, says_held=says_held)
-                  for count, says_held in ((2, True), (1, False))]
-    try:
+    identities: list[StallingIdentities] = []
+    try:  # each group stopped even if a later one fails to start
+        for count, says_held in ((2, True), (1, False)):
+            identities.append(StallingIdentities(config.network, peers[0].maddrs, config.run.run_id, count,
+                                                 peers[0].fingerprint, config.network.record_ttl_s,
+                                                 config.network.heartbeat_s, claims={"bandwidth_bps": 1e9},
+                                                 says_held=says_held))
         _threads, histories = run_peers(peers)
     finally:
         for group in identities:
