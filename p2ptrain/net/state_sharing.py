@@ -236,7 +236,8 @@ class StateServer(ServicerBase):
         peer = context.remote_id.to_base58()
         host = await self.host_of(peer) if self.host_of is not None else None
         snapshot = self.get_snapshot()
-        why_not = ("no snapshot yet" if snapshot is None else "not served here" if self.refuses(peer, _ticket(request))
+        why_not = ("no snapshot yet" if snapshot is None
+                   else "not served here" if self.refuses(peer, _asked(request).get("ticket", ""))
                    else self._why_no_download(peer, host))
         if why_not is not None:  # the caller logs why and tries another peer
             yield averaging_pb2.DownloadData(metadata=refusal(why_not).metadata)
@@ -296,15 +297,13 @@ class StateServer(ServicerBase):
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
         """Request metadata {"seed": int in [0, 2**64), "ticket": str (signed runs)}; answer {"round": int,
-        "sketch": [SKETCH_SIZE floats],
-        "norm": float, "outer": [SKETCH_SIZE floats], "outer_norm": float} or {"status": "refused", "reason": str}."""
+        "sketch": [SKETCH_SIZE floats], "norm": float, "outer": [SKETCH_SIZE floats], "outer_norm": float} or
+        {"status": "refused", "reason": str}."""
         snapshot = self.get_snapshot()
-        try:
-            seed = decode_metadata(request.metadata).get("seed")
-        except WireError:
-            seed = None
+        asked = _asked(request)
+        seed = asked.get("seed")
         peer = context.remote_id.to_base58()
-        if snapshot is None or self.refuses(peer, _ticket(request)):
+        if snapshot is None or self.refuses(peer, asked.get("ticket", "")):
             return refusal("no snapshot to sketch")
         if not self.sketch_limit.take(peer):
             self.penalise(peer, "too_many_requests", f"more than {SKETCH_BURST:g} sketch requests at once or "
@@ -353,12 +352,12 @@ async def _call(p2p: P2P, peer_id: PeerID, namespace: str, method: str, request:
     return _once(await stub.rpc_state_sketch(request))
 
 
-def _ticket(request: averaging_pb2.DownloadData) -> object:
-    """The ticket a request carries ("" if none, or if its metadata is malformed)."""
+def _asked(request: averaging_pb2.DownloadData) -> dict[str, Any]:
+    """A request's metadata (empty if it has none, or if it is malformed)."""
     try:
-        return decode_metadata(request.metadata).get("ticket", "") if request.metadata else ""
+        return decode_metadata(request.metadata) if request.metadata else {}
     except WireError:
-        return ""
+        return {}
 
 
 def _with_ticket(metadata: dict[str, Any], ticket: str) -> averaging_pb2.DownloadData:
