@@ -229,6 +229,17 @@ def test_a_time_out_held_at_a_fast_partners_claim_does_not_make_a_slow_peer_take
     assert only_time_outs.fastest_measured_bytes_per_s() == 0.0  # announce "unknown", not a bound
 
 
+def test_time_outs_with_identities_of_one_host_say_nothing_of_our_own_link() -> None:
+    """Identities are free: many of one machine that never answer took our own link for slow (two in a row) and grew
+    every unmeasured deadline. Partners of one host count as one partner of the streak; of two hosts, as before."""
+    links = LinkSpeeds(prior_bytes_per_s=2.5e6)
+    for sybil in ("sybil1", "sybil2", "sybil3"):
+        links.timed_out_(sybil, 500_000, 5.0, bounds_link=False, host="203.0.113.7")
+    assert links.estimate_bytes_per_s("new") == 2.5e6
+    links.timed_out_("elsewhere", 500_000, 5.0, bounds_link=False, host="198.51.100.2")
+    assert links.estimate_bytes_per_s("new") == pytest.approx(100_000)
+
+
 def test_an_exchange_a_partner_opened_with_us_that_completed_is_a_floor_under_our_own_link() -> None:
     """Time-outs with two silent identities in a row took our own link for slow; an honest partner's exchange with
     us, our payload included, completing fast says otherwise, as one we opened does: the streak ends and unmeasured

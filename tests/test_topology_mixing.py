@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from benchmarks.sim.graphs import (  # noqa: E402
 )
 from p2ptrain.errors import StateMismatchError  # noqa: E402
 from p2ptrain.maths.mixing import consensus_distance, exact_average, metropolis_weight  # noqa: E402
-from p2ptrain.maths.topology import draw_partners  # noqa: E402
+from p2ptrain.maths.topology import draw_order_by_host  # noqa: E402
 
 SEEDS = range(40)
 SIZES = [1, 2, 3, 4, 5, 8, 9]
@@ -211,16 +212,25 @@ def test_repeated_gossip_reaches_consensus() -> None:
     assert max(consensus_distance(mean, state) for state in states) < 1e-3 * start
 
 
-def test_draw_partners_excludes_busy_and_is_distinct() -> None:
+def test_a_draw_takes_every_candidate_once_in_random_order() -> None:
     candidates = ["a", "b", "c", "d", "e", "b"]
     for seed in SEEDS:
-        drawn = draw_partners(candidates, 2, random.Random(seed), exclude={"a", "c"})
-        assert len(drawn) == 2 and len(set(drawn)) == 2
-        assert set(drawn) <= {"b", "d", "e"}
-    assert sorted(draw_partners(candidates, 10, random.Random(0), exclude={"e"})) == ["a", "b", "c", "d"]
-    assert draw_partners(candidates, 1, random.Random(0), exclude=set(candidates)) == []
-    assert draw_partners(candidates, 0, random.Random(0), exclude=set()) == []
-    assert draw_partners(candidates, 2, random.Random(5), set()) == draw_partners(
-        candidates, 2, random.Random(5), set()
-    )
-    assert len({tuple(draw_partners(candidates, 1, random.Random(s), set())) for s in SEEDS}) == 5
+        assert sorted(draw_order_by_host(candidates, {}, random.Random(seed))) == ["a", "b", "c", "d", "e"]
+    assert draw_order_by_host([], {}, random.Random(0)) == []
+    assert draw_order_by_host(candidates, {}, random.Random(5)) == draw_order_by_host(candidates, {}, random.Random(5))
+    assert len({draw_order_by_host(candidates, {}, random.Random(s))[0] for s in range(40)}) == 5
+
+
+def test_a_hosts_identities_count_as_one_in_a_draw() -> None:
+    """20 identities of one machine that never answer, beside 3 honest peers: drawn first 20 times in 23 when each
+    identity counted, and the honest peers' rounds froze; a host's identities count as one. Peers of no known host
+    (None: loopback, a circuit, not connected) are hosts of their own."""
+    sybils = [f"sybil{i:02d}" for i in range(20)]
+    hosts: dict[str, str | None] = {**{s: "203.0.113.7" for s in sybils}, "honest1": None, "honest2": "198.51.100.2"}
+    firsts: collections.Counter[bool] = collections.Counter()
+    for seed in range(2000):
+        order = draw_order_by_host([*sybils, "honest0", "honest1", "honest2"], hosts, random.Random(seed))
+        assert sorted(order) == sorted([*sybils, "honest0", "honest1", "honest2"])
+        assert sum(p.startswith("sybil") for p in order[:4]) == 1  # one of the host's among the first 4
+        firsts[order[0].startswith("sybil")] += 1
+    assert 400 <= firsts[True] <= 600  # 1 in 4

@@ -79,7 +79,8 @@ class LinkSpeeds:
         # what a link no exchange has completed on is taken to carry: the prior, or less once time-outs with
         # several partners bounded our own link (`timed_out_`); raised again by what completed exchanges measure
         self.unmeasured_bytes_per_s = prior_bytes_per_s
-        self.timed_out_with: set[str] = set()  # partners of the time-outs in a row since our last completed exchange
+        # partners (or their hosts, when known) of the time-outs in a row since our last completed exchange
+        self.timed_out_with: set[str] = set()
 
     def to(self, partner: str) -> ThroughputEMA:
         """The link to `partner`, created at the prior if it was never used."""
@@ -115,7 +116,7 @@ class LinkSpeeds:
         self.unmeasured_bytes_per_s = min(self.prior_bytes_per_s, max(self.unmeasured_bytes_per_s, bytes_per_s))
 
     def timed_out_(self, partner: str, exchange_bytes: int, deadline_s: float, bounds_link: bool,
-                   claimed_bytes_per_s: float | None = None) -> None:
+                   claimed_bytes_per_s: float | None = None, host: str | None = None) -> None:
         """An exchange with `partner` moving `exchange_bytes` missed its `deadline_s`. `bounds_link`: the link
         to it is taken to be at most that fast (a caller may not take one time-out for that: the partner may be
         gone), but no slower than `claimed_bytes_per_s` (the speed it announced) while no exchange on it has
@@ -124,13 +125,15 @@ class LinkSpeeds:
         Time-outs with OWN_LINK_TIMEOUT_PARTNERS different partners in a row bound our own link: it is what they
         share, and a slow uplink whose every exchange with a partner never measured got the prior's deadline (the
         set-up floor) would otherwise time out forever (a 1.7 Mbit/s peer of a 32-peer swarm: all 25 of its
-        exchanges, each with a partner it had not tried)."""
+        exchanges, each with a partner it had not tried). Partners of one `host` (the address it connects from,
+        when known) count as one: identities are free, and many of one machine that never answer would otherwise
+        take our own link for slow, and grow every unmeasured deadline."""
         if bounds_link:
             link, bound_s = self.to(partner), deadline_s
             if claimed_bytes_per_s and claimed_bytes_per_s > 0 and not link.num_completed and exchange_bytes > 0:
                 bound_s = min(deadline_s, exchange_bytes / claimed_bytes_per_s)
             link.update_timeout_(exchange_bytes, bound_s)
-        self.timed_out_with.add(partner)
+        self.timed_out_with.add(host or partner)
         if len(self.timed_out_with) >= OWN_LINK_TIMEOUT_PARTNERS and exchange_bytes > 0 and deadline_s > 0:
             self.unmeasured_bytes_per_s = min(self.unmeasured_bytes_per_s, exchange_bytes / deadline_s)
 

@@ -7,16 +7,24 @@ The weights of a mix live in :mod:`p2ptrain.maths.mixing`; the exchange itself i
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
-def draw_partners(candidates: Sequence[str], k: int, rng: random.Random, exclude: set[str]) -> list[str]:
-    """Draw up to ``k`` distinct random partners among live ``candidates``, skipping busy or failed ones.
-
-    Returns fewer than ``k`` peers (possibly none) when not enough candidates remain; mixing with an empty
-    partner list is the identity, so the caller needs no special case for a lone peer.
-    """
-    if k < 0:
-        raise ValueError(f"number of partners must be >= 0, got k={k}")
-    eligible = sorted({peer for peer in candidates if peer not in exclude})
-    return rng.sample(eligible, min(k, len(eligible)))
+def draw_order_by_host(candidates: Sequence[str], hosts: Mapping[str, str | None], rng: random.Random) -> list[str]:
+    """Every candidate once, in a random order in which a host's identities count as one: a random identity of each
+    host first (the hosts in random order), then a second of each host that has one, and so on. A candidate whose
+    host is not known (`hosts`: None or absent) is a host of its own. Identities are free and addresses are not: 20
+    identities of one machine that take offers and never answer, beside 3 honest peers, were drawn first 20 times in
+    23, and froze the honest peers' rounds; counted as one, 1 time in 4."""
+    by_host: dict[object, list[str]] = {}
+    for peer in sorted(set(candidates)):
+        by_host.setdefault(hosts.get(peer) or ("peer", peer), []).append(peer)
+    groups = list(by_host.values())
+    for group in groups:
+        rng.shuffle(group)
+    order: list[str] = []
+    for depth in range(max((len(g) for g in groups), default=0)):
+        layer = [group[depth] for group in groups if depth < len(group)]
+        rng.shuffle(layer)
+        order += layer
+    return order

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P
 
@@ -71,6 +71,13 @@ class RemoteHosts:
         if age > self.refresh_s or (peer not in self._hosts and age > MIN_READ_S):
             await self._read()
         return self._hosts.get(peer)
+
+    async def hosts_of(self, peers: Sequence[str]) -> dict[str, str | None]:
+        """The host each of `peers` connects from (None: see the module's doc), from one read of the list at most."""
+        age = self.clock() - self._read_at
+        if age > self.refresh_s or (any(p not in self._hosts for p in peers) and age > MIN_READ_S):
+            await self._read()
+        return {peer: self._hosts.get(peer) for peer in peers}
 
     async def _read(self) -> None:
         async with self._reading:

@@ -26,7 +26,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2ptrain.maths.pacing import LinkSpeeds
-from p2ptrain.maths.topology import draw_partners
+from p2ptrain.maths.topology import draw_order_by_host
 from p2ptrain.net.exchange import (
     Apply,
     ExchangeRefused,
@@ -36,6 +36,7 @@ from p2ptrain.net.exchange import (
     UngrantedHold,
     push_pull,
 )
+from p2ptrain.net.remote_hosts import RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import OfferLimit
 from p2ptrain.net.routes import Routes
@@ -427,21 +428,21 @@ class ExchangeDriver:
     # ---- initiator ------------------------------------------------------------------------------------------------
     async def open_in_turn(self, rnd: OfferingRound, live_peers: list[str], patience_s: float, stats: RoundSync,
                            rng: random.Random, announced: Mapping[str, float] | None = None) -> None:
-        """Offer our payload to random live peers, one after another, until the round's slots are taken or nobody
-        is left to ask: those we reach directly first, then those behind relays; peers nobody can reach offer
-        theirs to us instead. Those not in our round yet are asked again (`retry_delay_s`) up to `patience_s`, or
-        until `rnd.slots.give_up_at` if the round's owner moves it. Peers whose last exchanges we opened failed sit
-        out a few rounds (`FailedPartners`), and once failed exchanges took `SETUP_FLOOR_S` of this round, it opens
-        no more: at a cut, the first dead partner costs the round its deadline, a second one nothing. `announced`:
-        partners' announced link speeds, what their time-outs may bound their links to at the slowest
-        (`LinkSpeeds.timed_out_`)."""
+        """Offer our payload to random live peers (a host's identities counted as one: `draw_order_by_host`), one
+        after another, until the round's slots are taken or nobody is left to ask: those we reach directly first,
+        then those behind relays; peers nobody can reach offer theirs to us instead. Those not in our round yet are
+        asked again (`retry_delay_s`) up to `patience_s`, or until `rnd.slots.give_up_at` if the round's owner moves
+        it. Peers whose last exchanges we opened failed sit out a few rounds (`FailedPartners`), and once failed
+        exchanges took `SETUP_FLOOR_S` of this round, it opens no more: at a cut, the first dead partner costs the
+        round its deadline, a second one nothing. `announced`: partners' announced link speeds, what their time-outs
+        may bound their links to at the slowest (`LinkSpeeds.timed_out_`)."""
         rnd.slots.give_up_at, attempt, failing_s = time.monotonic() + patience_s, 0, 0.0
         candidates = self.failed_partners.drawable([p for p in live_peers if not self.reputation.is_banned(p)],
                                                    rnd.round)
         while candidates and rnd.slots.free_slots() > 0:
-            later = []
+            later, hosts = [], await self._hosts_of(candidates)
             for partner in [p for pool in self.routes.pools(candidates)
-                            for p in draw_partners(pool, len(pool), rng, exclude=set())]:
+                            for p in draw_order_by_host(pool, hosts, rng)]:
                 if failing_s >= SETUP_FLOOR_S:
                     return
                 if not rnd.slots.reserve_outgoing_(partner):
@@ -550,7 +551,7 @@ class ExchangeDriver:
             if timed_out and rnd.measures_link and not isinstance(e, UnconfirmedMix):
                 claimed = claimed_bytes_per_s if self.routes.route_to(partner) is None else None
                 self.links.timed_out_(partner, 2 * nbytes, deadline_s, bounds_link=slow_if_timed_out,
-                                      claimed_bytes_per_s=claimed)
+                                      claimed_bytes_per_s=claimed, host=(await self._hosts_of([partner])).get(partner))
             return Outcome.FAILED
         finally:
             rnd.release_(partner, outgoing=True)
@@ -560,6 +561,11 @@ class ExchangeDriver:
         stats.add_exchange_(ExchangeRecord(partner, codec, outcome.bytes_sent, outcome.bytes_received,
                                            outcome.seconds))
         return Outcome.OK
+
+    async def _hosts_of(self, peers: list[str]) -> dict[str, str | None]:
+        """The host each of `peers` connects from, as far as our connections say (`RemoteHosts`; none without a
+        P2P)."""
+        return await RemoteHosts.of(self.p2p).hosts_of(peers) if self.p2p is not None else {}
 
     # ---- the round's end ------------------------------------------------------------------------------------------
     async def close_round(self, rnd: ExchangeRound, stats: RoundSync) -> list[torch.Tensor] | None:
