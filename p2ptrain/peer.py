@@ -267,7 +267,8 @@ class TrainingPeer:
         try:
             if self.state.round == 0 and not self.state.joined_ever:  # launched with others: begin with them
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
-                               in_round_0=self._publish_round_start)  # (swarm_start.py)
+                               in_round_0=self._publish_round_start,
+                               propose=lambda at: self.announce(wait=False, starts_at=at))  # (swarm_start.py)
             while not self.stop_event.is_set() and (self.end_round is None or self.state.round < self.end_round):
                 metrics = self.run_round(bar)
                 if metrics is None:

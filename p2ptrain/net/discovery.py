@@ -109,6 +109,8 @@ class PeerRecord(BaseModel):
     # the tokens its inner phases trained since it started (its claim), and the tokens it verified of its latest
     # partners' claims by their outer gradients (sync/contribution.py), by the last SHORT_ID_CHARS of their ids
     tokens: conint(ge=0, le=MAX_TOKENS, strict=True) = 0  # type: ignore[valid-type]
+    # round 0 of peers launched together: the DHT time they begin it at (swarm_start.py); 0 not named
+    starts_at: confloat(ge=0, strict=True) = 0.0  # type: ignore[valid-type]
     vouched: dict[constr(min_length=1, max_length=SHORT_ID_CHARS, regex=BASE58, strict=True),  # type: ignore[valid-type]
                   conint(ge=0, le=MAX_TOKENS, strict=True)] = {}  # type: ignore[valid-type]
 
