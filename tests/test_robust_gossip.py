@@ -662,7 +662,10 @@ def test_silent_identities_of_one_host_are_drawn_as_one_partner() -> None:
     peers = [start_peer(config)]
     peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
     one_host = dataclasses.replace(config.network, host_maddrs=("/ip4/127.0.0.2/tcp/0",))
-    identities = StallingIdentities(one_host, peers[0].maddrs, config.run.run_id, 8, peers[0].fingerprint,
+    # each identity dials every honest peer, which then knows its host from the start: an identity of a host we
+    # hold no connection from is a host of its own until a draw of it fails (the ramp: docs/threat-model.md)
+    everyone = [maddr for peer in peers for maddr in peer.maddrs]
+    identities = StallingIdentities(one_host, everyone, config.run.run_id, 8, peers[0].fingerprint,
                                     config.network.record_ttl_s, config.network.heartbeat_s,
                                     claims={"bandwidth_bps": 1e9}, says_held=False)
     try:
