@@ -61,6 +61,7 @@ from p2ptrain.join_rules import (
 from p2ptrain.maths.inner import InnerTrainer
 from p2ptrain.net.discovery import Announcer, PeerRecord, SwarmView
 from p2ptrain.net.event_loop import BackgroundLoop
+from p2ptrain.net.remote_hosts import READ_TIMEOUT_S, RemoteHosts
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.routes import Routes
 from p2ptrain.net.state_sharing import (
@@ -262,17 +263,35 @@ class Joiner:
         return JoinDecision(member=bool(view.others))
 
     def _donors(self, choice: DonorChoice) -> Iterator[tuple[PeerRecord, DonorChoice]]:
-        """Each donor once, best first, with its choice: after a try over SETUP_FLOOR_S, from a fresh read."""
+        """Each donor once, best first, with its choice: after a try over SETUP_FLOOR_S, from a fresh read. Each
+        donor we get back failed: the others of its host (the address our connection to it came from) go after
+        every other donor. Identities are free and addresses are not: a host's identities that each claim the
+        swarm's latest round and a fast link, then hold the download silent, would otherwise cost a joiner a
+        chunk deadline each before its first honest donor."""
         tried: set[str] = set()
+        failed_hosts: set[str] = set()
         read_at = time.monotonic()
         while True:
-            donor = next((d for d in choice.donors if d.peer_id not in tried), None)
-            if donor is None:
+            left = [d for d in choice.donors if d.peer_id not in tried]
+            if not left:
                 return
+            hosts = self._hosts_of([d.peer_id for d in left]) if failed_hosts else {}
+            donor = next((d for d in left if hosts.get(d.peer_id) not in failed_hosts), left[0])
             tried.add(donor.peer_id)
             yield donor, choice
+            host = self._hosts_of([donor.peer_id]).get(donor.peer_id)
+            if host is not None:
+                failed_hosts.add(host)
             if time.monotonic() - read_at > SETUP_FLOOR_S:
                 choice, read_at = self._unless_too_soon(self.choose(self.peer.swarm())), time.monotonic()
+
+    def _hosts_of(self, peers: list[str]) -> dict[str, str | None]:
+        """The host each of `peers` connects from, where we hold a connection to it (net/remote_hosts.py)."""
+        try:
+            return self.peer.loop.run(RemoteHosts.of(self.peer.p2p).hosts_of(peers), timeout=2 * READ_TIMEOUT_S)
+        except Exception as e:  # a daemon going away: no host known, the plain order stands
+            logger.debug(f"cannot read the hosts of donors: {e!r}")
+            return {}
 
     def _retry_later(self) -> str:
         """Schedule a fresh peer's next try (JOIN_RETRIES, backing off); what the log line says of it."""

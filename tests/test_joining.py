@@ -86,7 +86,7 @@ from p2ptrain.sync.contribution import Contributions
 from p2ptrain.sync.gasloc import GaslocSync
 from p2ptrain.sync.refusals import Refusal
 from p2ptrain.sync.state_evidence import ALIGNED_MAX_DISTANCE
-from p2ptrain.testnet.sybils import SybilRecords
+from p2ptrain.testnet.sybils import StallingIdentities, SybilRecords
 from p2ptrain.timing import BRIEF_S, SETUP_FLOOR_S
 
 LIAR_ROUND = 100_000
@@ -241,6 +241,25 @@ def test_a_peer_far_ahead_is_no_donor_and_a_warning_only_where_rounds_are_aligne
 
 def syncing_in(seconds: float, round_: int, phase: str = "inner") -> list[PeerRecord]:
     return [record(p, round_, phase=phase).copy(update={"round_eta": get_dht_time() + seconds}) for p in "ab"]
+
+
+def test_after_a_donor_fails_the_others_of_its_host_are_tried_after_every_other_donor():
+    """Identities are free and addresses are not: a host's identities that each claim the latest round and a fast
+    link (first among donors), then hold a download silent, cost a joiner a chunk deadline each before its first
+    honest donor. Once one fails, its host's others go last; a donor with no host known (no connection yet, or this
+    machine's own loopback) is a host of its own."""
+    joiner, _ = joiner_seeing([])
+    hosts = {**{f"sybil{i}": "10.0.0.9" for i in range(4)}, "honest1": "10.0.0.1", "honest2": None}
+    joiner._hosts_of = lambda peers: {p: hosts.get(p) for p in peers}  # type: ignore[method-assign]
+    donors = [record(f"sybil{i}", 9) for i in range(4)] + [record("honest1", 8), record("honest2", 8)]
+    order = [donor.peer_id for donor, _ in joiner._donors(DonorChoice(8, donors, [], donors))]  # each one fails
+    assert order == ["sybil0", "honest1", "honest2", "sybil1", "sybil2", "sybil3"]
+    tried = []
+    for donor, _ in joiner._donors(DonorChoice(8, donors, [], donors)):
+        tried.append(donor.peer_id)
+        if donor.peer_id == "honest1":
+            break  # its state passed the checks: nobody else is asked
+    assert tried == ["sybil0", "honest1"]
 
 
 def test_a_joiner_takes_a_round_with_time_left_at_once():
@@ -1415,3 +1434,40 @@ def test_twenty_identities_announcing_a_stale_round_do_not_move_the_round_of_pee
         assert sum(m.peers_averaged == 3 for m in history) >= SYBIL_ROUNDS - 1  # a deadline may cost one round
     last = [t.params_after_round[SYBIL_ROUNDS - 1] for t in threads]
     assert all(relative_distance(p, last[0]) < 1e-5 for p in last[1:])
+
+
+SILENT_DONORS = 4
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_joiner_tries_one_silent_donor_of_a_host_then_an_honest_one():
+    """Issue 31: identities are free and addresses are not. 4 identities on one address (127.0.0.2) announce a round
+    far ahead and a 1 Gbit/s link, which puts them first among a fresh joiner's donors, then take its download and
+    send nothing. Tried one by one, each cost the joiner a chunk deadline before its first honest donor; once one
+    failed, its host's others go after every other donor: one deadline, then the honest state."""
+    config = tiny_config(f"silent-donors-{uuid.uuid4().hex[:6]}", run={"rounds": 0, "min_peers": 2},
+                         sync={"mode": "gasloc", "state_download_timeout_s": 4.0})
+    honest = [start_peer(config)]
+    honest.append(start_peer(config, honest[0].maddrs))
+    threads = [PeerThread(p).start() for p in honest]
+    identities, joiner = None, None
+    try:
+        threads[0].wait_for_round(2, timeout_s=120)
+        one_host = dataclasses.replace(config.network, host_maddrs=("/ip4/127.0.0.2/tcp/0",))
+        identities = StallingIdentities(one_host, honest[0].maddrs, config.run.run_id, SILENT_DONORS,
+                                        honest[0].fingerprint, config.network.record_ttl_s,
+                                        config.network.heartbeat_s, kinds=(), claims={"bandwidth_bps": 1e9},
+                                        round_=40, serves_state=True)
+        wait_until(lambda: sum(r.peer_id in identities.peer_ids for r in honest[0].swarm().others) == SILENT_DONORS,
+                   timeout_s=60, what="the identities' records")
+        joiner = start_peer(replace_section(config, "run", rounds=2, min_peers=1), honest[0].maddrs)
+        history = PeerThread(joiner).start().join(timeout_s=300)
+    finally:
+        stop_and_shut_down(threads, [joiner])
+        if identities is not None:
+            identities.stop()
+    assert history[0].joined and history[0].round < 40, history[0]  # an honest state: the identities serve none
+    tried = {p for p, offences in joiner.reputation.offences().items() if "slow_send" in offences}
+    assert tried <= set(identities.peer_ids) and len(tried) == 1, tried

@@ -9,6 +9,7 @@ announcing a stale round, moving the quorum round of every honest DiLoCo peer (j
 `StallingIdentities` put a libp2p node behind each: it takes every gossip offer, says it holds it for its next
 round or says nothing, and never answers, so each costs an initiator that draws it the exchange's deadline
 (docs/threat-model.md says what that now comes to: a 'held' nobody granted is banned, silence costs a set-up floor).
+Serving state too, each takes a joiner's download and sends nothing: a chunk deadline for the first of its host.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -34,6 +35,7 @@ from p2ptrain.net.identity import fresh_identity_path, load_identity_key, peer_i
 from p2ptrain.net.inbound_exchange import InboundExchange
 from p2ptrain.net.reputation import Reputation
 from p2ptrain.net.responder_limits import ResponderLimits
+from p2ptrain.net.state_sharing import StateServer
 
 # keys handed to the DHT's process in one call: hivemind's pipe to it is read without blocking, so a message over
 # PIPE_BUF (4 KiB, what Linux writes at once) can be read half-written and stops the process ("Resource temporarily
@@ -141,15 +143,38 @@ class _SilentServicer(GossipServicer):
 _SilentServicer.__name__ = GossipServicer.__name__  # hivemind names a handler by its class: dialled as the peers'
 
 
+class _SilentStateServer(StateServer):
+    """Takes a state download's stream, or a sketch request, and says nothing on it."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None)
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadData,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        await asyncio.sleep(STALL_S)
+        return
+        yield  # an async generator, as the server's
+
+    async def rpc_state_sketch(self, request: averaging_pb2.DownloadData,
+                               context: P2PContext) -> averaging_pb2.DownloadData:
+        await asyncio.sleep(STALL_S)
+        return averaging_pb2.DownloadData()
+
+
+_SilentStateServer.__name__ = StateServer.__name__
+
+
 class StallingIdentities:
     """`count` libp2p nodes of run `run_id` (through `initial_peers`, as `network` says to listen) that take
     gossip offers of each of `kinds` and never answer, and their records (`SybilRecords`: `claims`, e.g. a fast
     link, so that the slow-link rule does not leave them out) through a DHT node of their own, until `stop()`.
-    `says_held`: they say they hold each offer (the protocol's 'held') before they fall silent."""
+    `says_held`: they say they hold each offer (the protocol's 'held') before they fall silent. `serves_state`:
+    they take state downloads and sketch requests too, and say nothing on them."""
 
     def __init__(self, network: NetworkConfig, initial_peers: Sequence[str], run_id: str, count: int,
                  fingerprint: str, ttl_s: float, heartbeat_s: float, kinds: Sequence[str] = ("gasloc",),
-                 claims: dict[str, object] | None = None, round_: int = 0, says_held: bool = True):
+                 claims: dict[str, object] | None = None, round_: int = 0, says_held: bool = True,
+                 serves_state: bool = False):
         self.loop = BackgroundLoop("p2ptrain-stalling")
         self.p2ps: list[P2P] = []
         self.dht: SwarmDHT | None = None
@@ -157,8 +182,8 @@ class StallingIdentities:
         try:
             paths = [fresh_identity_path() for _ in range(count)]
             for path in paths:
-                self.p2ps.append(self.loop.run(self._node(network, initial_peers, path, run_id, kinds, says_held),
-                                               timeout=60))
+                self.p2ps.append(self.loop.run(self._node(network, initial_peers, path, run_id, kinds, says_held,
+                                                          serves_state), timeout=60))
             self.dht = start_dht(network, initial_peers)
             self.records = SybilRecords(self.dht, run_id, count, round_, fingerprint, ttl_s, heartbeat_s,
                                         keys=[load_identity_key(path) for path in paths], claims=claims).start()
@@ -169,7 +194,7 @@ class StallingIdentities:
 
     @staticmethod
     async def _node(network: NetworkConfig, initial_peers: Sequence[str], identity_path: str, run_id: str,
-                    kinds: Sequence[str], says_held: bool) -> P2P:
+                    kinds: Sequence[str], says_held: bool, serves_state: bool) -> P2P:
         p2p = await P2P.create(identity_path=identity_path, initial_peers=list(initial_peers),
                                host_maddrs=list(network.host_maddrs), nat_port_map=network.nat_port_map,
                                auto_nat=network.auto_nat, use_relay=network.use_relay)
@@ -178,6 +203,8 @@ class StallingIdentities:
             stall = _Stall(f"{run_id}.{kind}")
             await servicer_type(stall, stall.max_payload_bytes, STALL_S, limits=UNLIMITED).add_p2p_handlers(
                 p2p, namespace=stall.namespace)
+        if serves_state:
+            await _SilentStateServer().add_p2p_handlers(p2p, namespace=run_id)
         return p2p
 
     def stop(self) -> None:
