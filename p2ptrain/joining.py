@@ -34,7 +34,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import torch
@@ -87,6 +87,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WITNESSES = 3  # peers asked to corroborate a downloaded state
+AHEAD_MAX_LOSS = 0.9  # of our own loss: a state from peers ahead of our quorum must show that much training
 # a fresh gossip peer whose every donor failed (refused, or the download failed) tries again, at most JOIN_RETRIES
 # times, the first JOIN_RETRY_ROUNDS rounds later, then twice as long after each failure (rounds 1, 3, 7, 15); then
 # it trains on from its own state. DiLoCo needs none: a peer behind the swarm's round looks for a donor every round
@@ -241,7 +242,24 @@ class Joiner:
             logger.warning(f"round {state.round} is more than {self.config.join_max_round_lead} ahead of most of "
                            f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
-        for donor, drawn_from in self._donors(choice):
+        decision = self._first_state_taken(self._donors(choice, lambda: self._unless_too_soon(self.choose(
+            peer.swarm()))), fresh, own_loss, started)
+        if decision is None and self._may_look_ahead(view, choice, fresh):
+            decision = self._state_from_ahead(choice, fresh, started)
+        if decision is not None:
+            return decision
+        if choice.donors or (fresh and choice.suspects):
+            logger.warning(f"no peer could share a state that passed the checks; training on from ours"
+                           f"{self._retry_later() if fresh and not peer.sync.aligned_rounds else ''}")
+        return JoinDecision(member=bool(view.others))
+
+    def _first_state_taken(self, donors: Iterator[tuple[PeerRecord, DonorChoice]], fresh: bool,
+                           own_loss: float | None, started: float, must_beat: float | None = None
+                           ) -> JoinDecision | None:
+        """The first donor's state that passes the checks (`_corroborate`), or None; a donor whose state failed
+        them pays what the verdict says."""
+        peer, state = self.peer, self.peer.state
+        for donor, drawn_from in donors:
             snapshot = self._download(donor, drawn_from)
             if snapshot is None:
                 continue
@@ -249,7 +267,7 @@ class Joiner:
             if not fresh and not drawn_from.ran_ahead and snapshot.round < state.round:
                 logger.info(f"the state of {donor.peer_id} is of round {snapshot.round}, before ours: not taken")
                 continue
-            verdict = self._corroborate(snapshot, donor, drawn_from, own_loss)
+            verdict = self._corroborate(snapshot, donor, drawn_from, own_loss, must_beat)
             if not verdict.accepted:
                 logger.warning(f"refused the state of {donor.peer_id}: {verdict.detail}")
                 if verdict.offence is not None:
@@ -257,13 +275,48 @@ class Joiner:
                 continue
             self.join_s, self.retry_round = time.monotonic() - started, None
             return JoinDecision(snapshot, member=True, donor=donor.peer_id, detail=verdict.detail)
-        if choice.donors:
-            logger.warning(f"no peer could share a state that passed the checks; training on from ours"
-                           f"{self._retry_later() if fresh and not peer.sync.aligned_rounds else ''}")
-        return JoinDecision(member=bool(view.others))
+        return None
 
-    def _donors(self, choice: DonorChoice) -> Iterator[tuple[PeerRecord, DonorChoice]]:
-        """Each donor once, best first, with its choice: after a try over SETUP_FLOOR_S, from a fresh read. Each
+    def _may_look_ahead(self, view: SwarmView, choice: DonorChoice, fresh: bool) -> bool:
+        """Whether to try the peers ahead of our quorum (`_state_from_ahead`) when no donor of it gave a state:
+        while that quorum counts every identity, because we verified nobody's work, and some peer is ahead of us.
+        A fresh peer, in any mode; in DiLoCo, one that averages with nobody it verified (gossip peers mix with
+        partners of any round, and verify them so)."""
+        if not any(r.round > self.peer.state.round for r in choice.suspects):
+            return False
+        vouched = self.peer.contributions.vouches_for
+        return fresh or (self.peer.sync.aligned_rounds and not any(vouched(r.peer_id) for r in view.others))
+
+    def _state_from_ahead(self, choice: DonorChoice, fresh: bool, started: float) -> JoinDecision | None:
+        """Try the peers ahead of our quorum, nearest first. We verified nobody's work, so every identity counts in
+        our quorum: 20 identities of one process announcing a stale round made that round a fresh joiner's, every
+        honest peer a suspect, and it trained alone until they left (issue 31). A fresh peer's state from ahead must
+        show training: its loss on our batches at most AHEAD_MAX_LOSS of our own (θ_0's); a trained peer's faces
+        the usual check against ours. In DiLoCo, a round about to sync is joined at its next (`round_to_join`)."""
+        own_loss = self.peer.inner.evaluate(self.peer.val_batches)
+        read_again = lambda: self._ahead_of(self.choose(self.peer.swarm()))  # noqa: E731
+        first = self._ahead_of(choice)
+        logger.info(f"no donor of the swarm's round {choice.quorum} gave a state, and we verified nobody's work: "
+                    f"trying the {len(first.donors)} peer(s) ahead of it (our loss {own_loss:.3f})")
+        if self.peer.sync.aligned_rounds:
+            first = self.round_to_join(first, read_again)
+            if not first.donors:
+                return None
+        return self._first_state_taken(self._donors(first, read_again), fresh, own_loss, started,
+                                       must_beat=AHEAD_MAX_LOSS * own_loss if fresh else None)
+
+    @staticmethod
+    def _ahead_of(choice: DonorChoice) -> DonorChoice:
+        """The peers ahead of `choice`'s quorum as donors, nearest it first (a liar far ahead comes last), each
+        witnessed by all; the quorum raised to the furthest, so that a donor's snapshot may be of a round within
+        the lead beyond it (a gossip donor moves on while we download)."""
+        donors = sorted(choice.suspects, key=lambda r: (r.round, -r.bandwidth_bps, r.peer_id))
+        return DonorChoice(max((r.round for r in donors), default=choice.quorum), choice.trusted + choice.suspects,
+                           [], donors)
+
+    def _donors(self, choice: DonorChoice,
+                read_again: Callable[[], DonorChoice]) -> Iterator[tuple[PeerRecord, DonorChoice]]:
+        """Each donor once, best first, with its choice: after a try over SETUP_FLOOR_S, from `read_again`. Each
         donor we get back failed: the others of its host (the address our connection to it came from) go after
         every other donor. Identities are free and addresses are not: a host's identities that each claim the
         swarm's latest round and a fast link, then hold the download silent, would otherwise cost a joiner a
@@ -283,7 +336,7 @@ class Joiner:
             if host is not None:
                 failed_hosts.add(host)
             if time.monotonic() - read_at > SETUP_FLOOR_S:
-                choice, read_at = self._unless_too_soon(self.choose(self.peer.swarm())), time.monotonic()
+                choice, read_at = read_again(), time.monotonic()
 
     def _hosts_of(self, peers: list[str]) -> dict[str, str | None]:
         """The host each of `peers` connects from, where we hold a connection to it (net/remote_hosts.py)."""
@@ -302,12 +355,15 @@ class Joiner:
         self.retry_round = self.peer.state.round + JOIN_RETRY_ROUNDS * 2 ** (self.failed_joins - 1)
         return f" until round {self.retry_round}, then tries again"
 
-    def round_to_join(self, choice: DonorChoice) -> DonorChoice:
+    def round_to_join(self, choice: DonorChoice, read_again: Callable[[], DonorChoice] | None = None
+                      ) -> DonorChoice:
         """`choice`, or when its round's peers will have read who is in their round before we could be there, the
         choice once they started their next round (waiting at most `sync.allreduce_timeout_s`; once, as rounds
         shorter than a join would never leave room)."""
         if not self._too_late_for(choice):
             return choice
+        if read_again is None:
+            read_again = lambda: self._unless_too_soon(self.choose(self.peer.swarm()))  # noqa: E731
         round_ = choice.donors[0].round
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
@@ -315,14 +371,14 @@ class Joiner:
         self.peer.announce(phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
-            later = self._unless_too_soon(self.choose(self.peer.swarm()))
+            later = read_again()
             if not later.donors:  # the donors left, or are waiting themselves: train on from ours
                 logger.info(f"no donor of round {round_} or later is left to join: training on")
                 return later
             if later.donors[0].round > round_ and all(r.phase == "inner" for r in later.donors
                                                       if r.round == later.donors[0].round):
                 return later
-        return self._unless_too_soon(self.choose(self.peer.swarm()))
+        return read_again()
 
     def _counted_in_round_0(self, choice: DonorChoice) -> bool:
         """Whether a fresh peer already said it is in round 0, the round of its donors (it waited for the peers it
@@ -388,8 +444,9 @@ class Joiner:
         return None
 
     def _corroborate(self, snapshot: StateSnapshot, donor: PeerRecord, choice: DonorChoice,
-                     own_loss: float | None) -> Verdict:
-        """The sketch check against other peers, then the validation-loss check (the costlier one) on our batches."""
+                     own_loss: float | None, must_beat: float | None = None) -> Verdict:
+        """The sketch check against other peers, then the validation-loss check (the costlier one) on our batches;
+        with `must_beat`, a loss above it is refused whatever the witnesses say (no offence)."""
         seed = secrets.randbits(64)  # drawn after the download: the donor could not know it
         others = [r for r in choice.trusted if r.peer_id != donor.peer_id
                   and not self.peer.reputation.is_banned(r.peer_id)]  # a donor refused just before is banned now
@@ -404,6 +461,8 @@ class Joiner:
                 return outer
         with parameters_set_to(self.peer.params, snapshot.tensors[:len(self.peer.params)]):
             loss = self.peer.inner.evaluate(self.peer.val_batches)
+        if must_beat is not None and not loss <= must_beat:
+            return Verdict(False, f"its validation loss {loss:.3f} is above {must_beat:.3f}: no sign of training")
         if own_loss is None:  # a fresh peer's is θ_0's: no state may be worse than where training starts
             own_loss = self.peer.inner.evaluate(self.peer.val_batches)
         if not sketches.accepted:

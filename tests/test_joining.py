@@ -252,10 +252,11 @@ def test_after_a_donor_fails_the_others_of_its_host_are_tried_after_every_other_
     hosts = {**{f"sybil{i}": "10.0.0.9" for i in range(4)}, "honest1": "10.0.0.1", "honest2": None}
     joiner._hosts_of = lambda peers: {p: hosts.get(p) for p in peers}  # type: ignore[method-assign]
     donors = [record(f"sybil{i}", 9) for i in range(4)] + [record("honest1", 8), record("honest2", 8)]
-    order = [donor.peer_id for donor, _ in joiner._donors(DonorChoice(8, donors, [], donors))]  # each one fails
+    choice = DonorChoice(8, donors, [], donors)
+    order = [donor.peer_id for donor, _ in joiner._donors(choice, lambda: choice)]  # each one fails
     assert order == ["sybil0", "honest1", "honest2", "sybil1", "sybil2", "sybil3"]
     tried = []
-    for donor, _ in joiner._donors(DonorChoice(8, donors, [], donors)):
+    for donor, _ in joiner._donors(choice, lambda: choice):
         tried.append(donor.peer_id)
         if donor.peer_id == "honest1":
             break  # its state passed the checks: nobody else is asked
@@ -1471,3 +1472,43 @@ def test_a_joiner_tries_one_silent_donor_of_a_host_then_an_honest_one():
     assert history[0].joined and history[0].round < 40, history[0]  # an honest state: the identities serve none
     tried = {p for p, offences in joiner.reputation.offences().items() if "slow_send" in offences}
     assert tried <= set(identities.peer_ids) and len(tried) == 1, tried
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("mode", ["gasloc", "diloco"])
+def test_a_fresh_joiner_outvoted_by_identities_of_a_stale_round_takes_a_trained_state_from_ahead(mode):
+    """Issue 31: a fresh joiner verified nobody's work, so 20 identities announcing round 0 are its quorum and the
+    honest peers, rounds ahead, its suspects: it tried only the identities (no endpoint behind them) and trained
+    alone until they left (DiLoCo: and, having verified nobody, stayed out of the honest peers' rounds). Now when
+    no donor of its quorum gives a state it tries the peers ahead of it, takes a state whose loss shows training,
+    and averages with the honest peers from then on."""
+    config = tiny_config(f"stale-sybils-{uuid.uuid4().hex[:6]}", run={"rounds": 0, "min_peers": 2},
+                         # a lead of 6: GASLoC rounds of the tiny model outrun the records (test_a_gasloc_joiner_...)
+                         sync={"mode": mode, "join_max_round_lead": 6 if mode == "gasloc" else 2})
+    honest = [start_peer(config)]
+    honest.append(start_peer(config, honest[0].maddrs))
+    threads = [PeerThread(p).start() for p in honest]
+    sybil_dht = start_dht(config.network, honest[0].maddrs)
+    sybils, joiner = None, None
+    try:
+        threads[0].wait_for_round(4, timeout_s=120)
+        sybils = SybilRecords(sybil_dht, config.run.run_id, 20, 0, honest[0].fingerprint,
+                              config.network.record_ttl_s, config.network.heartbeat_s).start()
+        wait_until(lambda: sum(r.peer_id in sybils.peer_ids for r in honest[0].swarm().others) == 20,
+                   timeout_s=60, what="the identities' records")
+        joiner = start_peer(replace_section(config, "run", rounds=5, min_peers=1), honest[0].maddrs)
+        view = joiner.swarm()
+        history = PeerThread(joiner).start().join(timeout_s=300)
+    finally:
+        stop_and_shut_down(threads, [joiner])
+        if sybils is not None:
+            sybils.stop()
+        sybil_dht.shutdown()
+    lead = config.sync.join_max_round_lead
+    quorum, _, suspects = split_by_quorum(view.others, lead, nobody_banned)
+    assert quorum == 0 and {r.peer_id for r in suspects} >= {p.peer_id for p in honest}  # outvoted, as it was
+    rows = [(m.round, m.peers_averaged, m.joined) for m in history]
+    assert history[0].joined and history[0].round > 4 and history[0].val_loss < HONEST_LOSS, rows
+    assert sum(m.peers_averaged > 1 for m in history[1:]) >= len(history) - 2, rows  # one round may miss them
