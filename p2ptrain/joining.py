@@ -217,6 +217,10 @@ class Joiner:
                                   f"({why}): not a donor")
         return dataclasses.replace(choice, donors=peer.routes.best_first(choice.donors))  # reachable, direct first
 
+    def _choose_again(self) -> DonorChoice:
+        """The choice from a fresh read of the swarm, without donors while our lead is too recent to act on."""
+        return self._unless_too_soon(self.choose(self.peer.swarm()))
+
     def _last_round_syncing_s(self) -> float:
         """How long a peer of the last round may have been syncing to count as a moment from ours (DiLoCo without
         overlap): its all-reduce's two stages, each waiting at most `sync.matchmaking_s`, and a margin."""
@@ -242,8 +246,7 @@ class Joiner:
             logger.warning(f"round {state.round} is more than {self.config.join_max_round_lead} ahead of most of "
                            f"the swarm (its round {choice.quorum}): we averaged alone; taking the swarm's state")
         fresh, started = self.fresh(), time.monotonic()
-        decision = self._first_state_taken(self._donors(choice, lambda: self._unless_too_soon(self.choose(
-            peer.swarm()))), fresh, own_loss, started)
+        decision = self._first_state_taken(self._donors(choice, self._choose_again), fresh, own_loss, started)
         if decision is None and self._may_look_ahead(view, choice, fresh):
             decision = self._state_from_ahead(choice, fresh, started)
         if decision is not None:
@@ -294,7 +297,7 @@ class Joiner:
         show training: its loss on our batches at most AHEAD_MAX_LOSS of our own (θ_0's); a trained peer's faces
         the usual check against ours. In DiLoCo, a round about to sync is joined at its next (`round_to_join`)."""
         own_loss = self.peer.inner.evaluate(self.peer.val_batches)
-        read_again = lambda: self._ahead_of(self.choose(self.peer.swarm()))  # noqa: E731
+        read_again = lambda: self._ahead_of(self.choose(self.peer.swarm()))  # noqa: E731  # as _choose_again, ahead
         first = self._ahead_of(choice)
         logger.info(f"no donor of the swarm's round {choice.quorum} gave a state, and we verified nobody's work: "
                     f"trying the {len(first.donors)} peer(s) ahead of it (our loss {own_loss:.3f})")
@@ -362,8 +365,7 @@ class Joiner:
         shorter than a join would never leave room)."""
         if not self._too_late_for(choice):
             return choice
-        if read_again is None:
-            read_again = lambda: self._unless_too_soon(self.choose(self.peer.swarm()))  # noqa: E731
+        read_again = read_again or self._choose_again
         round_ = choice.donors[0].round
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two

@@ -67,7 +67,7 @@ def wait_for_peers(swarm: Callable[[], SwarmView], run: RunConfig, stop: threadi
         start = min(ours, named_start(others, at, poll_s))
         if start <= at:
             break
-        if time.monotonic() >= deadline or stop.is_set():
+        if stop.is_set() or (time.monotonic() >= deadline and seen < run.min_peers):  # else: a start is named
             logger.warning(f"starting with {seen} of the {run.min_peers} peers run.min_peers waits for: the others "
                            f"did not show up within {run.min_peers_wait_s:g} s")
             return seen
