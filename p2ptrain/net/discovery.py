@@ -64,8 +64,9 @@ LEFT = "left"  # the phase of a departed peer's last record
 # averagers' group keys hold 8 round bits, not 16, and nodes store only the run's keys (net/dht_keys.py). 3: the
 # records split into shards as the swarm grows (net/record_shards.py), which nodes of protocol 2 refuse to store. 4:
 # GASLoC's exchange headers show a sample of the round's outer gradient, without which a value is idle
-# (sync/contribution.py)
-PROTOCOL_VERSION = 4
+# (sync/contribution.py). 5: records may name a start time for round 0 (`starts_at`, swarm_start.py), a field nodes
+# of protocol 4 refuse to store in shards
+PROTOCOL_VERSION = 5
 MAX_VOUCHES = 8  # partners a record vouches for (sync/contribution.py): the ones judged most recently
 SHORT_ID_CHARS = 8  # a vouch names a partner by the last characters of its peer id (status shows them)
 MAX_TOKENS = 10**15  # a record's token counts beyond this are malformed
