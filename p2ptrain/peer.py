@@ -35,7 +35,7 @@ from p2ptrain.manifest import RunManifest
 from p2ptrain.maths.data_parallel import STOP, TRAIN, NodeError, NodeGroup
 from p2ptrain.maths.inner import InnerTrainer, PhaseResult
 from p2ptrain.maths.outer_optimizer import OuterOptimizer
-from p2ptrain.maths.pacing import inner_steps_for_link, inner_steps_for_pace, swarm_step_s
+from p2ptrain.maths.pacing import PACE_MIN_PEERS, inner_steps_for_link, inner_steps_for_pace, swarm_step_s
 from p2ptrain.metrics import MetricsLog, ProgressBar, RoundMetrics
 from p2ptrain.models import build_model, count_parameters, model_fingerprint
 from p2ptrain.net.admission import Admission
@@ -455,10 +455,17 @@ class TrainingPeer:
 
     def _pace(self, view: SwarmView) -> None:
         """The round's H at the swarm's pace (`sync.keep_pace`, gossip modes), from the step times in `view`; one
-        line when it changes, so that a volunteer sees why its peer runs fewer steps."""
+        line when it changes, so that a volunteer sees why its peer runs fewer steps. Once we verified the work of
+        PACE_MIN_PEERS live peers, only theirs count: a step time is a free claim, and 20 identities claiming fast
+        steps would otherwise halve every honest peer's inner phase. Before, every record counts: a median of
+        fewer swung with one partner's noise (a fast peer whose one verified partner was faster ran half its steps
+        in 4 rounds of 6 on a loaded machine)."""
         if not self.config.sync.keep_pace or self.sync.aligned_rounds:
             return
-        pace = swarm_step_s([r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)])
+        live = [r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)]
+        verified = [r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)
+                    and self.contributions.vouches_for(r.peer_id)]
+        pace = swarm_step_s(verified if len(verified) >= PACE_MIN_PEERS else live)
         self.swarm_step_s = pace if not math.isnan(pace) else self.swarm_step_s  # a read that found few: as it was
         steps = inner_steps_for_pace(self.config.inner.steps, self.step_time_s, self.swarm_step_s,
                                      self.config.inner.min_steps)

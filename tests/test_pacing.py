@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
 
 from p2ptrain.maths.pacing import LinkSpeeds, ThroughputEMA, inner_steps_for_link, inner_steps_for_pace, swarm_step_s
+from p2ptrain.net.discovery import PeerRecord, SwarmView
+from p2ptrain.net.reputation import Reputation
+from p2ptrain.peer import TrainingPeer
 from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.param_gossip import ParamGossip
 from p2ptrain.timing import PRIOR_BYTES_PER_S, exchange_deadline_s
@@ -280,3 +284,27 @@ def test_a_peer_slower_to_compute_than_the_swarm_takes_fewer_steps_down_to_half(
     assert inner_steps_for_pace(20, own_step_s=1.5, swarm_step_s=math.nan, h_min=1) == 20  # pace unknown
     assert inner_steps_for_pace(20, own_step_s=math.nan, swarm_step_s=0.5, h_min=1) == 20  # own time unknown
     assert inner_steps_for_pace(1, own_step_s=1.5, swarm_step_s=0.5, h_min=1) == 1
+
+
+def test_once_a_partners_work_is_verified_only_such_partners_set_the_pace() -> None:
+    """A step time is a free claim: 20 identities announcing 1 ms steps made the median every honest peer's pace,
+    and each ran half its inner steps (twice the rounds and bytes per token). Counted among partners whose work we
+    verified (3 of them at least), they move nothing; a peer that verified fewer still counts every record."""
+    honest = [PeerRecord(peer_id=f"h{i}", round=3, inner_step=0, phase="inner", round_eta=0.0, step_s=0.5)
+              for i in range(3)]
+    identities = [PeerRecord(peer_id=f"s{i}", round=3, inner_step=0, phase="inner", round_eta=0.0, step_s=0.001)
+                  for i in range(20)]
+
+    def paced_steps(vouched: set[str]) -> int:
+        peer = types.SimpleNamespace(
+            config=types.SimpleNamespace(sync=SyncConfig(mode="gasloc"), inner=types.SimpleNamespace(steps=20,
+                                                                                                     min_steps=1)),
+            sync=types.SimpleNamespace(aligned_rounds=False), reputation=Reputation(),
+            contributions=types.SimpleNamespace(vouches_for=lambda p: p in vouched), step_time_s=0.5,
+            swarm_step_s=math.nan, paced_steps=20, state=types.SimpleNamespace(round=3))
+        TrainingPeer._pace(peer, SwarmView("me", honest + identities))  # type: ignore[arg-type]
+        return peer.paced_steps
+
+    assert paced_steps(vouched=set()) == 10  # the identities' median: half of H
+    assert paced_steps(vouched={"h0", "h1", "h2"}) == 20  # the verified partners' pace is ours
+    assert paced_steps(vouched={"h0", "h1"}) == 10  # a median of two verified swings with one's noise: all count
