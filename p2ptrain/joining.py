@@ -297,16 +297,19 @@ class Joiner:
         show training: its loss on our batches at most AHEAD_MAX_LOSS of our own (θ_0's); a trained peer's faces
         the usual check against ours. In DiLoCo, a round about to sync is joined at its next (`round_to_join`)."""
         own_loss = self.peer.inner.evaluate(self.peer.val_batches)
-        read_again = lambda: self._ahead_of(self.choose(self.peer.swarm()))  # noqa: E731  # as _choose_again, ahead
         first = self._ahead_of(choice)
         logger.info(f"no donor of the swarm's round {choice.quorum} gave a state, and we verified nobody's work: "
                     f"trying the {len(first.donors)} peer(s) ahead of it (our loss {own_loss:.3f})")
         if self.peer.sync.aligned_rounds:
-            first = self.round_to_join(first, read_again)
+            first = self.round_to_join(first, self._choose_ahead)
             if not first.donors:
                 return None
-        return self._first_state_taken(self._donors(first, read_again), fresh, own_loss, started,
+        return self._first_state_taken(self._donors(first, self._choose_ahead), fresh, own_loss, started,
                                        must_beat=AHEAD_MAX_LOSS * own_loss if fresh else None)
+
+    def _choose_ahead(self) -> DonorChoice:
+        """The peers ahead of our quorum, from a fresh read of the swarm (`_ahead_of`)."""
+        return self._ahead_of(self.choose(self.peer.swarm()))
 
     @staticmethod
     def _ahead_of(choice: DonorChoice) -> DonorChoice:

@@ -457,15 +457,14 @@ class TrainingPeer:
         """The round's H at the swarm's pace (`sync.keep_pace`, gossip modes), from the step times in `view`; one
         line when it changes, so that a volunteer sees why its peer runs fewer steps. Once we verified the work of
         PACE_MIN_PEERS live peers, only theirs count: a step time is a free claim, and 20 identities claiming fast
-        steps would otherwise halve every honest peer's inner phase. Before, every record counts: a median of
+        steps would otherwise halve every honest peer's inner phase. Until then every record counts: a median of
         fewer swung with one partner's noise (a fast peer whose one verified partner was faster ran half its steps
         in 4 rounds of 6 on a loaded machine)."""
         if not self.config.sync.keep_pace or self.sync.aligned_rounds:
             return
-        live = [r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)]
-        verified = [r.step_s for r in view.others if not self.reputation.is_banned(r.peer_id)
-                    and self.contributions.vouches_for(r.peer_id)]
-        pace = swarm_step_s(verified if len(verified) >= PACE_MIN_PEERS else live)
+        live = [r for r in view.others if not self.reputation.is_banned(r.peer_id)]
+        verified = [r for r in live if self.contributions.vouches_for(r.peer_id)]
+        pace = swarm_step_s([r.step_s for r in (verified if len(verified) >= PACE_MIN_PEERS else live)])
         self.swarm_step_s = pace if not math.isnan(pace) else self.swarm_step_s  # a read that found few: as it was
         steps = inner_steps_for_pace(self.config.inner.steps, self.step_time_s, self.swarm_step_s,
                                      self.config.inner.min_steps)
