@@ -7,6 +7,7 @@ their round 2 on:
   aimed       −7 × its value: inside the fixed 10× distance bound, so only the robust mixing and the bans meet it
   push        its value + 3 typical steps in one fixed direction: clipped to τ without offence, every exchange
   replay      a stale value: θ₀ for parameters, its first attacked round's outer gradient for Δ
+  noisy_replay  that stale value plus fresh noise one typical step long: never the same bits twice
   sign_flip   −1000 × its value;  scale: +1000 × its value
   free_rider  its outer gradient × 1e-6 (GASLoC: the sample of it its headers show; its parameters are a trained
               peer's, so its row measures the time to ban, not a free rider's harm)
@@ -50,7 +51,7 @@ from p2ptrain.testnet.report import alone_fraction, averaged_alone  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("gasloc", "diloco")
-LIES = ("aimed", "push", "replay", "sign_flip", "scale", "free_rider")
+LIES = ("aimed", "push", "replay", "noisy_replay", "sign_flip", "scale", "free_rider")
 CLASSES = (*LIES, "slow")
 ATTACK_FROM_ROUND = 2
 SLOW_RATE = "64kbit"

@@ -175,6 +175,28 @@ def test_replay_sends_theta0_for_parameters_and_the_first_outer_gradient_it_lied
     assert torch.equal(replay.sent_outer_gradient([torch.tensor([9.0, 9.0])])[0], first[0])
 
 
+def test_noisy_replay_sends_the_stale_value_plus_fresh_noise_one_step_long() -> None:
+    round_ = [0]
+    replay = HostileConduct(Attack("noisy_replay", 0))
+    replay.follow(lambda: round_[0])
+    theta0 = [torch.zeros(3), torch.zeros(2)]
+    start = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0])]
+    assert norm(replay.sent_params(start, theta0)) == 0.0  # no step measured yet: θ_0 itself
+    round_[0] = 1
+    moved = [v + 0.5 / math.sqrt(5) for v in start]  # ‖moved − start‖ = 0.5
+    sent = [replay.sent_params(moved, theta0) for _ in range(2)]
+    for value in sent:  # θ_0 plus noise as long as the round's step
+        assert math.isclose(norm(value), 0.5, rel_tol=1e-5)
+    assert not torch.equal(sent[0][0], sent[1][0])  # never the same bits twice
+    first = [torch.tensor([3.0, 4.0])]
+    gradients = [replay.sent_outer_gradient(first)]
+    assert torch.equal(replay.own_outer_gradient(first)[0], gradients[0][0])  # one lie a round: it reduces it too
+    round_[0] = 2
+    gradients.append(replay.sent_outer_gradient([torch.tensor([6.0, 8.0])]))
+    assert math.isclose(norm([a - b for a, b in zip(gradients[0], first, strict=True)]), 5.0, rel_tol=1e-5)
+    assert math.isclose(norm([a - b for a, b in zip(gradients[1], first, strict=True)]), 10.0, rel_tol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_bad_attack_on_the_red_team_command_is_one_error_line(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

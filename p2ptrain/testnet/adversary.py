@@ -9,6 +9,9 @@ the protocol perfectly and only its values lie:
   10 × the victim's norm, which drives undefended GASLoC to a uniform model;
 - ``sign_flip``: −1000 × its value; ``scale``: +1000 × its value;
 - ``replay``: a stale value: θ_0 for parameters, the outer gradient of the attack's first round for Δ;
+- ``noisy_replay``: the same stale value plus fresh noise one typical step long (as ``push`` measures a step), so
+  that no two values are alike and each moves by about a round's step: what the bit-for-bit replay check misses
+  (fresh noise for each parameter value sent; one noisy outer gradient a round, the one it also reduces itself);
 - ``push``: its value plus PUSH_STEPS × its typical step in one fixed direction, every time: beyond the clipping
   radius τ (2 steps or more) but inside the hard radius where an offence starts (8 × the typical distance), so each
   exchange is clipped to τ without offence and moves its victim by w·τ, always the same way (issue 31's attack
@@ -33,11 +36,12 @@ from p2ptrain.errors import UserError
 from p2ptrain.sync.interface import NamedTensors, Tensors
 from p2ptrain.tensor_layout import distance, norm
 
-VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "nan", "push")
+VALUE_ATTACKS = ("aimed", "sign_flip", "scale", "replay", "noisy_replay", "nan", "push")
 ATTACKS = (*VALUE_ATTACKS, "free_rider", "state_liar")
 FREE_RIDER_SCALE = 1e-6
 PUSH_STEPS = 3.0  # ``push``'s lie, in typical steps: beyond τ (≥ 2 steps), well inside the hard radius (≥ 8)
 PUSH_SEED = 31
+NOISE_SEED = 32
 LIAR_ROUND_LEAD = 100_000
 
 
@@ -86,6 +90,10 @@ class HostileConduct:
         self.directions: dict[tuple[tuple[int, ...], ...], Tensors] = {}  # ``push``'s one (unit) direction, per layout
         # ``push`` on parameters: (the round, the value first sent in it, the step that round pushes by)
         self.pushed_from: tuple[int, Tensors, float] | None = None
+        self.noise = torch.Generator().manual_seed(NOISE_SEED)  # ``noisy_replay``: fresh noise for every value
+        # ``noisy_replay`` of an outer gradient: (the round, its lie), one a round, so that what it reduces itself is
+        # what it sent (an all-reduce member that reduced another input would fall out of step by its own doing)
+        self.noisy_gradient: tuple[int, Tensors] | None = None
 
     def follow(self, round_of: Callable[[], int]) -> None:
         self.round_of = round_of
@@ -99,6 +107,8 @@ class HostileConduct:
     def sent_params(self, value: Tensors, theta0: Tensors) -> Tensors:
         if self.attack.kind == "push" and self.lies_about_values():
             return self._pushed(value, self._param_step(value))
+        if self.attack.kind == "noisy_replay" and self.lies_about_values():
+            return self._noisy(theta0, self._param_step(value))
         return tampered(self.attack.kind, value, theta0) if self.lies_about_values() else value
 
     def _param_step(self, value: Tensors) -> float:
@@ -119,6 +129,11 @@ class HostileConduct:
             self.directions[shapes] = [r / norm(raw) for r in raw]
         return [v + PUSH_STEPS * step * d for v, d in zip(value, self.directions[shapes], strict=True)]
 
+    def _noisy(self, stale: Tensors, step: float) -> Tensors:
+        raw = [torch.randn(s.shape, generator=self.noise) for s in stale]
+        scale = step / max(norm(raw), 1e-30)
+        return [s + scale * r for s, r in zip(stale, raw, strict=True)]
+
     def sent_outer_gradient(self, value: Tensors) -> Tensors:
         return self._outer_gradient("sent", value)
 
@@ -133,6 +148,10 @@ class HostileConduct:
         if self.attack.kind == "push":
             return self._pushed(value, norm(value))
         first = self.first.setdefault(channel, [v.detach().clone() for v in value])
+        if self.attack.kind == "noisy_replay":
+            if self.noisy_gradient is None or self.noisy_gradient[0] != self.round_of():
+                self.noisy_gradient = (self.round_of(), self._noisy(first, norm(value)))
+            return self.noisy_gradient[1]
         return tampered(self.attack.kind, value, first)
 
     def announced_round(self, round_: int) -> int:
