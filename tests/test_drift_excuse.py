@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.maths.drift_excuse import MAX_DRIFT_ROUNDS, DriftExcuse, claimed_round
-from p2ptrain.maths.robust import HARD_CLIP_FACTOR, SPREAD, AdaptiveClip
+from p2ptrain.maths.drift_excuse import FREE_HELD_CLIPS, MAX_DRIFT_ROUNDS, DriftExcuse, claimed_round
+from p2ptrain.maths.robust import HARD_CLIP_FACTOR, HELD_CLIP_FACTOR, SPREAD, AdaptiveClip
 
 OWN = [torch.zeros(10)]
 HARD = HARD_CLIP_FACTOR * SPREAD  # one partner, own_scale 1: τ = 1, offences beyond 8
+HELD = HELD_CLIP_FACTOR * SPREAD  # and beyond 4 for a run of clips that does not close in
 
 
 def at(length: float) -> list[torch.Tensor]:
@@ -68,9 +69,23 @@ def test_partners_remembered_are_bounded():
     assert len(excuse._rounds) <= 4 and len(excuse._runs) <= 4
 
 
-@pytest.mark.parametrize("gap", [0.5, 3.0, HARD])
-def test_within_the_hard_radius_nothing_is_an_offence_and_a_run_ends(gap: float):
-    assert offences([(gap, (0, 0)), (gap, (1, 1))]) == [False, False]
+@pytest.mark.parametrize("gap", [0.5, 3.0, HELD])
+def test_within_the_held_radius_nothing_is_an_offence_and_a_run_ends(gap: float):
+    assert offences([(gap, (r, r)) for r in range(6)]) == [False] * 6
+    assert offences([(HARD + 3, (0, 8)), (gap, (1, 9)), (HARD + 3, (2, 10))]) == [False, False, True]  # in step
+
+
+def test_a_partner_held_between_the_held_and_hard_radius_pays_from_its_third_clip_unless_it_closes_in():
+    """The red team's noisy replay (θ_0 plus fresh noise): clipped to τ every exchange, never beyond the hard radius,
+    never closer: it moved its victims toward θ_0 unpenalised."""
+    held = [(HELD + 1 + 0.05 * r, (r, r)) for r in range(6)]
+    assert offences(held) == [False] * FREE_HELD_CLIPS + [True] * (6 - FREE_HELD_CLIPS)
+    assert offences(held, excuse=False) == [False] * 6  # the rule before: inside the hard radius, never
+    closing = [(HARD - 0.5 * r, (r, r)) for r in range(8)]  # an honest drifted partner: half a τ closer each time
+    assert offences(closing) == [False] * 8
+    wavering = [(HELD + 1, (0, 0)), (HELD + 1.05, (1, 1)), (HELD + 0.95, (2, 2)), (HELD + 0.98, (3, 3))]
+    assert offences(wavering) == [False, False, True, True]  # less than 0.1 τ closer than the closest
+    assert offences([(HELD + 1, (r, r)) for r in range(2)] + [(1.0, (2, 2)), (HELD + 1, (3, 3))]) == [False] * 4
 
 
 def test_a_partner_that_started_late_is_excused_by_the_rounds_since_round_0_while_it_closes_in():

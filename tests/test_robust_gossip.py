@@ -707,6 +707,33 @@ def test_a_gasloc_peer_whose_round_jumped_answers_no_offer_until_its_next_step_s
     assert mix1.driver.current.accept_("b", 40, 0.0) is None and mix1.header_extra() == {}
 
 
+NOISY_REPLAY_ROUNDS = 20
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_noisy_replay_held_apart_without_closing_in_is_banned() -> None:
+    """The red team's `noisy_replay`: θ_0 plus fresh noise a step long in every value, never the same bits twice, so
+    the replay check cannot see it, and inside the hard radius, clipped to τ with no offence: it moved every victim
+    toward θ_0 by w·τ an exchange (real path, 1 of 4, 30 rounds: +6.4 % honest loss). Held beyond half the hard
+    radius without closing in, it pays from the third clip of a run (maths/drift_excuse.py): banned by the honest
+    peers, who commit no offence against each other."""
+    config = tiny_config(f"noisy-{uuid.uuid4().hex[:6]}",
+                         run={"rounds": NOISY_REPLAY_ROUNDS, "min_peers": HONEST + 1},
+                         sync={"mode": "gasloc", "gossip_peers": 2})
+    peers = [start_peer(config)]
+    peers += [start_peer(config, peers[0].maddrs) for _ in range(HONEST - 1)]
+    peers.append(TrainingPeer(config, peers[0].maddrs, conduct=HostileConduct(Attack("noisy_replay", 2))))
+    run_peers(peers, attackers=1)
+    replayer, honest_ids = peers[HONEST].peer_id, {p.peer_id for p in peers[:HONEST]}
+    clipped = [p.reputation.offences().get(replayer, {}).get("clipped", 0) for p in peers[:HONEST]]
+    banned = [p.reputation.is_banned(replayer) for p in peers[:HONEST]]
+    assert sum(clipped) >= 6 and sum(banned) >= 2, (clipped, banned)
+    for peer in peers[:HONEST]:
+        assert not honest_ids & set(peer.reputation.offences()), peer.reputation.offences()
+
+
 PUSH_ROUNDS = 30
 
 

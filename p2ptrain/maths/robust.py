@@ -38,6 +38,9 @@ MIN_PARTNERS_FOR_MEDIAN = 3  # below this many known partners, τ rests on own_s
 # to this × own_scale, so the median cannot ratchet τ up; HARD_CLIP_FACTOR × this is where an offence starts
 SPREAD = 2.0
 HARD_CLIP_FACTOR = 4.0
+# × spread × typical: a partner clipped beyond this, exchange after exchange, without closing in, is held apart (an
+# offence from its third such clip, with a drift excuse: maths/drift_excuse.py); half the hard radius
+HELD_CLIP_FACTOR = HARD_CLIP_FACTOR / 2
 # an input this many × τ from the robust mean is no one's disagreement but an attack (an honest Δ is at most a few τ
 # away; a ×−1000 Δ sat about 500 τ away): one such offence bans at once (`clipped_far`), where a hard clip costs 1
 FAR_CLIP_FACTOR = 64.0
@@ -70,6 +73,10 @@ class AdaptiveClip:
         """τ: a partner farther than this is clipped to it."""
         return self.multiplier * self.typical(own_scale)
 
+    def held_radius(self, own_scale: float) -> float:
+        """Beyond this a run of clips that does not close in is an offence (`excuse`, values that persist only)."""
+        return HELD_CLIP_FACTOR * self.spread * self.typical(own_scale)
+
     def hard_radius(self, own_scale: float) -> float:
         """A partner farther than this was not disagreeing (an offence): set by `spread`, not by τ, so a tight
         τ (it bounds what an aimed attacker moves us by) does not make honest partners offenders."""
@@ -86,6 +93,7 @@ class AdaptiveClip:
         stay unexcused once we have one). Raises ValueError for a non-finite partner value (nothing to clip toward).
         """
         radius, hard_radius, typical = self.radius(own_scale), self.hard_radius(own_scale), self.typical(own_scale)
+        held_radius = self.held_radius(own_scale)
         gap = distance(theirs, own)
         if not math.isfinite(gap):
             raise ValueError("partner's value is not finite")
@@ -93,7 +101,7 @@ class AdaptiveClip:
         if not judged:
             excused = True
         elif self.excuse is not None:
-            excused = self.excuse.excused(partner_id, gap, hard_radius, radius, typical, rounds)
+            excused = self.excuse.excused(partner_id, gap, hard_radius, radius, typical, rounds, held_radius)
         else:
             excused = gap <= hard_radius
         if gap <= radius:

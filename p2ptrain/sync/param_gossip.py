@@ -346,7 +346,8 @@ class ParamGossip:
         clipped, gap, hard = self.clip.clip(partner_id, theirs, own, scale, (self._round, their_round), judged)
         if hard:
             self.reputation.penalise(partner_id, "clipped",
-                                     f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}")
+                                     f"{gap:.3g} away, offences from {self.clip.hard_radius(scale):.3g}, or from "
+                                     f"{self.clip.held_radius(scale):.3g} for a run of clips not closing in")
             return [o.clone() for o in own]
         return clipped
 
