@@ -27,7 +27,7 @@ partners there close in as above, while a stale value (θ_0 with fresh noise eac
 cannot see) holds its distance or grows it, and moved each honest GASLoC peer by w·τ toward θ_0 in every exchange,
 never penalised (real path, 1 of 4, 30 rounds: +6.4 % honest loss). So a run of clips beyond the held radius counts
 as above from its third clip on: the first FREE_HELD_CLIPS are free (an honest gap wavers by a few tenths of τ), each
-later one must be a new closest. Honest partners of the real-path runs were never clipped beyond 2.1 τ.
+later one must be a new closest. Honest partners of six real-path runs were never clipped beyond 2.5 τ.
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ class DriftExcuse:
         return ours + theirs
 
     def excused(self, partner_id: str, gap: float, hard_radius: float, radius: float, typical: float,
-                rounds: tuple[int, object] | None, held_radius: float | None = None) -> bool:
-        """Whether this exchange's clip is no offence: one within `held_radius` (by default `hard_radius`) never is
+                rounds: tuple[int, object] | None, held_radius: float) -> bool:
+        """Whether this exchange's clip is no offence: one within `held_radius` (at most `hard_radius`) never is
         one, and one within `hard_radius` only once its run outlasts FREE_HELD_CLIPS without closing in."""
         run = self._runs.pop(partner_id, None)
         if gap <= hard_radius and (now := _both_rounds(rounds)) is not None:
             _remember(self._rounds, partner_id, now, self.max_partners)  # in step, for the drift of a later run
-        if gap <= min(hard_radius, held_radius if held_radius is not None else hard_radius):
+        if gap <= min(held_radius, hard_radius):
             return True
         if run is None:
             drift = self.drift_rounds(partner_id, rounds)
