@@ -1512,5 +1512,10 @@ def test_a_fresh_joiner_outvoted_by_identities_of_a_stale_round_takes_a_trained_
     quorum, _, suspects = split_by_quorum(view.others, lead, nobody_banned)
     assert quorum == 0 and {r.peer_id for r in suspects} >= {p.peer_id for p in honest}  # outvoted, as it was
     rows = [(m.round, m.peers_averaged, m.joined) for m in history]
-    assert history[0].joined and history[0].round > 4 and history[0].val_loss < HONEST_LOSS, rows
-    assert sum(m.peers_averaged > 1 for m in history[1:]) >= len(history) - 2, rows  # one round may miss them
+    # its first round; in DiLoCo maybe its second: under load (a CI run) the first look ahead found no honest
+    # peer it could join in time, and a DiLoCo peer that verified nobody looks ahead again each round
+    first = next((i for i, m in enumerate(history) if m.joined), len(history))
+    assert first <= (0 if mode == "gasloc" else 1), rows
+    assert history[first].round > 4 and history[first].val_loss < HONEST_LOSS, rows
+    after = history[first + 1:]
+    assert sum(m.peers_averaged > 1 for m in after) >= len(after) - 1, rows  # one round may miss them
