@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import warnings
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -239,9 +240,11 @@ def _name(process: psutil.Process) -> str:
 
 
 def _our_descendants() -> list[psutil.Process]:
-    """Descendants of this pytest process, except torch's shared-memory manager and the fork servers this process
-    keeps (forkserver.kept_server): they must outlive each test. A kept server's children are reaped as any."""
-    kept = kept_server_pids()
+    """Descendants of this pytest process, except torch's shared-memory manager, the fork servers this process
+    keeps (forkserver.kept_server) and multiprocessing's resource tracker: they must outlive each test (the tracker
+    ignores SIGTERM, so reaping it cost a benchmark test's teardown the whole grace). A kept server's children are
+    reaped as any."""
+    kept = {*kept_server_pids(), resource_tracker._resource_tracker._pid}
     return [p for p in psutil.Process().children(recursive=True)
             if _name(p) not in ("", "torch_shm_manager") and p.pid not in kept]
 

@@ -90,6 +90,7 @@ def _assert_ratio(measured: float, raw_bytes: float, copies: float, numels: list
 
 
 @pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 def test_local_overlap_rows_keep_the_swarm_mean_on_diloco_and_lose_no_round() -> None:
     """After one round a `local` peer holds θ_0 − η Δ_i (its own Δ, at once: no round lost to the delay), so the
     swarm's mean is DiLoCo's step without momentum; with Mix2 (factored-local) the mean is the same, since Mix1 and

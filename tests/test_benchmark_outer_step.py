@@ -19,6 +19,8 @@ def test_spikes_count_rounds_above_the_best_before_them() -> None:
     assert outer_step.spikes([5.0, 4.0, 3.9]) == (0, 1.0)
 
 
+@pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_quick_run_measures_the_gain_of_each_recipe_against_the_shipped_default(tmp_path: Path) -> None:
     assert outer_step.main(["--quick", "--jobs", "1", "--output-dir", str(tmp_path)]) == 0
@@ -35,6 +37,8 @@ def test_a_quick_run_measures_the_gain_of_each_recipe_against_the_shipped_defaul
     assert "| peers | H | γ | η |" in (tmp_path / "outer_step.md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.background  # CPU work, nothing timed (tests/README.md)
 @pytest.mark.usefixtures("one_torch_thread")
 def test_the_modes_setting_trains_each_gossip_mode_at_each_outer_lr(tmp_path: Path) -> None:
     assert outer_step.main(["--quick", "--setting", "modes", "--jobs", "1", "--output-dir", str(tmp_path)]) == 0
