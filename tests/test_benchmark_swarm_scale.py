@@ -103,7 +103,7 @@ def test_bad_arguments_are_one_line_errors(argv: list[str], capsys: pytest.Captu
 @pytest.mark.slow
 def test_a_small_run_measures_every_column(tmp_path: Path) -> None:
     out = tmp_path / "swarm_scale"
-    assert swarm_scale.main(["--sizes", "3", "--modes", "swarm", "--budget-s", "30", "--out", str(out)]) == 0
+    assert swarm_scale.main(["--sizes", "3", "--modes", "swarm", "--budget-s", "20", "--out", str(out)]) == 0
     written = json.loads(out.with_suffix(".json").read_text())
     (row,) = written["rows"]
     assert row["peers_with_rounds"] == 3 and row["mean_rounds"] >= 2
