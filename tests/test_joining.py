@@ -309,6 +309,30 @@ def test_a_joiner_waiting_says_so_and_stops_when_its_donors_wait_themselves():
     assert joiner.peer.announced == [{"phase": "joining"}]
 
 
+def test_a_fresh_joiner_whose_peers_ahead_leave_no_round_to_join_takes_their_state_a_round_late():
+    """Outvoted by identities of a stale round, a fresh DiLoCo joiner tries the peers ahead of it. Their round was
+    about to sync, and by the next read they were waiting to rejoin each other (or gone from a read under load): it
+    gave up on them and trained alone from θ_0, two rounds in a CI run. Their state a round late beats ours."""
+    sybils = [record(f"sybil{i}", 0) for i in range(5)]
+    syncing = syncing_in(-1, 12, phase="sync")
+    waiting = [r.copy(update={"phase": "joining"}) for r in syncing]
+    joiner, reads = joiner_seeing([sybils + waiting])
+    joiner.peer.inner = types.SimpleNamespace(evaluate=lambda _batches: 5.5)
+    joiner.peer.val_batches = []
+    tried: list[str] = []
+
+    def first_state_taken(donors, _fresh, _own_loss, _started, must_beat=None):
+        tried.extend(donor.peer_id for donor, _ in donors)
+        assert must_beat is not None  # a fresh peer's state from ahead must show training
+        return None
+
+    joiner._first_state_taken = first_state_taken  # type: ignore[method-assign]
+    choice = joiner.choose(SwarmView("me", sybils + syncing))
+    assert choice.quorum == 0 and {r.peer_id for r in choice.suspects} == {"a", "b"}
+    assert joiner._state_from_ahead(choice, fresh=True, started=time.monotonic()) is None
+    assert sorted(tried) == ["a", "b"] and reads[0] >= 1
+
+
 def test_a_lead_taken_in_a_round_or_two_does_not_send_a_peer_back():
     """The majority must be far behind RAN_AHEAD_ROUNDS rounds in a row: a member that averaged alone twice while
     the other waited, or the records of a peer just killed, make a lead that the next round undoes."""
