@@ -301,9 +301,9 @@ class Joiner:
         logger.info(f"no donor of the swarm's round {choice.quorum} gave a state, and we verified nobody's work: "
                     f"trying the {len(first.donors)} peer(s) ahead of it (our loss {own_loss:.3f})")
         if self.peer.sync.aligned_rounds:
-            # with no round left to join in time (the peers ahead waiting to rejoin each other, or gone from a read
-            # under load: a CI run's joiner trained its first two rounds alone from θ_0), their state now, a round
-            # late, still beats ours; our next round catches up as any peer's out of step
+            # with no round left to join in time (the peers ahead waiting to rejoin each other, or missing from a
+            # read under load), their state now, a round late, still beats ours: our next round catches up as any
+            # out-of-step peer's does
             timed = self.round_to_join(first, self._choose_ahead)
             first = timed if timed.donors else first
         return self._first_state_taken(self._donors(first, self._choose_ahead), fresh, own_loss, started,
