@@ -10,9 +10,10 @@ budget. Per row, from the peers' metrics and from sampling their processes while
 - payload bytes a peer sent per round (its exchanges, from its metrics);
 - wire bytes a peer's host sent per round (its namespace's interfaces, `/proc/PID/net/dev`), and what is beyond
   the payloads: the DHT, libp2p's framing, TCP/IP headers (bytes per round are medians over peers: the relay's host
-  also forwards the NATed peers' streams). Over the whole run (start, join and the wait for the swarm included, so
-  a run whose peers wait longer or train fewer rounds reads higher) and, "in rounds", from the end of a peer's
-  first round to the end of its last, over the rounds in between: what each round costs;
+  also forwards the NATed peers' streams). From the start to the end of a peer's last round (start, join and the
+  wait for the swarm included, so a run whose peers wait longer or train fewer rounds reads higher) and, "in
+  rounds", from the end of a peer's first round to the end of its last, over the rounds in between: what each
+  round costs;
 - peak memory per peer: the PSS of the peer's process tree (the peer, its DHT process, p2pd), sampled every few
   seconds; PSS counts a page shared by k processes 1/k to each, so it is what a peer takes from the machine;
 - rounds averaged alone (no partner, or a group of one).
@@ -31,6 +32,7 @@ once: utilisation at 32 peers is partly the CPU's, and inner steps run per peer 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -65,7 +67,8 @@ MODES: dict[str, dict[str, Any]] = {
     "gasloc-overlap": VARIANTS["gasloc-overlap"],  # its exchanges during the next inner phase
     "factored-local": VARIANTS["factored-local"],
 }
-SAMPLE_S = 3.0  # between two samples of every peer's processes
+SAMPLE_S = 3.0  # between two samples of every peer's processes' memory
+WIRE_SAMPLE_S = 0.5  # between two readings of every host's interface counters (a file read each)
 
 
 def home_links_mbit(peers: int) -> list[float]:
@@ -106,37 +109,45 @@ def scenario(mode: str, peers: int, budget_s: float, inner_steps: int, nat_fract
 
 
 class ProcessSampler(threading.Thread):
-    """Every SAMPLE_S, each host's current process (the run's processes.json): its tree's PSS, and its namespace's
-    bytes sent and received on every interface but loopback. Keeps each host's peak PSS and each process's
-    latest counters (a namespace's counters outlive a restarted peer: the largest reading is the host's)."""
+    """Each host's current process (the run's processes.json): every SAMPLE_S its tree's PSS, every WIRE_SAMPLE_S
+    its namespace's bytes sent on every interface but loopback. Keeps each host's peak PSS and its counter readings
+    (a namespace's counters outlive a restarted peer: a host's reading is the largest so far)."""
 
     def __init__(self, workdir: Path):
         super().__init__(daemon=True)
         self.workdir, self.stop_event = workdir, threading.Event()
         self.peak_pss: dict[str, int] = {}
-        self.wire: dict[str, tuple[int, int]] = {}  # host -> (tx bytes, rx bytes)
-        self.sent_at: dict[str, list[tuple[float, int]]] = {}  # host -> (unix time, tx bytes) of every sample
+        self.sent_at: dict[str, list[tuple[float, int]]] = {}  # host -> (unix time, tx bytes) of every reading
 
     def run(self) -> None:
-        while not self.stop_event.wait(SAMPLE_S):
-            self.sample()
+        readings_per_sample = round(SAMPLE_S / WIRE_SAMPLE_S)
+        for reading in itertools.count(1):
+            if self.stop_event.wait(WIRE_SAMPLE_S):
+                return
+            self.sample(memory=reading % readings_per_sample == 0)
 
-    def sample(self) -> None:
+    def sample(self, memory: bool = True) -> None:
         try:
             processes = json.loads((self.workdir / "processes.json").read_text())
         except (OSError, ValueError):
             return
         for host, pid in processes.items():
-            pss = total(peer_memory(pid), "pss")
-            self.peak_pss[host] = max(self.peak_pss.get(host, 0), pss)
+            if memory:
+                self.peak_pss[host] = max(self.peak_pss.get(host, 0), total(peer_memory(pid), "pss"))
             counters = interface_bytes(pid)
             if counters is not None:
-                self.wire[host] = max(self.wire.get(host, (0, 0)), counters)
-                self.sent_at.setdefault(host, []).append((time.time(), self.wire[host][0]))
+                readings = self.sent_at.setdefault(host, [])
+                readings.append((time.time(), max(counters[0], readings[-1][1] if readings else 0)))
+
+    def sent_by(self, host: str, end: float) -> int | None:
+        """Bytes `host` sent from its start to its first reading at or after `end`; None without one (its process
+        ended first): a reading before `end` would leave out what the host sent last, payloads included."""
+        after = [sent for t, sent in self.sent_at.get(host, []) if t >= end]
+        return after[0] if after else None
 
     def sent_between(self, host: str, start: float, end: float) -> int | None:
-        """Bytes `host` sent from its last sample at or before `start` to its first at or after `end` (so at most a
-        sample interval more at each end); None without such samples."""
+        """Bytes `host` sent from its last reading at or before `start` to its first at or after `end` (so at most a
+        reading interval more at each end); None without such readings."""
         samples = self.sent_at.get(host, [])
         before, after = [s for t, s in samples if t <= start], [s for t, s in samples if t >= end]
         return after[0] - before[-1] if before and after else None
@@ -163,7 +174,7 @@ def interface_bytes(pid: int) -> tuple[int, int] | None:
 
 
 def summarise(mode: str, peers: int, report: dict[str, Any], sampler: ProcessSampler) -> dict[str, Any]:
-    figures = {peer: peer_figures(info["rounds"]) | {"wire_sent": sampler.wire.get(peer, (None,))[0],
+    figures = {peer: peer_figures(info["rounds"]) | {"wire_sent": sampler.sent_by(peer, info["rounds"][-1]["time"]),
                                                      "peak_pss": sampler.peak_pss.get(peer)} | in_rounds(
                                                          peer, info["rounds"], sampler)
                for peer, info in report["peers"].items() if info["rounds"]}

@@ -65,7 +65,8 @@ def rows(rounds: int, sent: int) -> list[dict[str, object]]:
 
 def test_beyond_the_payloads_is_the_wire_less_the_exchanges_per_round_and_memory_its_peak() -> None:
     sampler = swarm_scale.ProcessSampler(Path("/nonexistent"))
-    sampler.wire = {"peer0": (10_000, 9_000), "peer1": (30_000, 1)}
+    # readings at the end of each peer's last round (t = 40, 50); before it, a reading leaves out the last payloads
+    sampler.sent_at = {"peer0": [(35.0, 8_000), (40.0, 10_000)], "peer1": [(50.5, 30_000), (51.0, 30_100)]}
     sampler.peak_pss = {"peer0": 100 * 2**20, "peer1": 300 * 2**20, "bootstrap": 50 * 2**20}
     report = {"passed": True, "peers": {"peer0": {"rounds": rows(4, 1_000)}, "peer1": {"rounds": rows(5, 2_000)},
                                         "peer2": {"rounds": []}}}
@@ -75,6 +76,7 @@ def test_beyond_the_payloads_is_the_wire_less_the_exchanges_per_round_and_memory
     assert row["wire_bytes_per_round"] == pytest.approx((10_000 / 4 + 30_000 / 5) / 2)
     assert row["beyond_payload_bytes_per_round"] == pytest.approx(((10_000 - 4_000) / 4 + (30_000 - 10_000) / 5) / 2)
     assert math.isnan(row["beyond_payload_in_rounds_per_round"])  # no samples in time
+    assert sampler.sent_by("peer1", 51.5) is None and sampler.sent_by("peer9", 0.0) is None
     assert row["median_peak_pss"] == 200 * 2**20 and row["max_peak_pss"] == 300 * 2**20
     assert row["bootstrap_peak_pss"] == 50 * 2**20 and row["alone"] == 0.0
     assert "| 3 | gasloc |" in swarm_scale.table([row])
@@ -109,7 +111,8 @@ def test_a_small_run_measures_every_column(tmp_path: Path) -> None:
     assert row["peers_with_rounds"] == 3 and row["mean_rounds"] >= 2
     assert row["mean_val_loss"] < 5.0 and 0 < row["median_utilisation"] <= 1
     assert row["payload_bytes_per_round"] > 0  # the peers exchanged
-    assert row["wire_bytes_per_round"] > row["payload_bytes_per_round"]  # DHT and framing besides
+    # DHT and framing besides: each peer's host sent more than its payloads by the end of its last round
+    assert row["beyond_payload_bytes_per_round"] > 0 and row["wire_bytes_per_round"] > 0
     assert 50 * 2**20 < row["median_peak_pss"] < 2**31  # a peer's processes: more than the model, less than 2 GiB
     assert "| 3 | swarm |" in out.with_suffix(".md").read_text()
 
@@ -146,7 +149,7 @@ def test_kept_runs_are_read_again_with_the_simulation_beside_them(tmp_path: Path
         r | {"eval_s": 0.1, "exchanges": [{"bytes_sent": 5_000}]} for r in rows(6, 20_000)]} for i in range(3)}}
     (kept / "swarm-3-report" / "report.json").write_text(json.dumps(report))
     sampler = swarm_scale.ProcessSampler(kept)
-    sampler.wire = {f"peer{i}": (200_000, 100_000) for i in range(3)}
+    sampler.sent_at = {f"peer{i}": [(60.0, 200_000)] for i in range(3)}
     sampler.peak_pss = {f"peer{i}": 2**28 for i in range(3)}
     row = swarm_scale.summarise("swarm", 3, report, sampler) | {"parameters": 117_120}
     (kept / "swarm-3.row.json").write_text(json.dumps(row))
@@ -169,7 +172,6 @@ def test_beyond_the_payloads_in_rounds_leaves_the_start_out() -> None:
     round: 1 kB beyond its 2 kB payload a round, where the whole run reads (62 - 8) / 4 = 13.5 kB."""
     sampler = swarm_scale.ProcessSampler(Path("/nonexistent"))
     sampler.sent_at = {"peer0": [(0.0, 0), (9.0, 50_000), (25.0, 56_000), (41.0, 62_000)]}
-    sampler.wire = {"peer0": (62_000, 0)}
     row = swarm_scale.summarise("gasloc", 1, {"passed": True, "peers": {"peer0": {"rounds": rows(4, 2_000)}}}, sampler)
     assert row["beyond_payload_bytes_per_round"] == pytest.approx(13_500)
     assert row["beyond_payload_in_rounds_per_round"] == pytest.approx((62_000 - 50_000 - 6_000) / 3)
