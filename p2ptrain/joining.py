@@ -302,16 +302,29 @@ class Joiner:
                     f"trying the {len(first.donors)} peer(s) ahead of it (our loss {own_loss:.3f})")
         if self.peer.sync.aligned_rounds:
             # with no round left to join in time (the peers ahead waiting to rejoin each other, or missing from a
-            # read under load), their state now, a round late, still beats ours: our next round catches up as any
+            # read under load), their state now, a round late, still beats ours: read again, as the first read's
+            # range refuses a snapshot of the rounds they ran while we waited. Our next round catches up as any
             # out-of-step peer's does
             timed = self.round_to_join(first, self._choose_ahead)
-            first = timed if timed.donors else first
+            first = timed if timed.donors else self._read_ahead_again(choice) or first
         return self._first_state_taken(self._donors(first, self._choose_ahead), fresh, own_loss, started,
                                        must_beat=AHEAD_MAX_LOSS * own_loss if fresh else None)
 
     def _choose_ahead(self) -> DonorChoice:
         """The peers ahead of our quorum, from a fresh read of the swarm (`_ahead_of`)."""
         return self._ahead_of(self.choose(self.peer.swarm()))
+
+    def _read_ahead_again(self, stale: DonorChoice) -> DonorChoice | None:
+        """From a fresh read, the peers ahead of our quorum, or, where none is, the read's donors beyond `stale`'s
+        reach (the identities that outvoted us left, or their records lapsed: the peers ahead are the quorum now);
+        None without either."""
+        choice = self.choose(self.peer.swarm())
+        ahead = self._ahead_of(choice)
+        if ahead.donors:
+            return ahead
+        reach = -1 if stale.quorum is None else stale.quorum + self.config.join_max_round_lead
+        beyond = [r for r in choice.donors if r.round > reach]
+        return dataclasses.replace(choice, donors=beyond) if beyond else None
 
     @staticmethod
     def _ahead_of(choice: DonorChoice) -> DonorChoice:

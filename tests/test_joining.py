@@ -333,6 +333,32 @@ def test_a_fresh_joiner_whose_peers_ahead_leave_no_round_to_join_takes_their_sta
     assert sorted(tried) == ["a", "b"] and reads[0] >= 1
 
 
+@pytest.mark.parametrize("identities_seen", [True, False], ids=["identities-still-there", "their-records-lapsed"])
+def test_a_fresh_joiner_that_gave_up_waiting_for_the_peers_ahead_reads_again_for_the_rounds_they_ran(
+        identities_seen):
+    """Given up on the round it waited for, the joiner downloaded by its first read, whose range (rounds 12 to 14)
+    refused the snapshots of round 15 the peers ahead had reached meanwhile, and trained alone from θ_0 (a run with 3
+    CPU hogs beside it). It reads again; where the identities' records lapsed, the peers ahead are the quorum now,
+    and that read's donors."""
+    sybils = [record(f"sybil{i}", 0) for i in range(5)]
+    syncing = syncing_in(-1, 12, phase="sync")
+    waiting = [r.copy(update={"phase": "joining"}) for r in syncing]
+    moved_on = syncing_in(60, 15)
+    joiner, reads = joiner_seeing([sybils + waiting, (sybils if identities_seen else []) + moved_on])
+    joiner.peer.inner = types.SimpleNamespace(evaluate=lambda _batches: 5.5)
+    joiner.peer.val_batches = []
+    drawn: list[tuple[str, int]] = []
+
+    def first_state_taken(donors, _fresh, _own_loss, _started, must_beat=None):
+        drawn.extend((donor.peer_id, choice.quorum) for donor, choice in donors)
+        return None
+
+    joiner._first_state_taken = first_state_taken  # type: ignore[method-assign]
+    choice = joiner.choose(SwarmView("me", sybils + syncing))
+    assert joiner._state_from_ahead(choice, fresh=True, started=time.monotonic()) is None
+    assert sorted(drawn) == [("a", 15), ("b", 15)] and reads[0] == 2
+
+
 def test_a_lead_taken_in_a_round_or_two_does_not_send_a_peer_back():
     """The majority must be far behind RAN_AHEAD_ROUNDS rounds in a row: a member that averaged alone twice while
     the other waited, or the records of a peer just killed, make a lead that the next round undoes."""
@@ -1545,5 +1571,9 @@ def test_a_fresh_joiner_outvoted_by_identities_of_a_stale_round_takes_a_trained_
     first = next((i for i, m in enumerate(history) if m.joined), len(history))
     assert first <= (0 if mode == "gasloc" else 1), rows
     assert history[first].round > 4 and history[first].val_loss < HONEST_LOSS, rows
+    # from then on it trains with the honest peers: each round averaged with them, or (DiLoCo, a round behind them
+    # under load: a CI run's rows (16, 3, False), (17, 1, True), (19, 1, True)) took their state again; one round may
+    # miss them, none trains on alone
     after = history[first + 1:]
-    assert sum(m.peers_averaged > 1 for m in after) >= len(after) - 1, rows  # one round may miss them
+    assert any(m.peers_averaged > 1 for m in after), rows
+    assert sum(m.peers_averaged == 1 and not m.joined for m in after) <= 1, rows
