@@ -12,6 +12,7 @@ import pytest
 import torch
 from swarm_utils import run_peers, start_peer, tiny_config
 
+from p2ptrain.maths.centered_clip import centered_clip
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.maths.robust_mean import MIN_HISTORY_ROUNDS, MeanCheck, own_scale
@@ -191,6 +192,42 @@ def test_the_exchanges_measurements_of_our_input_are_what_the_check_would_measur
     assert measured.accepted and itself.accepted
     assert (measured.deviation, measured.radius) == pytest.approx((itself.deviation, itself.radius), rel=1e-4)
     assert not MeanCheck(MULTIPLIER).judge_(own, own, deviation=1e6).accepted  # the measured deviation is what counts
+
+
+@pytest.mark.parametrize("riders_first", [True, False])
+def test_free_riders_are_left_out_of_the_mean_by_every_member_alike(riders_first):
+    """Two free riders of 8 DiLoCo members (a Δ a millionth of an honest one's) sat in the mean at 1/8 each and
+    shrank the honest step by a quarter each round until their bans (+5.1 % honest loss on the netns testnet).
+    Every member holds the same inputs, so leaves the same riders out: the mean is the honest members' alone, and
+    each input's length and distance stay in the order of the inputs."""
+    honest = honest_deltas(6, shared=1.0, own=0.5)
+    riders = [scaled(x, FREE_RIDER_SCALE) for x in honest_deltas(2, shared=1.0, own=0.5, seed=1)]
+    inputs = riders + honest if riders_first else honest + riders
+    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    alone = robust_reduction([(str(j), x) for j, x in enumerate(honest)], 0, MULTIPLIER)[0]
+    assert distance(result.mean, alone.mean) <= 1e-5 * norm(alone.mean)
+    assert result.lengths == pytest.approx([norm(x) for x in inputs], rel=1e-5)
+    assert result.distances == pytest.approx([distance(result.mean, x) for x in inputs], rel=1e-4)
+    assert len(result.against) == len(inputs) and result.far_inputs() == []  # a rider pays as idle, not as far
+
+
+@pytest.mark.parametrize(("riders", "members"), [(1, 2), (2, 4), (3, 4)])
+def test_with_half_the_members_or_more_idle_none_is_left_out(riders, members):
+    """The lower median decides: the short inputs must be a minority for the others to be the ones that trained (a
+    pair, or two riders of 4, reduce as before)."""
+    honest = honest_deltas(members - riders, shared=1.0, own=0.5)
+    inputs = honest + [scaled(x, FREE_RIDER_SCALE) for x in honest_deltas(riders, 1.0, 0.5, seed=1)]
+    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    every = centered_clip(inputs, MULTIPLIER).mean
+    assert distance(result.mean, every) <= 1e-5 * norm(every)
+
+
+def test_an_attacker_scaling_its_delta_up_cannot_make_the_honest_members_idle():
+    honest = honest_deltas(3, shared=1.0, own=0.5)
+    inputs = [*honest, scaled(honest[0], 1e9)]
+    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    assert distance(result.mean, exact_average(honest)) < norm(exact_average(honest))  # the honest ones count
+    assert result.far_inputs() == [3]
 
 
 def test_only_well_formed_claims_of_the_gathered_records_count():

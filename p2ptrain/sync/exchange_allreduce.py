@@ -8,7 +8,8 @@ honest peer can make (benchmarks/robustness.py: an aimed member diverged honest 
   checked alike by every member (decodes to our shapes, finite, within ±MAX_ABS_VALUE: no bound relative to one's
   own Δ, which would let a value near one member's bound split the group's inputs);
 - the receiver fixes the weights (1/n each) and reduces robustly (maths/centered_clip.py): k hostile members among
-  n move the mean by about k·τ/(n − k) at most, and an input far beyond τ is an offence (`clipped`);
+  n move the mean by about k·τ/(n − k) at most, and an input far beyond τ is an offence (`clipped`); a minority of
+  inputs too short to hold any training (free riders') is left out by every member alike;
 - members that hold the same inputs, sorted by peer id, compute the same mean (CenteredClip is deterministic), and
   sync/allreduce_agreement.py makes sure they do before anyone applies it: members confirm their inputs' digest to
   each other, apply the mean only with a majority, and otherwise all keep the round's anchor.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -62,7 +64,7 @@ from p2ptrain.sync.allreduce_agreement import (
     outvoted,
 )
 from p2ptrain.sync.config import GRAD_CODECS, SyncConfig
-from p2ptrain.sync.contribution import Contributions, OwnWork
+from p2ptrain.sync.contribution import IDLE_FRACTION, Contributions, OwnWork
 from p2ptrain.sync.exchange_driver import ExchangeDriver, Outcome, RoundClosed, RoundSlots, same_round
 from p2ptrain.sync.interface import HONEST, Conduct, RoundSync
 from p2ptrain.sync.outer_gradient_payload import outer_gradient_codec, prepare_payload
@@ -100,7 +102,49 @@ def robust_reduction(inputs: Sequence[tuple[str, Sequence[torch.Tensor]]], round
     hashed row by row and then reduced in place."""
     stacked = stack([x for _, x in inputs])
     reduction = Reduction.of(round_, [(peer, [row]) for (peer, _), row in zip(inputs, stacked, strict=True)])
-    return centered_clip_rows_(stacked, inputs[0][1], multiplier), reduction
+    return centered_clip_of_working_rows_(stacked, inputs[0][1], multiplier), reduction
+
+
+def centered_clip_of_working_rows_(stacked: torch.Tensor, like: Sequence[torch.Tensor],
+                                   multiplier: float) -> RobustMean:
+    """CenteredClip of the rows that show training; each input's length, distance from the mean and direction in
+    the order of the rows, all of them. A row shorter than IDLE_FRACTION × the rows' lower median length carries
+    none (a free rider's Δ: sync/contribution.py) and, in the mean at 1/n, would shrink the others' step by its
+    share until the rider's ban (docs/threat-model.md). Every member holds the same rows, so leaves out the same
+    ones; a majority decides, as the lower median asks: with half the rows or more that short, none is left out."""
+    lengths = [float(x) for x in stacked.norm(dim=1)]
+    reference = sorted(lengths)[(len(lengths) - 1) // 2]
+    idle = [j for j, length in enumerate(lengths) if length < IDLE_FRACTION * reference]
+    if not idle:
+        return centered_clip_rows_(stacked, like, multiplier)
+    order = [j for j in range(len(lengths)) if j not in idle] + idle  # row p of the reordered rows: input order[p]
+    _reorder_rows_(stacked, order)
+    working = len(order) - len(idle)
+    result = centered_clip_rows_(stacked[:working], like, multiplier)  # a view: no copy of a model's worth of rows
+    mean = torch.cat([t.reshape(-1) for t in result.mean])
+    distances = result.distances + [float((stacked[p] - mean).norm()) for p in range(working, len(order))]
+    row_lengths = result.lengths + [lengths[j] for j in idle]
+    against = result.against + [False] * len(idle) if result.against else []  # an idle row points nowhere
+    unordered = sorted(range(len(order)), key=order.__getitem__)  # input j sits at row unordered[j]
+    return dataclasses.replace(result, distances=[distances[p] for p in unordered],
+                               lengths=[row_lengths[p] for p in unordered],
+                               against=[against[p] for p in unordered] if against else [])
+
+
+def _reorder_rows_(stacked: torch.Tensor, order: list[int]) -> None:
+    """Row p of `stacked` becomes its row order[p], in place, one row of scratch (a permutation's cycles)."""
+    scratch, placed = torch.empty_like(stacked[0]), [False] * len(order)
+    for start in range(len(order)):
+        if placed[start] or order[start] == start:
+            placed[start] = True
+            continue
+        scratch.copy_(stacked[start])
+        p = start
+        while order[p] != start:
+            stacked[p].copy_(stacked[order[p]])
+            placed[p], p = True, order[p]
+        stacked[p].copy_(scratch)
+        placed[p] = True
 
 
 class StageClaims(Protocol):
