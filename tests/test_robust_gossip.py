@@ -591,6 +591,7 @@ def test_a_gasloc_free_rider_is_banned_and_its_claimed_tokens_are_not_verified()
     peers.append(start_peer(replace_section(config, "inner", lr=1e-9), peers[0].maddrs))
     run_peers(peers, attackers=1)
     rider, honest_ids = peers[HONEST].peer_id, {p.peer_id for p in peers[:HONEST]}
+    full_round_tokens = config.inner.steps * config.data.batch_size * config.data.seq_len
     idle = [p.reputation.offences().get(rider, {}).get("idle", 0) for p in peers[:HONEST]]
     assert sum(idle) >= 3 and any(p.reputation.is_banned(rider) for p in peers[:HONEST]), idle
     for peer in peers[:HONEST]:
@@ -598,7 +599,11 @@ def test_a_gasloc_free_rider_is_banned_and_its_claimed_tokens_are_not_verified()
         work = peer.contributions.work()
         if rider in work:  # the first value judged is spared (a joiner's) and verifies its round's claim, no more
             assert work[rider].worked <= 1, work[rider]
-            assert work[rider].tokens_verified * work[rider].values <= work[rider].tokens_claimed, work[rider]
+            # a round's claim is its steps' tokens, and GASLoC takes fewer steps when a phase runs late (CI: 1,280
+            # verified of 3,584 claimed over 4 values, the first a full round's): at most one full round verifies
+            assert work[rider].tokens_verified <= full_round_tokens, (work[rider], full_round_tokens)
+            if work[rider].values > 1:
+                assert work[rider].tokens_verified < work[rider].tokens_claimed, work[rider]
         assert any(work[p].tokens_verified > 0 for p in honest_ids - {peer.peer_id} if p in work), work
 
 
