@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import uuid
 
 import pytest
-import torch
 from swarm_utils import PeerThread, run_swarm, tiny_config
 
 from p2ptrain.metrics import RoundMetrics
 from p2ptrain.sync.interface import ExchangeRecord
+from p2ptrain.tensor_layout import distance
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.alone,  # counts exchanges in wall-clock rounds
               pytest.mark.usefixtures("one_torch_thread")]
 
 ROUNDS = 5
-
-
-def relative_change(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b, strict=True)))
-                 / torch.sqrt(sum((x**2).sum() for x in a)))
 
 
 def metrics_exchanges(metrics: RoundMetrics) -> list[ExchangeRecord]:
@@ -37,18 +34,13 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
     threads, histories = run_mode("gasloc", peers=4, param_codec="fp16")
     model_bytes = sum(p.numel() * 4 for p in threads[0].peer.params)
     exchanges = failed = 0
-    for thread, history in zip(threads, histories, strict=True):
+    for history in histories:
         assert history[-1].round == history[0].round + ROUNDS - 1  # run.rounds, counted from its first round
         # a gossip peer's own val loss is noisy over 5 short rounds: the best round must beat the first
         assert min(m.val_loss for m in history[1:]) < history[0].val_loss
         assert history[-1].train_loss < history[0].train_loss
-        # Bound on disagreement: peers pair-average every round, so two peers differ by about a few rounds'
-        # worth of their own progress. Measure that progress (relative update per round) and allow 3 rounds of it.
-        steps = [relative_change(thread.params_after_round[r], thread.params_after_round[r + 1])
-                 for r in range(ROUNDS - 1)]
+        assert all(metrics.consensus_distance for metrics in history[1:] if metrics.partners), history
         for metrics in history[1:]:
-            for distance in metrics.consensus_distance:
-                assert distance < 3 * max(steps), (distance, steps)
             assert [e.partner for e in metrics_exchanges(metrics)] == metrics.partners
             for record in metrics_exchanges(metrics):
                 exchanges += 1
@@ -57,6 +49,15 @@ def test_gasloc_one_peer_swarm_trains_stays_close_and_sends_fp16() -> None:
                 assert record.bytes_received == pytest.approx(model_bytes / 2, rel=0.01) and record.seconds > 0
             failed += metrics.failed_exchanges
     assert exchanges >= 2 * (ROUNDS - 1), "peers hardly ever found a partner"
+    # Agreement: the peers' last parameters are apart by a fraction of how far each moved since round 0 (the mean
+    # pair over the mean move: 0.16-0.26 in 5 runs, 3 beside 2 CPU hogs); peers that never mix end as far apart as
+    # they moved (0.97-1.07 with the pull made a no-op). Per exchange the gap is no test: a partner a round or two
+    # apart on a loaded machine is that much further (CI: 3.2 rounds of progress once).
+    last = ROUNDS - 1
+    apart = [distance(a.params_after_round[last], b.params_after_round[last])
+             for a, b in itertools.combinations(threads, 2)]
+    moved = [distance(t.params_after_round[last], t.params_after_round[0]) for t in threads]
+    assert statistics.mean(apart) < 0.6 * statistics.mean(moved), (apart, moved)
     sent = [sum(m.bytes_sent for m in h) for h in histories]
     opened = [sum(r.bytes_sent for m in h for r in metrics_exchanges(m)) for h in histories]
     # The rounds' bytes are measured on the streams (net/stream_bytes.py): each peer sent at least the payloads of
