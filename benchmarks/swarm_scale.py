@@ -134,10 +134,10 @@ class ProcessSampler(threading.Thread):
         for host, pid in processes.items():
             if memory:
                 self.peak_pss[host] = max(self.peak_pss.get(host, 0), total(peer_memory(pid), "pss"))
-            counters = interface_bytes(pid)
-            if counters is not None:
+            sent = interface_sent_bytes(pid)
+            if sent is not None:
                 readings = self.sent_at.setdefault(host, [])
-                readings.append((time.time(), max(counters[0], readings[-1][1] if readings else 0)))
+                readings.append((time.time(), max(sent, readings[-1][1] if readings else 0)))
 
     def sent_by(self, host: str, end: float) -> int | None:
         """Bytes `host` sent from its start to its first reading at or after `end`; None without one (its process
@@ -158,19 +158,23 @@ class ProcessSampler(threading.Thread):
         self.sample()
 
 
-def interface_bytes(pid: int) -> tuple[int, int] | None:
-    """(bytes sent, bytes received) on every interface but loopback of `pid`'s network namespace."""
+def interface_sent_bytes(pid: int) -> int | None:
+    """Bytes sent on every interface but loopback of `pid`'s network namespace; None once the process is gone."""
     try:
-        lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+        return sent_beyond_loopback(Path(f"/proc/{pid}/net/dev").read_text())
     except OSError:
         return None
-    sent = received = 0
-    for line in lines:
+
+
+def sent_beyond_loopback(net_dev: str) -> int:
+    """The transmitted bytes of a /proc/<pid>/net/dev table (two header lines), loopback left out: a peer's
+    loopback carries its talk with its own DHT process and p2pd, not the link's."""
+    sent = 0
+    for line in net_dev.splitlines()[2:]:
         name, fields = line.split(":", 1)
         if name.strip() != "lo":
-            values = fields.split()
-            received, sent = received + int(values[0]), sent + int(values[8])
-    return sent, received
+            sent += int(fields.split()[8])
+    return sent
 
 
 def summarise(mode: str, peers: int, report: dict[str, Any], sampler: ProcessSampler) -> dict[str, Any]:

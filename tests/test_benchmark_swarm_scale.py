@@ -52,10 +52,20 @@ def test_every_mode_is_a_valid_scenario_of_the_same_swarm(mode: str) -> None:
     assert config.sync.mode == swarm_scale.MODES[mode]["mode"] and config.data.num_shards >= 16
 
 
-def test_a_namespaces_interface_bytes_leave_loopback_out() -> None:
-    counters = swarm_scale.interface_bytes(os.getpid())
-    assert counters is not None and all(isinstance(c, int) and c >= 0 for c in counters)
-    assert swarm_scale.interface_bytes(2**22 + 1) is None  # no such process
+NET_DEV = """Inter-|   Receive                                                |  Transmit
+ face |bytes packets errs drop fifo frame compressed multicast|bytes packets errs drop fifo colls carrier compressed
+    lo: 29068243117 15242348 0 0 0 0 0 0 29068243117 15242348 0 0 0 0 0 0
+  eth0: 5719219524 146175 0 0 0 0 0 0 9633774 93910 0 0 0 0 0 0
+veth-p3: 120000 100 0 0 0 0 0 0 5000 40 0 0 0 0 0 0
+"""
+
+
+def test_a_hosts_sent_bytes_leave_loopback_and_received_bytes_out() -> None:
+    assert swarm_scale.sent_beyond_loopback(NET_DEV) == 9633774 + 5000
+    assert swarm_scale.sent_beyond_loopback("\n".join(NET_DEV.splitlines()[:3])) == 0  # loopback alone
+    sent = swarm_scale.interface_sent_bytes(os.getpid())
+    assert isinstance(sent, int) and sent >= 0
+    assert swarm_scale.interface_sent_bytes(2**22 + 1) is None  # no such process
 
 
 def rows(rounds: int, sent: int) -> list[dict[str, object]]:
