@@ -12,7 +12,7 @@ import pytest
 import torch
 from swarm_utils import run_peers, start_peer, tiny_config
 
-from p2ptrain.maths.centered_clip import centered_clip
+from p2ptrain.maths.centered_clip import RobustMean, centered_clip
 from p2ptrain.maths.mixing import exact_average
 from p2ptrain.maths.outer_optimizer import OuterConfig, OuterOptimizer
 from p2ptrain.maths.robust_mean import MIN_HISTORY_ROUNDS, MeanCheck, own_scale
@@ -49,6 +49,11 @@ def weighted_mean(values: Sequence[Tensors], weights: Sequence[float]) -> Tensor
 
 def scaled(tensors: Tensors, factor: float) -> Tensors:
     return [t * factor for t in tensors]
+
+
+def reduced(inputs: Sequence[Tensors]) -> RobustMean:
+    """What every member of a round with these inputs (named by position) computes."""
+    return robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
 
 
 # ---- the check ---------------------------------------------------------------------------------------------------
@@ -181,7 +186,7 @@ def test_the_exchanges_measurements_of_our_input_are_what_the_check_would_measur
     over the vector); they agree with the check's own measurement, with or without a far input sorting first."""
     honest = honest_deltas(5, shared=1.0, own=0.5)
     inputs = ([scaled(honest[0], -1000.0)] if attacker else []) + honest
-    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    result = reduced(inputs)
     ours = len(inputs) - 1
     assert result.lengths[ours] == pytest.approx(norm(inputs[ours]), rel=1e-5)
     assert result.distances[ours] == pytest.approx(distance(result.mean, inputs[ours]), rel=1e-4)
@@ -203,8 +208,8 @@ def test_free_riders_are_left_out_of_the_mean_by_every_member_alike(riders_first
     honest = honest_deltas(6, shared=1.0, own=0.5)
     riders = [scaled(x, FREE_RIDER_SCALE) for x in honest_deltas(2, shared=1.0, own=0.5, seed=1)]
     inputs = riders + honest if riders_first else honest + riders
-    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
-    alone = robust_reduction([(str(j), x) for j, x in enumerate(honest)], 0, MULTIPLIER)[0]
+    result = reduced(inputs)
+    alone = reduced(honest)
     assert distance(result.mean, alone.mean) <= 1e-5 * norm(alone.mean)
     assert result.lengths == pytest.approx([norm(x) for x in inputs], rel=1e-5)
     assert result.distances == pytest.approx([distance(result.mean, x) for x in inputs], rel=1e-4)
@@ -217,7 +222,7 @@ def test_with_half_the_members_or_more_idle_none_is_left_out(riders, members):
     pair, or two riders of 4, reduce as before)."""
     honest = honest_deltas(members - riders, shared=1.0, own=0.5)
     inputs = honest + [scaled(x, FREE_RIDER_SCALE) for x in honest_deltas(riders, 1.0, 0.5, seed=1)]
-    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    result = reduced(inputs)
     every = centered_clip(inputs, MULTIPLIER).mean
     assert distance(result.mean, every) <= 1e-5 * norm(every)
 
@@ -225,7 +230,7 @@ def test_with_half_the_members_or_more_idle_none_is_left_out(riders, members):
 def test_an_attacker_scaling_its_delta_up_cannot_make_the_honest_members_idle():
     honest = honest_deltas(3, shared=1.0, own=0.5)
     inputs = [*honest, scaled(honest[0], 1e9)]
-    result = robust_reduction([(str(j), x) for j, x in enumerate(inputs)], 0, MULTIPLIER)[0]
+    result = reduced(inputs)
     assert distance(result.mean, exact_average(honest)) < norm(exact_average(honest))  # the honest ones count
     assert result.far_inputs() == [3]
 
