@@ -81,7 +81,7 @@ from benchmarks.sim.entry import publish  # noqa: E402
 from benchmarks.sim.rows import CODEC_RECIPE  # noqa: E402
 from benchmarks.torchft_diloco import missing as torchft_missing  # noqa: E402
 from benchmarks.torchft_diloco import run_torchft_swarm  # noqa: E402
-from benchmarks.wire_bytes import daemon_pids, tcp_bytes  # noqa: E402
+from benchmarks.wire_bytes import DAEMON_NAME, daemon_pids, tcp_bytes  # noqa: E402
 from p2ptrain.config import PeerConfig, build_config  # noqa: E402
 from p2ptrain.data import TextShards, build_tokenizer  # noqa: E402
 from p2ptrain.maths.inner import InnerTrainer  # noqa: E402
@@ -183,16 +183,18 @@ class PeerRun:
             self.error = repr(e)
 
 
-def daemons_cpu_s() -> float:
-    """CPU seconds of this process's live children (DHT processes, p2pd daemons, hivemind averagers)."""
-    total = 0.0
+def daemons_cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process's live children (DHT processes, p2pd daemons, hivemind averagers): all of them,
+    and the p2pd daemons' alone."""
+    total = p2pd = 0.0
     for child in psutil.Process().children(recursive=True):
         try:
-            times = child.cpu_times()
+            times, name = child.cpu_times(), child.name()
         except psutil.NoSuchProcess:
             continue
         total += times.user + times.system
-    return total
+        p2pd += times.user + times.system if name == DAEMON_NAME else 0.0
+    return total, p2pd
 
 
 def process_tree_bytes() -> int:
@@ -209,9 +211,10 @@ class PeakMemory:
     """The peak of `process_tree_bytes()` from `start()` to `stop()`, sampled every `every_s` in a thread, above what it
     was at the start."""
 
-    # every second: each sample reads smaps_rollup of every process of the swarm (17 at 8 peers), and at 0.2 s that
-    # was 15 % of this process's samples in a profile of an 8-peer swarm, CPU taken from our peers and not torchft's
-    def __init__(self, every_s: float = 1.0):
+    # every 5 s: each sample reads smaps_rollup of every process of the swarm (17 at 8 peers; torchft's is one), CPU
+    # taken from our peers and not torchft's. At 1 s it was 9 % of this process's samples (py-spy, 8 DiLoCo peers),
+    # and the peers' inner phases ran 1.26-1.51× the no-network reference, against 0.97-1.19× at 5 s (2026-12-02)
+    def __init__(self, every_s: float = 5.0):
         self.every_s, self.base, self.peak = every_s, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -266,7 +269,8 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
             r.peer.stop()
         for r in runs:
             r.thread.join(ROUND_TIMEOUT_S)
-        training_s, daemons_s, wire_after = time.perf_counter() - training, daemons_cpu_s(), tcp_bytes(daemons)
+        training_s, (daemons_s, p2pd_s) = time.perf_counter() - training, daemons_cpu_s()
+        wire_after = tcp_bytes(daemons)
     finally:
         peak_bytes = memory.stop()
         for p in peers:
@@ -276,7 +280,7 @@ def run_swarm(s: Settings, setup: str, n: int, sync: dict[str, Any] | None = Non
             "histories": [[dataclasses.asdict(m) for m in r.history] for r in runs],
             "errors": [r.error for r in runs if r.error], "timed_out": timed_out, "training_wall_s": training_s,
             "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
-            "daemons_cpu_s": daemons_s,
+            "daemons_cpu_s": daemons_s, "p2pd_cpu_s": p2pd_s,
             "wire_bytes_sent": (wire_after - wire_before).sent if wire_before and wire_after else None}
 
 
@@ -376,6 +380,7 @@ def swarm_row(runs: list[dict[str, Any]], reference_s: float | None) -> dict[str
            "val_loss": _mean([h[-1]["val_loss"] for h in histories if h]),
            "errors": [e for run in runs for e in run["errors"]], "timed_out": any(r["timed_out"] for r in runs),
            "wall_s": sum(r["wall_s"] for r in runs), "daemons_cpu_s": sum(r["daemons_cpu_s"] for r in runs),
+           "p2pd_cpu_s": sum(r.get("p2pd_cpu_s", 0.0) for r in runs),
            # a peer's rounds, the first included, end to end (the sum of its round_s): median over peers and runs
            "loop_s": _median([sum(m["round_s"] for m in h) for h in histories if h]),
            "peak_bytes_per_peer": max((r.get("peak_bytes_per_peer", 0.0) for r in runs), default=0.0)}
@@ -456,9 +461,10 @@ NOTES = ("Notes: figures over every peer's rounds after its first. utilisation =
          "Gloo all-reduce, outer step), its bytes the child's TCP counters (Gloo, the Lighthouse and Manager "
          "calls) per replica and round, so bytes and wire are one figure; its peak memory holds its child process's "
          "own Python, torch and transformers (in the base for our peers). "
-         "daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured "
-         "before shutdown. On a shared machine (load average above the cores) compute seconds, the reference's "
-         "most, swing up to 3× between runs; utilisation, groups and bytes hardly move.")
+         "daemons CPU: the DHT processes, p2pd daemons and hivemind averagers, measured before shutdown, all "
+         "runs of the row together (in brackets: the p2pd daemons' share). On a shared machine (load average "
+         "above the cores) compute seconds, the reference's most, swing up to 3× between runs; utilisation, "
+         "groups and bytes hardly move.")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -500,7 +506,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {_fmt(r.get('loop_s'), '.2f')} | {_fmt(r.get('group_size'), 'g')} | {full} "
                      f"| {_bytes_cell(r)} | {_fmt(r.get('wire_ratio'), '.3f')} | {r.get('codec', '–')} "
                      f"| {_fmt(r['val_loss'], '.4f')} | {_fmt(r['peak_bytes_per_peer'] / 2**20 or None, '.0f')} "
-                     f"| {r['daemons_cpu_s']:.0f} | {r['wall_s']:.0f} |")
+                     f"| {r['daemons_cpu_s']:.0f} ({r.get('p2pd_cpu_s', 0.0):.0f}) | {r['wall_s']:.0f} |")
     skipped = [f"{setup}: skipped: {why}" for setup, why in report.get("skipped", {}).items()]
     return "\n".join(lines + ["", report["notes"]] + ([""] + skipped if skipped else [])) + "\n"
 

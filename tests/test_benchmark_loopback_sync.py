@@ -52,6 +52,8 @@ def test_quick_run(tmp_path: Path) -> None:
             # a peer's memory: its model, optimiser and buffers, and its own DHT process and p2pd besides
             parameters = next(run["parameters"] for run in written["runs"] if run["setup"] == key[0])
             assert 4 * 4 * parameters < row["peak_bytes_per_peer"] < 2 * 2**30, (key, row["peak_bytes_per_peer"])
+            # the p2pd daemons are a part of the daemons' CPU, the DHT processes the rest
+            assert 0 < row["p2pd_cpu_s"] < row["daemons_cpu_s"], (key, row["p2pd_cpu_s"], row["daemons_cpu_s"])
 
     exchange, hivemind = rows[("diloco-exchange", 2)], rows[("diloco-hivemind", 2)]
     assert exchange["group_size"] == 2 and exchange["full_groups"] == 1.0
