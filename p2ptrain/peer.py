@@ -487,10 +487,7 @@ class TrainingPeer:
         self._snapshot = StateSnapshot.capture(dict(round=round_, fingerprint=self.fingerprint,
                                                     run_id=self.config.run.run_id),
                                                self.conduct.served_state(self.state.named_tensors()))
-        # in the background, as "sync" (`_sync`); but the store that ends a "joining" phase (the first round, a join)
-        # is waited for: until it lands, all-reduce peers leave us out of their rounds (`_context`)
-        joining = self.announcer.record.phase == "joining"
-        self.announce(wait=joining, round=round_, inner_step=0, phase="inner", round_eta=eta)
+        self.announce(wait=False, round=round_, inner_step=0, phase="inner", round_eta=eta)  # as "sync" (`_sync`)
 
     def _inner_deadline(self, view: SwarmView) -> float:
         """End the inner phase when the latest peer already in this round expects to end it (monotonic time);

@@ -51,14 +51,11 @@ def test_an_all_reduce_peer_waits_for_its_store_unless_told_not_to() -> None:
     assert peer.waited == [pytest.approx(1.0)]
 
 
-@pytest.mark.parametrize(("phase_before", "waits"), [("sync", False), ("joining", True)])
-def test_an_all_reduce_peer_publishes_its_round_edges_in_the_background(phase_before: str, waits: bool) -> None:
+def test_an_all_reduce_peer_publishes_its_round_edges_in_the_background() -> None:
     """The round's start and its sync are stored at once without a wait: an all-reduce expects the peers of its
     round and those a round behind, so a record a moment late is still counted (8 loopback DiLoCo peers waited
-    0.14-0.20 s for each of the two stores a round). The store that ends a "joining" phase is waited for: a record
-    that still says joining is left out of the others' rounds."""
+    0.14-0.20 s for each of the two stores a round)."""
     peer = _peer("none", None)
-    peer.announcer.record = types.SimpleNamespace(phase=phase_before)
     peer.conduct = types.SimpleNamespace(announced_round=lambda round_: round_, served_state=lambda tensors: tensors)
     peer.state = types.SimpleNamespace(round=4, named_tensors=lambda: [])
     peer.config.run = types.SimpleNamespace(run_id="run")
@@ -66,8 +63,8 @@ def test_an_all_reduce_peer_publishes_its_round_edges_in_the_background(phase_be
     peer._inner_steps = lambda: 5
     peer.announce = lambda **fields: TrainingPeer.announce(peer, **fields)  # type: ignore[arg-type]
     TrainingPeer._publish_round_start(peer)  # type: ignore[arg-type]
-    assert peer.stored == [(not waits, {"round": 4, "inner_step": 0, "phase": "inner", "round_eta": 0.0})]
-    assert peer.waited == ([pytest.approx(1.0)] if waits else [])
+    assert peer.stored == [(True, {"round": 4, "inner_step": 0, "phase": "inner", "round_eta": 0.0})]
+    assert peer.waited == []
 
 
 def test_a_gossip_peer_never_waits_for_a_store() -> None:
