@@ -105,6 +105,19 @@ def test_a_clipped_exchange_is_no_new_start_for_the_drift():
     assert offences([(1.0, (0, 0)), (HARD + 5, (1, 10)), (1.0, (2, 11)), (HARD + 5, (3, 12))]) == [False] * 3 + [True]
 
 
+def test_a_second_clip_in_the_same_rounds_repeats_the_verdict_of_the_first():
+    """CI on 1d16960: a late-started honest peer, 5.3 τ away at rounds (8, 1), met twice there with the same gap (both
+    sides offered at once): the third clip of its run, not closer, was an offence, though nobody had trained since."""
+    late = [(HELD + 2.5, (7, 0)), (HELD + 1.5, (8, 1)), (HELD + 1.5, (8, 1)), (HELD + 1.0, (9, 2))]
+    assert offences(late) == [False] * 4
+    held = [(HELD + 1, (r, r)) for r in range(3)]  # a partner held apart still pays from its third round
+    assert offences(held + [(HELD + 1, (2, 2)), (HELD + 1, (3, 3))]) == [False, False, True, True, True]
+    # a gap grown in the same rounds is no repeat: judged anew (held apart: an offence from the third clip)
+    assert offences([(HELD + 1, (0, 0)), (HELD + 1, (1, 1)), (HELD + 2, (1, 1))]) == [False, False, True]
+    # beyond the hard radius, an unexcused run pays for every repeat too
+    assert offences([(HARD + 3, (0, 0)), (HARD + 3, (0, 0))]) == [True, True]
+
+
 def test_a_clip_before_we_have_a_yardstick_is_no_offence_and_leaves_no_record():
     """Our round 0 (no own step to measure τ by): a far partner is clipped, judged nothing, and the run of clips it
     would begin does not make the next, judged, clip an offence."""

@@ -28,6 +28,11 @@ cannot see) holds its distance or grows it, and moved each honest GASLoC peer by
 never penalised (real path, 1 of 4, 30 rounds: +6.4 % honest loss). So a run of clips beyond the held radius counts
 as above from its third clip on: the first FREE_HELD_CLIPS are free (an honest gap wavers by a few tenths of τ), each
 later one must be a new closest. Honest partners of six real-path runs were never clipped beyond 2.5 τ.
+
+A clip is evidence of closing in or not only once a side has trained since the run's latest clip: a second exchange
+in the same pair of rounds (both sides offered at once, or one did not commit) finds the gap as it was, and repeats
+that clip's verdict unless the gap grew. Counted anew, it made a late-started honest peer an offender (CI on
+1d16960: the same 5.3 τ gap at rounds (8, 1) twice, the third clip of its run).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ FREE_HELD_CLIPS = 2  # clips of a run within the hard radius excused without clo
 class _Run:
     closest: float
     excused: bool  # its first gap was explained by drift
+    latest: float  # the gap at its latest counted clip
+    rounds: tuple[int, int] | None  # (our round, its claimed round) there
+    verdict: bool  # whether that clip was excused
     clips: int = 1
 
 
@@ -71,21 +79,23 @@ class DriftExcuse:
         """Whether this exchange's clip is no offence: one within `held_radius` (at most `hard_radius`) never is
         one, and one within `hard_radius` only once its run outlasts FREE_HELD_CLIPS without closing in."""
         run = self._runs.pop(partner_id, None)
-        if gap <= hard_radius and (now := _both_rounds(rounds)) is not None:
+        now = _both_rounds(rounds)
+        if gap <= hard_radius and now is not None:
             _remember(self._rounds, partner_id, now, self.max_partners)  # in step, for the drift of a later run
         if gap <= min(held_radius, hard_radius):
             return True
         if run is None:
             drift = self.drift_rounds(partner_id, rounds)
-            run = _Run(gap, excused=gap <= hard_radius + drift * typical)
-            _remember(self._runs, partner_id, run, self.max_partners)
-            return run.excused
-        closing = gap <= run.closest - CLOSING_MARGIN * radius
-        run.closest, run.clips = min(run.closest, gap), run.clips + 1
+            excused = gap <= hard_radius + drift * typical
+            _remember(self._runs, partner_id, _Run(gap, excused, gap, now, excused), self.max_partners)
+            return excused
         _remember(self._runs, partner_id, run, self.max_partners)
-        if gap <= hard_radius and run.clips <= FREE_HELD_CLIPS:
-            return True
-        return run.excused and closing
+        if now is not None and now == run.rounds and gap <= run.latest + CLOSING_MARGIN * radius:
+            return run.verdict  # nobody trained since its latest clip: the same evidence again
+        closing = gap <= run.closest - CLOSING_MARGIN * radius
+        run.closest, run.clips, run.latest, run.rounds = min(run.closest, gap), run.clips + 1, gap, now
+        run.verdict = (gap <= hard_radius and run.clips <= FREE_HELD_CLIPS) or (run.excused and closing)
+        return run.verdict
 
 
 def _both_rounds(rounds: tuple[int, object] | None) -> tuple[int, int] | None:
