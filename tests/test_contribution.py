@@ -126,10 +126,14 @@ def value(length: float) -> list[torch.Tensor]:
 def test_the_driver_bans_a_free_rider_on_its_fourth_value_and_spares_an_honest_partner() -> None:
     drive, reputation = driver()
     rnd = SimpleNamespace(measures_link=True, own_work=OwnWork(OWN_NORM, OWN_TOKENS))
+    verdicts: dict[str, list[bool]] = {"rider": [], "honest": []}
     for round_ in range(4):
-        drive.judge_value(rnd, "rider", {"round": round_, "tokens": OWN_TOKENS},
-                          value(OWN_NORM * FREE_RIDER_SCALE * (1 + round_)))  # it moves: no replay
-        drive.judge_value(rnd, "honest", {"round": round_, "tokens": OWN_TOKENS}, value(OWN_NORM * (1 + round_)))
+        verdicts["rider"].append(drive.judge_value(rnd, "rider", {"round": round_, "tokens": OWN_TOKENS},
+                                                   value(OWN_NORM * FREE_RIDER_SCALE * (1 + round_))))  # no replay
+        verdicts["honest"].append(drive.judge_value(rnd, "honest", {"round": round_, "tokens": OWN_TOKENS},
+                                                    value(OWN_NORM * (1 + round_))))
+    # a value that showed no work is False: the policy's stand-in is applied for it (a gossip partner's: not mixed)
+    assert verdicts == {"rider": [True, False, False, False], "honest": [True] * 4}
     assert 3 * OFFENCES["idle"] >= 4.0 > 2 * OFFENCES["idle"]  # the default ban score: a third idle value bans
     assert reputation.is_banned("rider") and reputation.offences()["rider"] == {"idle": 3}
     assert "honest" not in reputation.offences()
@@ -141,7 +145,7 @@ def test_the_driver_judges_no_work_without_robust_or_where_values_are_not_outer_
         drive, reputation = driver(robust)
         rnd = SimpleNamespace(measures_link=True, own_work=own_work)
         for round_ in range(4):
-            drive.judge_value(rnd, "rider", {"round": round_}, value(1e-9 * (1 + round_)))
+            assert drive.judge_value(rnd, "rider", {"round": round_}, value(1e-9 * (1 + round_)))
         assert reputation.offences() == {} and drive.contributions.work() == {}
 
 
@@ -198,11 +202,12 @@ def test_a_work_sample_shown_again_for_a_later_round_is_a_replay_and_verifies_no
     drive, reputation = driver()
     rnd = SimpleNamespace(measures_link=True, own_work=OwnWork.of_sample(work_sample(gradient(1), "run"), OWN_TOKENS))
     stale = work_sample(gradient(5), "run")
+    shown = []
     for round_ in range(3):
         moved = [p + 0.01 * round_ for p in gradient(9)]
-        drive.judge_value(rnd, "stale", {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: stale}, moved)
+        shown.append(drive.judge_value(rnd, "stale", {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: stale}, moved))
         drive.judge_value(rnd, "still", {"round": round_, "tokens": OWN_TOKENS, WORK_KEY: [0.0] * STATE_SAMPLE},
                           moved)
-    assert reputation.offences()["stale"] == {"replayed": 1}
+    assert reputation.offences()["stale"] == {"replayed": 1} and shown == [True, True, False]
     assert drive.contributions.work()["stale"].tokens_verified == 2 * OWN_TOKENS  # rounds 0 and 1, not 2
     assert reputation.offences()["still"] == {"idle": 2}

@@ -36,8 +36,9 @@ from p2ptrain.sync.config import SyncConfig
 from p2ptrain.sync.exchange_driver import RoundClosed
 from p2ptrain.sync.factored import FactoredSync, GossipMix2
 from p2ptrain.sync.grad_gossip import GradGossip, Mix2Round
-from p2ptrain.sync.interface import ExchangeRecord, RoundContext, RoundSync
+from p2ptrain.sync.interface import HONEST, ExchangeRecord, RoundContext, RoundSync
 from p2ptrain.sync.refusals import Refusal
+from p2ptrain.testnet.adversary import Attack, HostileConduct
 from p2ptrain.timing import POLL_S
 
 RUN, FINGERPRINT = "mix2-test", "fp-1"
@@ -217,6 +218,39 @@ def test_error_feedback_commits_only_when_an_exchange_completed(monkeypatch: pyt
                                                                                      stats.exchanges]
     for got, want in zip(total([m for m, _ in mixed]), total(list(sent_by.values())), strict=True):
         assert torch.allclose(got, want, rtol=0, atol=1e-9)
+
+
+def test_a_free_riders_s_is_not_mixed_once_it_shows_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: a partner that trains nothing sends a ~zero s, which mixed at w = 1/2 halved ours every round until
+    its ban. Its first value is spared (a joiner's first round), as a partner's; from its second, idle, ours stands
+    in for it: our mix is our own s, and only the honest partner's s moves it."""
+    names = ("honest", "rider", "other")
+    free_rider = HostileConduct(Attack.parse("free_rider@0"))  # sends a millionth of its s
+    free_rider.follow(lambda: 0)
+    peers = {n: GradGossip(FakeP2P(n), RUN, FINGERPRINT, deltas(0), gossip_config(), seed=i,  # type: ignore[arg-type]
+                           conduct=free_rider if n == "rider" else HONEST) for i, n in enumerate(names)}
+    ids = {n: PeerID(n.encode()).to_base58() for n in names}
+    fake_network(monkeypatch, {ids[n]: g for n, g in peers.items()})
+    honest, rider = peers["honest"], peers["rider"]
+
+    async def one_round(round_: int, partners: dict[str, list[str]]) -> list[torch.Tensor]:
+        values = {n: deltas(20 * (1 + i) + round_) for i, n in enumerate(names)}
+        results = await asyncio.gather(*(peers[n].mix(values[n], [ids[p] for p in partners[n]], round_,
+                                                      patience_s=1.0) for n in partners))
+        return results[0][0]
+
+    pair = {"honest": ["rider"], "rider": ["honest"]}
+    first = asyncio.run(one_round(0, pair))
+    assert honest.current is not None and honest.current.done == [ids["rider"]]
+    assert not same(first, honest.current.sent)  # spared: mixed
+    for round_ in (1, 2):
+        mixed = asyncio.run(one_round(round_, pair))
+        assert honest.current is not None and honest.current.done == [ids["rider"]]
+        assert same(mixed, honest.current.sent), round_  # the rider's s stood in by ours: not mixed
+    assert honest.reputation.offences()[ids["rider"]] == {"idle": 2}
+    both = asyncio.run(one_round(3, {"honest": ["other"], "other": ["honest"], "rider": []}))
+    assert honest.current is not None and not same(both, honest.current.sent)  # a working partner still mixes
+    assert ids["other"] not in honest.reputation.offences() and rider.current is not None
 
 
 @pytest.mark.parametrize("gap", [0, 2])

@@ -16,6 +16,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -365,6 +366,17 @@ def test_after_its_round_jumps_a_mixer_clips_far_partners_but_penalises_them_onl
     assert JUMP_GRACE_ROUNDS == 2 and counts == [1, 1, 1, 2]
     # a penalised value is not mixed at all; in the grace it is mixed, clipped to τ
     assert moves[0] == moves[3] == 0 and min(moves[1:3]) > 0, moves
+
+
+def test_a_gasloc_value_that_showed_no_work_is_not_mixed() -> None:
+    """A partner whose header's work sample is idle (or replayed): our own value stands in for its parameters, as
+    for a hard clip (the driver applies `stand_in` for a value `judge_value` found no work in), so mixing moves
+    nothing; the grad-gossip test runs the driver's path (test_grad_gossip.py)."""
+    gossip = ParamGossip(None, RUN, FINGERPRINT, "gasloc", reference(), config(), seed=0)  # type: ignore[arg-type]
+    own = plus(reference(), random_direction(3, STEP))
+    rnd = SimpleNamespace(sent=own)
+    stood_in = gossip.stand_in(rnd, "rider", plus(reference(), random_direction(4, STEP)))  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(stood_in, own, strict=True))
 
 
 def test_offers_beyond_the_token_bucket_are_refused_until_it_refills() -> None:

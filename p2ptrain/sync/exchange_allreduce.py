@@ -504,6 +504,11 @@ class ExchangeAllReduce:
         """A member's value as it came: CenteredClip over all inputs bounds it (`_reduce`)."""
         return theirs
 
+    def stand_in(self, rnd: GatherRound, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A member's value as it came, work or none: every member must reduce the same inputs, and the reduce
+        leaves an idle one out of the mean (`_reduce`)."""
+        return theirs
+
     def outgoing(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
         """What we send for our s, as the peer's conduct forms it: the s every member receives (once a round)."""
         return self.conduct.sent_outer_gradient(sent)

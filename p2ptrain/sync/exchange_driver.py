@@ -244,6 +244,10 @@ class ExchangePolicy(Protocol):
         """What we apply in place of the partner's decoded value (`header`: its claims, for an excuse)."""
         ...
 
+    def stand_in(self, rnd: Any, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we apply in place of a value that showed no work (idle or replayed: `ExchangeDriver.judge_value`)."""
+        ...
+
     def note_partner(self, rnd: Any, partner: str, header: dict[str, Any]) -> None:
         """A partner's header, once its payload passed the checks (unverified claims)."""
         ...
@@ -282,8 +286,10 @@ class Incoming:
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         policy = self.driver.policy
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
-        self.driver.judge_value(self.rnd, self.sender, partner_header, theirs)
-        theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
+        if self.driver.judge_value(self.rnd, self.sender, partner_header, theirs):
+            theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
+        else:
+            theirs = policy.stand_in(self.rnd, self.sender, theirs)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
         self.driver.failed_partners.reached_(self.sender)  # its whole payload reached us: it is not cut off
@@ -332,14 +338,16 @@ class ExchangeDriver:
         self._current: Any = None
 
     def judge_value(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
-                    theirs: Sequence[torch.Tensor]) -> None:
+                    theirs: Sequence[torch.Tensor]) -> bool:
         """With `sync.robust`: a value the partner sent, bit for bit, for an earlier round it claimed is an offence
         (`replay_check`); an outer gradient far shorter than ours (for parameters, the sample of one its header shows)
         is one too, and otherwise verifies the tokens the partner claims for it (`contribution`). A stage whose
-        payload is a token (an all-reduce's confirmation: the digest is in the header) is not judged. The value is
-        still mixed, clipped, this once: an all-reduce's members must all reduce the same inputs."""
+        payload is a token (an all-reduce's confirmation: the digest is in the header) is not judged. False: the
+        value showed no work, and the policy's `stand_in` is applied for it: a gossip partner's is not mixed, an
+        all-reduce member's is reduced as it came (every member must reduce the same inputs; the reduce leaves an
+        idle one out)."""
         if not self.config.robust or not rnd.measures_link:
-            return
+            return True
         claimed_round = header.get("round")
         replayed = self.replays.repeats(partner, claimed_round, theirs)
         if replayed:
@@ -347,7 +355,7 @@ class ExchangeDriver:
                                                           f"sent for an earlier round, bit for bit")
         own = rnd.own_work
         if own is None or type(claimed_round) is not int:
-            return
+            return not replayed
         if own.sample is None:
             theirs_norm = norm(theirs)
         else:  # parameters: the sample of an outer gradient the header shows (none valid: no work shown)
@@ -359,6 +367,8 @@ class ExchangeDriver:
             shown = "outer gradient" if own.sample is None else "outer gradient's sample"
             self.reputation.penalise(partner, "idle", f"its {shown} for round {claimed_round} is "
                                                       f"{theirs_norm:.3g} long, ours {own.norm:.3g}: no training")
+            return False
+        return not replayed
 
     def _replays_work_sample(self, partner: str, claimed_round: int, sample: list[float] | None) -> bool:
         """Whether the work sample a partner's header shows is, bit for bit, one it showed for an earlier round (an
@@ -522,8 +532,10 @@ class ExchangeDriver:
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
-            self.judge_value(rnd, partner, answer, theirs)
-            theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
+            if self.judge_value(rnd, partner, answer, theirs):
+                theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
+            else:
+                theirs = self.policy.stand_in(rnd, partner, theirs)
             self.policy.note_partner(rnd, partner, answer)
             return lambda: rnd.apply_(partner, theirs, outgoing=True, weight=weight)
 

@@ -223,6 +223,10 @@ class GradGossip:
             return [s.clone() for s in rnd.sent]
         return clipped
 
+    def stand_in(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Our own s for a partner's that showed no work: mixing a free rider's ~zero Δ would shrink ours."""
+        return [s.clone() for s in rnd.sent]
+
     # ---- outer state ----------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"error_feedback:{i}", e) for i, e in enumerate(self.feedback.residual)]

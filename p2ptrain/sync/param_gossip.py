@@ -293,6 +293,11 @@ class ParamGossip:
                      header: dict[str, Any]) -> list[torch.Tensor]:
         return self.clip_value(partner, theirs, rnd.sent, header.get("round"))
 
+    def stand_in(self, rnd: ParamOffer | ParamAnswers, partner: str,
+                 theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Our own value for a partner's that showed no work (a free rider's, one that replays): not mixed."""
+        return [o.clone() for o in rnd.sent]
+
     def note_partner(self, rnd: ParamOffer | ParamAnswers, partner: str, header: dict[str, Any]) -> None:
         """Nothing of a partner's header is kept (its round claim only excuses drift, `clip_value`; its work sample
         and tokens are judged by the driver)."""
