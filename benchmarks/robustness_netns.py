@@ -26,6 +26,7 @@ the noise against which a gap of a few per cent reads.
     sudo python benchmarks/robustness_netns.py                            # 4 peers, 1 attacker, 30 rounds
     sudo python benchmarks/robustness_netns.py --peers 8 --attackers 2
     sudo python benchmarks/robustness_netns.py --modes gasloc --classes aimed,replay --rounds 10
+    sudo python benchmarks/robustness_netns.py --modes factored-gossip --classes free_rider  # Mix2 by gossip
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ from p2ptrain.testnet.netns_run import NetnsTestnetOptions, run_netns_testnet  #
 from p2ptrain.testnet.report import alone_fraction, averaged_alone  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# mode → its sync settings; the default run takes MODES, `--modes factored-gossip` the Factored mode whose Mix2 is
+# outer-gradient gossip (what a free rider's near-zero Δ shrinks, pairwise)
+MODE_SYNC: dict[str, dict[str, Any]] = {"gasloc": {"mode": "gasloc", "gossip_peers": 2}, "diloco": {"mode": "diloco"},
+                                        "factored-gossip": {"mode": "factored", "mix2_transport": "gossip"}}
 MODES = ("gasloc", "diloco")
 LIES = ("aimed", "push", "replay", "noisy_replay", "sign_flip", "scale", "free_rider")
 CLASSES = (*LIES, "slow")
@@ -61,7 +66,7 @@ OFF = {"sync": {"robust": False}, "reputation": {"ban_score": 1e9}}
 def scenario(mode: str, kind: str | None, defended: bool, peers: int, attackers: int, rounds: int,
              fast_mbit: float) -> dict[str, Any]:
     """The testnet scenario of one row (`kind` None: the clean run)."""
-    sync: dict[str, Any] = {"mode": mode} | ({"gossip_peers": 2} if mode == "gasloc" else {})
+    sync: dict[str, Any] = dict(MODE_SYNC[mode])
     config: dict[str, Any] = {
         "model": {"name": "tiny", "max_seq_len": 64},
         "data": {"seq_len": 64, "batch_size": 4, "max_corpus_bytes": 2_000_000, "num_shards": 8, "val_batches": 8},
@@ -190,7 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attackers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--fast-mbit", type=float, default=50.0, help="every link's rate but the slow members'")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODE_SYNC)}")
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"of {', '.join(CLASSES)} (none: the clean "
                                                                      "rows alone)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each row, averaged (the clean rows' spread "
@@ -200,7 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", default=None, help="JSON path (default: benchmarks/results/robustness_netns"
                                                        "[_PEERSpATTACKERS].json, and .md beside it)")
     args = parser.parse_args(argv)
-    unknown = (set(args.modes.split(",")) - set(MODES)) | (set(args.classes.split(",")) - {*CLASSES, "none"})
+    unknown = (set(args.modes.split(",")) - set(MODE_SYNC)) | (set(args.classes.split(",")) - {*CLASSES, "none"})
     if unknown:
         parser.error(f"unknown mode or class: {', '.join(sorted(unknown))}")
     if not 1 <= args.attackers < args.peers / 2 or args.rounds <= ATTACK_FROM_ROUND or args.repeats < 1:

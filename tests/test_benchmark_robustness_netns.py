@@ -18,10 +18,12 @@ from p2ptrain.testnet.scenario import parse_scenario  # noqa: E402
 
 @pytest.mark.parametrize("kind", [None, *bench.CLASSES])
 @pytest.mark.parametrize("defended", [True, False])
-def test_each_rows_scenario_parses_and_its_attackers_are_the_peers_judged_out(kind: str | None,
-                                                                             defended: bool) -> None:
-    document = bench.scenario("diloco", kind, defended, peers=8, attackers=2, rounds=30, fast_mbit=50)
+@pytest.mark.parametrize("mode", list(bench.MODE_SYNC))
+def test_each_rows_scenario_parses_and_its_attackers_are_the_peers_judged_out(kind: str | None, defended: bool,
+                                                                             mode: str) -> None:
+    document = bench.scenario(mode, kind, defended, peers=8, attackers=2, rounds=30, fast_mbit=50)
     plan = plan_run(parse_scenario(document))
+    assert plan.peer_config["sync"]["mode"] == mode.split("-")[0]
     assert document["peers"] == (6 if kind is None else 8), "the clean run: the honest peers alone"
     judged_out = bench.outsiders(kind, 8, 2)
     assert set(plan.adversaries) == (judged_out if kind in bench.LIES else set())
