@@ -167,7 +167,7 @@ class JoiningPeer(Protocol):
 
     def swarm(self) -> SwarmView: ...
 
-    def announce(self, wait: bool = True, **fields: object) -> None: ...
+    def announce(self, wait: bool = False, **fields: object) -> None: ...
 
 
 class Joiner:
@@ -388,7 +388,7 @@ class Joiner:
         logger.info(f"round {round_} is about to sync: joining at its next round")
         # Waiting, we are no donor and no member of anyone's round: a peer waiting on us would wait in vain (two
         # peers each waiting for the other's next round would stall until stopped)
-        self.peer.announce(phase="joining")
+        self.peer.announce(wait=True, phase="joining")
         give_up_at = time.monotonic() + self.config.allreduce_timeout_s
         while time.monotonic() < give_up_at and not self.peer.stop_event.wait(0.2):
             later = read_again()

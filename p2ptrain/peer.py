@@ -248,10 +248,10 @@ class TrainingPeer:
             return view
         return self.swarm()
 
-    def announce(self, wait: bool = True, **fields: object) -> None:
-        """Publish a change of round or phase at once: waiting for the DHT where peers sync by all-reduce and
-        `wait` (a joiner's phase), in the background otherwise. The wait is bounded by the heartbeat: a store
-        waiting on a silent node must not hold the round."""
+    def announce(self, wait: bool = False, **fields: object) -> None:
+        """Publish a change of round or phase at once: in the background, or, with `wait` (a joiner's phase) where
+        peers sync by all-reduce, waiting for the DHT. The wait is bounded by the heartbeat: a store waiting on a
+        silent node must not hold the round."""
         waits = wait and self.sync.needs_current_swarm
         self.announcer.update(publish=not waits, **fields)
         if waits:
@@ -268,7 +268,7 @@ class TrainingPeer:
             if self.state.round == 0 and not self.state.joined_ever:  # launched with others: begin with them
                 wait_for_peers(self.swarm, self.config.run, self.stop_event, self.config.network.heartbeat_s,
                                in_round_0=self._publish_round_start,
-                               propose=lambda at: self.announce(wait=False, starts_at=at))  # (swarm_start.py)
+                               propose=lambda at: self.announce(starts_at=at))  # (swarm_start.py)
             while not self.stop_event.is_set() and (self.end_round is None or self.state.round < self.end_round):
                 metrics = self.run_round(bar)
                 if metrics is None:
@@ -361,7 +361,7 @@ class TrainingPeer:
         """Say we sync, read the swarm and combine with its peers (sync/): the parameters end at the next anchor."""
         # in the background: an all-reduce expects the peers of its round and those a round behind, so a member's
         # round is seen in time without a wait; "sync" tells joiners and ETAs, which read it a moment later anyway
-        self.announce(wait=False, phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss)
+        self.announce(phase="sync", inner_step=phase.steps, train_loss=phase.mean_loss)
         sync_started = time.monotonic()
         view = self.swarm()
         self._sync_view = (time.monotonic(), view)
@@ -487,7 +487,7 @@ class TrainingPeer:
         self._snapshot = StateSnapshot.capture(dict(round=round_, fingerprint=self.fingerprint,
                                                     run_id=self.config.run.run_id),
                                                self.conduct.served_state(self.state.named_tensors()))
-        self.announce(wait=False, round=round_, inner_step=0, phase="inner", round_eta=eta)  # as "sync" (`_sync`)
+        self.announce(round=round_, inner_step=0, phase="inner", round_eta=eta)  # as "sync" (`_sync`)
 
     def _inner_deadline(self, view: SwarmView) -> float:
         """End the inner phase when the latest peer already in this round expects to end it (monotonic time);

@@ -306,7 +306,7 @@ def test_a_joiner_waiting_says_so_and_stops_when_its_donors_wait_themselves():
     started = time.monotonic()
     choice = joiner.round_to_join(joiner.choose(SwarmView("me", syncing)))
     assert choice.donors == [] and time.monotonic() - started < 5 and reads[0] == 2
-    assert joiner.peer.announced == [{"phase": "joining"}]
+    assert joiner.peer.announced == [{"wait": True, "phase": "joining"}]  # stored and waited for
 
 
 def test_a_fresh_joiner_whose_peers_ahead_leave_no_round_to_join_takes_their_state_a_round_late():

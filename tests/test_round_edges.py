@@ -42,10 +42,10 @@ def test_a_round_starts_from_the_sync_view_only_when_fresh(overlap: str, read_ag
     assert (view, peer.reads) == (("view at sync", 0) if reused else ("view read now", 1))
 
 
-def test_an_all_reduce_peer_waits_for_its_store_unless_told_not_to() -> None:
+def test_an_all_reduce_peer_waits_for_its_store_only_when_told_to() -> None:
     peer = _peer("delayed", None)
-    TrainingPeer.announce(peer, phase="joining")  # type: ignore[arg-type]
-    TrainingPeer.announce(peer, wait=False, phase="sync")  # type: ignore[arg-type]
+    TrainingPeer.announce(peer, wait=True, phase="joining")  # type: ignore[arg-type]
+    TrainingPeer.announce(peer, phase="sync")  # type: ignore[arg-type]
     # a joiner's phase: stored now and waited for; "sync": stored in the background (publish=True), no wait
     assert peer.stored == [(False, {"phase": "joining"}), (True, {"phase": "sync"})]
     assert peer.waited == [pytest.approx(1.0)]
