@@ -286,10 +286,7 @@ class Incoming:
     def validate(self, partner_header: dict[str, Any], partner_payload: Payload) -> Apply:
         policy = self.driver.policy
         theirs = policy.decode_partner(self.rnd, partner_header, partner_payload)
-        if self.driver.judge_value(self.rnd, self.sender, partner_header, theirs):
-            theirs = policy.clip_partner(self.rnd, self.sender, theirs, partner_header)
-        else:
-            theirs = policy.stand_in(self.rnd, self.sender, theirs)
+        theirs = self.driver.value_to_apply(self.rnd, self.sender, partner_header, theirs)
         policy.note_partner(self.rnd, self.sender, partner_header)
         self.rnd.slots.offered_bytes[self.sender] = payload_bytes(partner_payload)
         self.driver.failed_partners.reached_(self.sender)  # its whole payload reached us: it is not cut off
@@ -336,6 +333,14 @@ class ExchangeDriver:
         self.contributions = contributions if contributions is not None else Contributions()
         self.offer_limit, self.holds_offers = offer_limit, holds_offers
         self._current: Any = None
+
+    def value_to_apply(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
+                       theirs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we apply for a partner's decoded value, either end of an exchange: the policy's `clip_partner` of
+        it, or its `stand_in` where the value showed no work (`judge_value`)."""
+        if self.judge_value(rnd, partner, header, theirs):
+            return self.policy.clip_partner(rnd, partner, theirs, header)
+        return self.policy.stand_in(rnd, partner, theirs)
 
     def judge_value(self, rnd: AnsweringRound | OfferingRound, partner: str, header: dict[str, Any],
                     theirs: Sequence[torch.Tensor]) -> bool:
@@ -532,10 +537,7 @@ class ExchangeDriver:
             except ValueError as e:
                 self.reputation.penalise(partner, "invalid_payload", str(e))
                 raise
-            if self.judge_value(rnd, partner, answer, theirs):
-                theirs = self.policy.clip_partner(rnd, partner, theirs, answer)
-            else:
-                theirs = self.policy.stand_in(rnd, partner, theirs)
+            theirs = self.value_to_apply(rnd, partner, answer, theirs)
             self.policy.note_partner(rnd, partner, answer)
             return lambda: rnd.apply_(partner, theirs, outgoing=True, weight=weight)
 
