@@ -1493,6 +1493,9 @@ SILENT_DONORS, SILENT_ROUND = 4, 10_000
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
+# its 4 s chunk deadlines and the 1 s read of the joiner's connections (a donor's host) are what load beside it
+# breaks: in 2 of 6 CI runs it tried two silent identities, or none of its tries ended in a state (alone: 6 of 6)
+@pytest.mark.alone
 def test_a_joiner_tries_one_silent_donor_of_a_host_then_an_honest_one():
     """Issue 31: identities are free and addresses are not. 4 identities on one address (127.0.0.2) announce a round
     far ahead and a 1 Gbit/s link, which puts them first among a fresh joiner's donors (and, their round the quorum,
