@@ -220,11 +220,12 @@ class GradGossip:
         if hard and rnd.own_scale > 0:
             self.reputation.penalise(partner, "clipped", f"outer gradient {gap:.3g} from ours, ‖ours‖ "
                                                          f"{rnd.own_scale:.3g}")
-            return [s.clone() for s in rnd.sent]
+            return self.stand_in(rnd, partner, theirs)
         return clipped
 
     def stand_in(self, rnd: Mix2Round, partner: str, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Our own s for a partner's that showed no work: mixing a free rider's ~zero Δ would shrink ours."""
+        """Our own s in place of a partner's we do not mix (it showed no work, or was clipped hard): a free rider's
+        ~zero Δ would shrink ours."""
         return [s.clone() for s in rnd.sent]
 
     # ---- outer state ----------------------------------------------------------------------------------------------
